@@ -1,0 +1,39 @@
+# Two commands on a fresh machine:  make demo  and  make test  (both run `make setup` first).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-unit test-integration lint format clean
+
+setup: $(STAMP)
+
+# Idempotent: reinstalls only when the dependency spec or the lock file changed.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/unbroken run configs/demo.yaml
+
+test: setup
+	$(VENV)/bin/pytest
+
+test-unit: setup
+	$(VENV)/bin/pytest tests/unit
+
+test-integration: setup
+	$(VENV)/bin/pytest tests/integration
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf .unbroken

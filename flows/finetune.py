@@ -1,0 +1,51 @@
+"""The finetune flow: prepare model -> stage -> provision -> prefetch -> submit -> watch -> summarize.
+
+Orchestration only; each stage is a task in ``tasks/``. The config is validated before any task runs, so a bad
+config fails here without touching storage or a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from ray_jobs.config import Config, load_config
+from tasks import registry
+from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
+from tasks.jobs import prefetch_shards, submit_job, watch_job, write_job_spec
+from tasks.model import prepare_base_model
+from tasks.report import summarize
+from tasks.stage import Staged, stage_dataset
+
+
+@flow(name="finetune")
+async def finetune(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Fine-tune a causal LM on Ray Train from a YAML config (plus ``a.b=c`` overrides); returns the summary."""
+    cfg = load_config(config_path, overrides or [])
+    model_path = prepare_base_model(cfg)
+    staged = stage_dataset(cfg, model_path)
+    handle = provision_cluster(cfg)
+    try:
+        return await _train(cfg, handle, staged, model_path)
+    finally:
+        if cfg.cluster.keep_running:
+            get_run_logger().info("leaving the Ray cluster running (cluster.keep_running): %s", handle.dashboard_url)
+        else:
+            stop_cluster(handle)
+
+
+async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path: str) -> dict[str, Any]:
+    """One attempt: preflight, submit, watch, summarize; the registry records how it ended, whatever happens."""
+    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id)
+    try:
+        spec_url = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from=None)
+        await prefetch_shards(handle, registry.submission_id(cfg.name, attempt, "preflight"), spec_url)
+        submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
+        await watch_job(handle, submission, cfg)
+        summary = summarize(cfg, staged.dataset_id)
+    except BaseException as e:
+        registry.end_attempt(cfg, attempt, "FAILED", f"{type(e).__name__}: {e}")
+        raise
+    registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=summary["final_model"])
+    return summary

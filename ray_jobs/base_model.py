@@ -1,0 +1,109 @@
+"""Base models: the built-in tiny Llama (no network) and loading any HF model/tokenizer folder or hub id.
+
+The built-in model is a Llama-architecture causal LM built from ``model.tiny`` with seeded init, and a
+character-level tokenizer trained locally with HF ``tokenizers`` on printable ASCII. Both are saved as a
+normal ``save_pretrained`` folder, so everything downstream takes the same code path as a real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+import tempfile
+from pathlib import Path
+
+from ray_jobs.config import BUILTIN_PREFIX, ModelConfig
+from ray_jobs.storage import download_dir, is_local
+
+# Bump when the builtin recipe changes, so a new recipe never reuses an old folder on storage.
+_BUILTIN_RECIPE = 1
+_ALPHABET = string.printable  # digits, letters, punctuation, whitespace: what the sample tasks use
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def is_builtin(model: ModelConfig) -> bool:
+    return model.name_or_path.startswith(BUILTIN_PREFIX)
+
+
+def builtin_name(model: ModelConfig, seed: int) -> str:
+    """Folder name for a built-in model: its recipe, shape and seed, hashed."""
+    spec = json.dumps(
+        {"recipe": _BUILTIN_RECIPE, "name": model.name_or_path, "tiny": model.tiny.model_dump(), "seed": seed},
+        sort_keys=True,
+    )
+    short = model.name_or_path[len(BUILTIN_PREFIX) :]
+    return f"{short}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
+
+
+def train_char_tokenizer():
+    """A character-level tokenizer trained on printable ASCII; unknown characters map to ``<unk>``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS.values()), min_frequency=1)
+    tok.train_from_iterator([_ALPHABET], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def build_builtin(model: ModelConfig, seed: int, out_dir: str | Path) -> Path:
+    """Build the tiny Llama and its tokenizer into ``out_dir`` (a save_pretrained folder)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = train_char_tokenizer()
+    t = model.tiny
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    lm = LlamaForCausalLM(config)
+    out = Path(out_dir)
+    lm.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # Written last: its presence on storage marks a complete folder.
+    (out / "README.md").write_text(
+        f"# unbroken built-in {model.name_or_path}\n\nRandomly initialised (seed {seed}) Llama-architecture model "
+        f"with a character-level tokenizer trained on printable ASCII.\n\n"
+        f"```json\n{json.dumps(model.tiny.model_dump(), indent=2)}\n```\n"
+    )
+    return out
+
+
+def local_folder(name_or_path: str, cache_root: str | Path) -> str:
+    """Return something ``from_pretrained`` can open: a local folder, a hub id, or a storage folder copied locally."""
+    if is_local(name_or_path) or not _looks_like_url(name_or_path):
+        return name_or_path.removeprefix("file://")
+    digest = hashlib.sha256(name_or_path.encode()).hexdigest()[:16]
+    return str(download_dir(name_or_path, Path(cache_root) / "models" / digest))
+
+
+def _looks_like_url(s: str) -> bool:
+    return "://" in s
+
+
+def load_tokenizer(name_or_path: str, cache_root: str | Path | None = None):
+    from transformers import AutoTokenizer
+
+    root = cache_root or tempfile.gettempdir()
+    return AutoTokenizer.from_pretrained(local_folder(name_or_path, root))
+
+
+def load_model(name_or_path: str, cache_root: str | Path | None = None, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    root = cache_root or tempfile.gettempdir()
+    return AutoModelForCausalLM.from_pretrained(local_folder(name_or_path, root), **kwargs)

@@ -1,0 +1,296 @@
+"""The one typed config tree for a run: YAML on disk, ``--set a.b=c`` overrides, validated once.
+
+Lives in ``ray_jobs`` because the Ray job needs it and Prefect is not installed on workers; flows and tasks
+import it from here. Every problem in a config is reported in one :class:`ConfigError` naming each field, and
+loading never touches storage or a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-llama",)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message lists every bad field, one per line."""
+
+    def __init__(self, problems: list[str], source: str = "config"):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid {source} ({len(problems)} problem(s)):\n{lines}")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class DataConfig(_Section):
+    train: str
+    """Training source: a JSONL file or a folder of them, as a local path or any fsspec URL (``s3://...``)."""
+    eval: str | None = None
+    """Optional separate eval source; when empty, ``eval_fraction`` of ``train`` is held out by record hash."""
+    input_field: str = "input"
+    """Record field holding the prompt; its tokens are masked from the loss."""
+    target_field: str = "target"
+    """Record field holding the completion the model learns to produce."""
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    """Share of records held out for eval (chosen by record hash, so adding records never reshuffles)."""
+    seq_len: int = Field(256, ge=8)
+    """Length in tokens of each packed training sequence."""
+    max_record_chars: int = Field(100_000, ge=1)
+    """A record whose input plus target is longer than this is rejected."""
+    max_reject_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of bad records tolerated (they go to rejects.jsonl); above it staging fails. 0 = any reject fails."""
+    shard_mb: float = Field(256.0, gt=0)
+    """Target size of one Parquet shard on storage, in MB."""
+    min_shards: int = Field(8, ge=1)
+    """Write at least this many train shards, so up to this many ranks each read shards of their own."""
+    cache_dir: str = "/tmp/unbroken/cache"
+    """Node-local folder where each node keeps the shards its ranks read (the same path on every node)."""
+
+
+class TinyModelConfig(_Section):
+    hidden_size: int = Field(64, ge=8)
+    """Width of the built-in tiny Llama."""
+    num_layers: int = Field(2, ge=1)
+    """Decoder layers of the built-in tiny Llama."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads of the built-in tiny Llama (must divide hidden_size)."""
+    intermediate_size: int = Field(256, ge=8)
+    """MLP width of the built-in tiny Llama."""
+    max_position_embeddings: int = Field(1024, ge=8)
+    """Longest sequence the built-in tiny Llama accepts, in tokens."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        return self
+
+
+class ModelConfig(_Section):
+    name_or_path: str = "builtin:tiny-llama"
+    """Base model: a Hugging Face hub id, a local/fsspec folder saved with save_pretrained, or
+    ``builtin:tiny-llama`` (a tiny Llama built from ``model.tiny`` with a locally trained tokenizer; no network)."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Shape of the built-in tiny model; ignored for any other ``name_or_path``."""
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _known_builtin(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX) :] not in BUILTIN_MODELS:
+            raise ValueError(f"unknown built-in model {v!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+        return v
+
+
+class TrainConfig(_Section):
+    seed: int = 0
+    """Seed for model init, data order and every RNG; same seed + same world size = same weights."""
+    max_steps: int = Field(200, ge=1)
+    """Optimizer steps to train for."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Packed sequences per worker per forward pass."""
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak AdamW learning rate."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """Decay after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from 0 to ``lr``."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    eval_every_steps: int = Field(50, ge=1)
+    """Run eval every N steps (and always at step 0 and at the end)."""
+    eval_max_batches: int = Field(0, ge=0)
+    """Cap on eval micro-batches per worker; 0 = the whole eval split."""
+    log_every_steps: int = Field(10, ge=1)
+    """Write a metrics.jsonl line every N steps."""
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(100, ge=1)
+    """Checkpoint every N optimizer steps (and always after the last step)."""
+    num_to_keep: int = Field(3, ge=1)
+    """Keep this many newest checkpoints (Ray Train's CheckpointConfig)."""
+
+
+class ClusterConfig(_Section):
+    address: str = ""
+    """Ray Jobs API address of an existing cluster (``http://head:8265``); empty = start a local head."""
+    num_workers: int = Field(2, ge=1)
+    """Ray Train workers (ranks)."""
+    use_gpu: bool = False
+    """One GPU per worker, NCCL backend; false = CPU workers with gloo."""
+    cpus_per_worker: float = Field(1.0, gt=0)
+    """CPUs reserved per worker."""
+    head_port: int = Field(6379, ge=1, le=65535)
+    """GCS port of a local head started by unbroken."""
+    dashboard_port: int = Field(8265, ge=1, le=65535)
+    """Dashboard / Jobs API port of a local head started by unbroken (bound to 127.0.0.1)."""
+    keep_running: bool = False
+    """Leave a local head that unbroken started running after the flow ends."""
+
+    @field_validator("address")
+    @classmethod
+    def _http_address(cls, v: str) -> str:
+        v = v.strip()
+        if v and not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"must be the Jobs API URL, like http://head-node:8265 (got {v!r})")
+        return v.rstrip("/")
+
+
+class FaultToleranceConfig(_Section):
+    max_failures: int = Field(2, ge=-1)
+    """Worker-group restarts Ray Train does inside one job (FailureConfig); -1 = unlimited."""
+    max_restarts: int = Field(3, ge=0)
+    """Job resubmissions the watchdog may do for one run."""
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """A running job whose heartbeat is older than this is treated as hung."""
+
+
+class Config(_Section):
+    name: str
+    """Run name: names the run folder, the Ray Train run and the Ray job submissions."""
+    storage: str
+    """Shared storage root, any fsspec URL: a local/NFS path or ``s3://bucket/prefix``."""
+    data: DataConfig
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
+            raise ValueError("must be 1-63 lowercase letters, digits or '-', starting with a letter or digit")
+        return v
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_url(cls, v: str) -> str:
+        return _check_url(v)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        builtin = self.model.name_or_path.startswith(BUILTIN_PREFIX)
+        if builtin and self.data.seq_len > self.model.tiny.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.tiny.max_position_embeddings "
+                f"({self.model.tiny.max_position_embeddings})"
+            )
+        return self
+
+
+def _check_url(v: str) -> str:
+    import fsspec  # light; only its registry is read
+
+    v = v.strip()
+    if not v:
+        raise ValueError("must not be empty")
+    if "://" in v:
+        protocol = v.split("://", 1)[0]
+        if protocol not in fsspec.registry and protocol not in fsspec.available_protocols():
+            raise ValueError(f"unknown storage protocol {protocol!r}")
+    return v
+
+
+def _absolute(url: str | None) -> str | None:
+    """Local relative paths become absolute (the job runs elsewhere); URLs are left alone."""
+    if not url or "://" in url:
+        return url
+    return str(Path(os.path.expanduser(url)).resolve())
+
+
+def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``["a.b=1", "c=x"]`` -> nested dict, with YAML typing of values; returns (tree, problems)."""
+    tree: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"--set {item!r}: expected KEY=VALUE, like train.max_steps=100")
+            continue
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                problems.append(f"--set {item!r}: {part} is not a section")
+                break
+        else:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return tree, problems
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError([f"cannot read config file: {e}"], str(path)) from e
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError([f"{where}: not valid YAML: {getattr(e, 'problem', e)}"], str(path)) from e
+    if not isinstance(data, dict):
+        raise ConfigError(["top level must be a mapping of sections"], str(path))
+    return data
+
+
+def _field_name(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    """Validate a raw tree; every problem is collected into one ConfigError."""
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(f"{_field_name(err['loc'])}: {msg.removeprefix('Value error, ')}")
+        raise ConfigError(problems, source) from None
+    cfg.storage = _absolute(cfg.storage)
+    cfg.data.train = _absolute(cfg.data.train)
+    cfg.data.eval = _absolute(cfg.data.eval)
+    if not cfg.model.name_or_path.startswith(BUILTIN_PREFIX) and Path(cfg.model.name_or_path).exists():
+        cfg.model.name_or_path = _absolute(cfg.model.name_or_path)
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (optional), apply ``--set`` overrides, validate; raises ConfigError naming every bad field."""
+    raw = _read_yaml(path) if path is not None else {}
+    tree, problems = parse_overrides(overrides or [])
+    if problems:
+        raise ConfigError(problems, str(path or "overrides"))
+    return validate(_merge(raw, tree), str(path or "config"))
+
+
+def from_json(text: str) -> Config:
+    """The inverse of ``Config.model_dump_json()``: how the Ray job receives its config."""
+    return Config.model_validate_json(text)

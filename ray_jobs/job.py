@@ -1,0 +1,73 @@
+"""Ray Jobs entrypoint for training: ``python -m ray_jobs.job --spec <url of job spec json>``.
+
+The job spec (written by the flow's submit task) holds the validated config, the dataset manifest URL, the base
+model folder and optionally an explicit checkpoint to resume from. The same ``RunConfig(name, storage_path)`` on
+every attempt lets Ray Train V2 pick up its own checkpoint bookkeeping when a job is resubmitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ray_jobs.config import Config, from_json
+from ray_jobs.storage import Layout, pyarrow_filesystem, read_json, strip_protocol
+
+log = logging.getLogger("unbroken.job")
+
+
+def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str | None):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from ray_jobs.trainer import train_loop_per_worker
+
+    storage = Layout(cfg.storage).ray_storage()
+    fs = pyarrow_filesystem(storage)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "config": cfg.model_dump_json(),
+            "manifest": manifest,
+            "model_path": model_path,
+            "resume_from": resume_from,
+        },
+        torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.cluster.num_workers,
+            use_gpu=cfg.cluster.use_gpu,
+            resources_per_worker={"CPU": cfg.cluster.cpus_per_worker},
+        ),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=strip_protocol(storage) if fs is not None else storage,
+            storage_filesystem=fs,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ray_jobs.job")
+    parser.add_argument("--spec", required=True, help="URL of the job spec JSON written by the submit task")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    spec = read_json(args.spec)
+    cfg = from_json(json.dumps(spec["config"]))
+    manifest = read_json(spec["manifest_url"])
+    trainer = build_trainer(cfg, manifest, spec["model_path"], spec.get("resume_from"))
+    try:
+        result = trainer.fit()
+    except Exception as e:  # Ray wraps worker errors; print the cause plainly for the watcher
+        log.error("training failed: %s", e)
+        return 1
+    ckpt = result.checkpoint.path if result.checkpoint else None
+    print("UNBROKEN_RESULT " + json.dumps({"metrics": result.metrics, "checkpoint": ckpt}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Ray Jobs entrypoint run before training: ``python -m ray_jobs.preflight --spec <url>``.
+
+1. Checks the cluster has what the training job needs (CPUs, GPUs for ``cluster.num_workers`` workers), so a
+   job that could never be scheduled fails now with a clear message instead of pending forever.
+2. Warms the node-local shard cache: on every alive node a node-affinity Ray task copies the dataset's shards
+   into ``data.cache_dir`` and verifies each checksum. Workers then read locally; a restarted job finds the
+   cache warm. (Which node hosts which rank is Ray's choice, so each node gets every shard a rank might read.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ray_jobs.config import from_json
+from ray_jobs.data import ShardCache
+from ray_jobs.storage import read_json
+
+
+def check_resources(cfg, total: dict[str, float]) -> list[str]:
+    need_cpu = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
+    problems = []
+    if total.get("CPU", 0) < need_cpu:
+        problems.append(
+            f"cluster.num_workers={cfg.cluster.num_workers} x cluster.cpus_per_worker={cfg.cluster.cpus_per_worker} "
+            f"needs {need_cpu:g} CPUs; the cluster has {total.get('CPU', 0):g}"
+        )
+    if cfg.cluster.use_gpu and total.get("GPU", 0) < cfg.cluster.num_workers:
+        problems.append(
+            f"cluster.use_gpu needs {cfg.cluster.num_workers} GPUs; the cluster has {total.get('GPU', 0):g}"
+        )
+    return problems
+
+
+def warm_node(storage: str, dataset_id: str, cache_dir: str, entries: list[dict]) -> dict:
+    import ray
+
+    cache = ShardCache(storage, dataset_id, cache_dir)
+    for e in entries:
+        cache.local_path(e)
+    return {"node": ray.get_runtime_context().get_node_id()[:12], **cache.counters()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    parser = argparse.ArgumentParser(prog="ray_jobs.preflight")
+    parser.add_argument("--spec", required=True)
+    args = parser.parse_args(argv)
+    spec = read_json(args.spec)
+    cfg = from_json(json.dumps(spec["config"]))
+    manifest = read_json(spec["manifest_url"])
+    ray.init()
+    problems = check_resources(cfg, ray.cluster_resources())
+    if problems:
+        print("PREFLIGHT FAILED: " + "; ".join(problems), flush=True)
+        return 2
+    entries = manifest["shards"]["train"] + manifest["shards"]["eval"]
+    task = ray.remote(num_cpus=0)(warm_node)
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, entries
+        )
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
+    for r in ray.get(refs):
+        print("PREFLIGHT CACHE " + json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

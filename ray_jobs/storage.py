@@ -1,0 +1,170 @@
+"""Shared storage through fsspec, and the storage layout contract (see DESIGN.md "Storage layout").
+
+Every path that tests and tools read is built here, so the layout has exactly one definition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+
+def fs_and_path(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem for a URL and the path inside it."""
+    return url_to_fs(url)
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def exists(url: str) -> bool:
+    fs, path = fs_and_path(url)
+    return fs.exists(path)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = fs_and_path(url)
+    with fs.open(path, "rb") as f:
+        return f.read()
+
+
+def read_json(url: str) -> Any:
+    return json.loads(read_bytes(url))
+
+
+def write_bytes_atomic(url: str, data: bytes) -> None:
+    """Write to a temporary sibling, then move it into place: readers never see half a file.
+
+    On a local/NFS path the move is an atomic rename. Object stores have no rename, but a PUT is itself
+    atomic there, so the object is written directly.
+    """
+    fs, path = fs_and_path(url)
+    parent = path.rsplit("/", 1)[0]
+    if is_local(url):
+        fs.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def write_json_atomic(url: str, obj: Any) -> None:
+    write_bytes_atomic(url, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download_dir(url: str, local_dir: str | os.PathLike) -> Path:
+    """Copy a storage folder to a local folder (a no-op returning the path itself when it is local)."""
+    if is_local(url):
+        return Path(url.removeprefix("file://"))
+    fs, path = fs_and_path(url)
+    local = Path(local_dir)
+    if not (local / ".complete").exists():
+        local.mkdir(parents=True, exist_ok=True)
+        fs.get(path.rstrip("/") + "/", str(local) + "/", recursive=True)
+        (local / ".complete").write_text(url)
+    return local
+
+
+def upload_dir(local_dir: str | os.PathLike, url: str) -> None:
+    """Publish a local folder at ``url`` so that it appears complete or not at all.
+
+    Locally it is copied beside the target and renamed into place; on object stores the files are
+    uploaded with the folder's ``README.md`` (the completion marker readers check) last.
+    """
+    fs, path = fs_and_path(url)
+    local = Path(local_dir)
+    if is_local(url):
+        import shutil
+
+        staging = Path(f"{path}.partial-{uuid.uuid4().hex[:8]}")
+        shutil.copytree(local, staging)
+        if Path(path).exists():
+            shutil.rmtree(path)
+        os.replace(staging, path)
+        return
+    files = sorted(p for p in local.rglob("*") if p.is_file())
+    files.sort(key=lambda p: p.name == "README.md")
+    for p in files:
+        fs.put_file(str(p), join(path, str(p.relative_to(local))))
+
+
+class Layout:
+    """Where everything lives under a storage root (the contract in DESIGN.md)."""
+
+    def __init__(self, storage: str):
+        self.root = storage.rstrip("/")
+
+    # datasets/<dataset_id>/...
+    def dataset_dir(self, dataset_id: str) -> str:
+        return join(self.root, "datasets", dataset_id)
+
+    def dataset_manifest(self, dataset_id: str) -> str:
+        return join(self.dataset_dir(dataset_id), "manifest.json")
+
+    # models/<name>/ : base models unbroken built (the built-in tiny model)
+    def model_dir(self, name: str) -> str:
+        return join(self.root, "models", name)
+
+    # runs/<run>/...
+    def run_dir(self, run: str) -> str:
+        return join(self.root, "runs", run)
+
+    def run_registry(self, run: str) -> str:
+        return join(self.run_dir(run), "run.json")
+
+    def job_spec(self, run: str, attempt: int) -> str:
+        return join(self.run_dir(run), f"job-spec-{attempt:03d}.json")
+
+    def metrics(self, run: str) -> str:
+        return join(self.run_dir(run), "metrics.jsonl")
+
+    def heartbeat(self, run: str) -> str:
+        return join(self.run_dir(run), "heartbeat.json")
+
+    def final_model(self, run: str) -> str:
+        return join(self.run_dir(run), "final")
+
+    # ray/<run>/ : Ray Train's own run storage (checkpoints live here, each with unbroken's state files)
+    def ray_storage(self) -> str:
+        return join(self.root, "ray")
+
+
+def pyarrow_filesystem(url: str):
+    """A pyarrow filesystem for Ray Train's ``storage_filesystem`` that goes through the same fsspec config.
+
+    Returns ``None`` for local paths (Ray handles those natively).
+    """
+    if is_local(url):
+        return None
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    fs, _ = fs_and_path(url)
+    return PyFileSystem(FSSpecHandler(fs))
+
+
+def strip_protocol(url: str) -> str:
+    fs, path = fs_and_path(url)
+    return path

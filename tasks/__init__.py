@@ -1,0 +1,1 @@
+"""Prefect tasks: small typed verbs, one side effect each (stage, provision, submit, watch, ...)."""

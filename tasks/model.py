@@ -1,0 +1,29 @@
+"""Make the base model available on shared storage (building the built-in tiny model when asked for)."""
+
+from __future__ import annotations
+
+import tempfile
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from ray_jobs.base_model import build_builtin, builtin_name, is_builtin
+from ray_jobs.config import Config
+from ray_jobs.storage import Layout, exists, join, upload_dir
+
+
+@task(name="prepare-base-model", cache_policy=NO_CACHE)
+def prepare_base_model(cfg: Config) -> str:
+    """Return where the job loads the base model from: a hub id, a folder, or the built-in model on storage."""
+    if not is_builtin(cfg.model):
+        return cfg.model.name_or_path
+    log = get_run_logger()
+    url = Layout(cfg.storage).model_dir(builtin_name(cfg.model, cfg.train.seed))
+    if exists(join(url, "README.md")):
+        log.info("built-in base model already on storage: %s", url)
+        return url
+    with tempfile.TemporaryDirectory(prefix="unbroken-model-") as d:
+        build_builtin(cfg.model, cfg.train.seed, d)
+        upload_dir(d, url)
+    log.info("built %s into %s", cfg.model.name_or_path, url)
+    return url

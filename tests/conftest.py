@@ -1,0 +1,47 @@
+"""Shared test setup: an isolated Prefect home, no telemetry, and small helpers to build configs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_DATA = ROOT / "configs" / "data" / "addition.jsonl"
+
+# Before Prefect is imported anywhere: an ephemeral server with its own database, no analytics.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="unbroken-test-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tiny_overrides(storage: Path, **extra: object) -> list[str]:
+    """``--set`` overrides for a fast run of the demo config on a private storage folder."""
+    base = {
+        "name": "t",
+        "storage": str(storage),
+        "data.cache_dir": str(storage / "_node_cache"),
+        "model.tiny.hidden_size": 32,
+        "model.tiny.num_layers": 1,
+        "model.tiny.intermediate_size": 64,
+        "train.max_steps": 30,
+        "train.eval_every_steps": 10,
+        "train.log_every_steps": 5,
+        "checkpoint.every_steps": 10,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Path:
+    return tmp_path / "storage"
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

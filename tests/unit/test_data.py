@@ -1,0 +1,73 @@
+"""Worker-side data: deterministic rank shards, a cursor that resumes without reading skipped rows, the cache."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ray_jobs.data import Cursor, RankSampler, ShardCache, ShardIntegrityError, rank_shards
+
+
+def test_take_in_pieces_equals_take_at_once_across_epochs() -> None:
+    s = RankSampler(num_rows=10, seed=3, rank=1)
+    whole, end = s.take(Cursor(), 27)
+    parts, cur = [], Cursor()
+    for k in (4, 9, 1, 13):
+        idx, cur = s.take(cur, k)
+        parts.append(idx)
+    assert np.array_equal(np.concatenate(parts), whole)
+    assert cur == end == Cursor(epoch=2, pos=7)
+    assert sorted(whole[:10]) == list(range(10)), "each epoch is a permutation of all rows"
+
+
+def test_ranks_and_epochs_get_different_orders() -> None:
+    a = RankSampler(50, seed=0, rank=0).permutation(0)
+    assert not np.array_equal(a, RankSampler(50, seed=0, rank=1).permutation(0))
+    assert not np.array_equal(a, RankSampler(50, seed=0, rank=0).permutation(1))
+    assert np.array_equal(a, RankSampler(50, seed=0, rank=0).permutation(0))
+
+
+def test_resuming_deep_into_an_epoch_builds_only_the_requested_rows() -> None:
+    s = RankSampler(num_rows=1_000_000, seed=0, rank=0)
+    idx, cur = s.take(Cursor(epoch=0, pos=999_990), 4)
+    assert len(idx) == 4 and cur == Cursor(0, 999_994)
+
+
+def test_shards_are_dealt_round_robin_and_too_few_is_explained() -> None:
+    entries = [{"file": f"train-{i}"} for i in range(5)]
+    assert [e["file"] for e in rank_shards(entries, 1, 2)] == ["train-1", "train-3"]
+    with pytest.raises(ValueError, match="raise data.min_shards"):
+        rank_shards(entries[:1], 0, 2)
+
+
+def _storage_with_shard(tmp_path: Path, payload: bytes) -> tuple[str, dict]:
+    ds = tmp_path / "storage" / "datasets" / "ds-x"
+    ds.mkdir(parents=True)
+    (ds / "train-00000.parquet").write_bytes(payload)
+    entry = {"file": "train-00000.parquet", "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    return str(tmp_path / "storage"), entry
+
+
+def test_cache_reads_storage_once_then_serves_locally(tmp_path: Path) -> None:
+    storage, entry = _storage_with_shard(tmp_path, b"shard-bytes")
+    cold = ShardCache(storage, "ds-x", str(tmp_path / "cache"))
+    assert cold.local_path(entry).read_bytes() == b"shard-bytes"
+    assert cold.counters() == {"hits": 0, "misses": 1, "bytes_from_storage": 11}
+    warm = ShardCache(storage, "ds-x", str(tmp_path / "cache"))
+    warm.local_path(entry)
+    assert warm.counters() == {"hits": 1, "misses": 0, "bytes_from_storage": 0}
+
+
+def test_corrupt_local_copy_is_refetched_and_corrupt_storage_is_an_error(tmp_path: Path) -> None:
+    storage, entry = _storage_with_shard(tmp_path, b"shard-bytes")
+    cache = ShardCache(storage, "ds-x", str(tmp_path / "cache"))
+    local = cache.local_path(entry)
+    local.write_bytes(b"shard-bytez-and-more")
+    assert cache.local_path(entry).read_bytes() == b"shard-bytes"
+    assert cache.misses == 2
+    bad = dict(entry, sha256="0" * 64)
+    with pytest.raises(ShardIntegrityError, match="sha256 does not match"):
+        ShardCache(storage, "ds-x", str(tmp_path / "cache2")).local_path(bad)

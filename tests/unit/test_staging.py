@@ -1,0 +1,149 @@
+"""Staging: every record validated (bad ones named file:line, never dropped), content-addressed, packed right."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from ray_jobs.base_model import train_char_tokenizer
+from ray_jobs.config import DataConfig
+from ray_jobs.staging import IGNORE_INDEX, StagingError, pack, stage
+from tests.conftest import SAMPLE_DATA
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_char_tokenizer()
+
+
+def data_cfg(train: Path, **kw) -> DataConfig:
+    return DataConfig(train=str(train), seq_len=kw.pop("seq_len", 64), min_shards=kw.pop("min_shards", 2), **kw)
+
+
+def write_jsonl(path: Path, lines: list[str | bytes]) -> Path:
+    path.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines))
+    return path
+
+
+def good(i: int) -> str:
+    return json.dumps({"input": f"{i}+{i}=", "target": str(2 * i)})
+
+
+def test_stage_writes_shards_and_manifest(tmp_path: Path, tokenizer) -> None:
+    r = stage(data_cfg(SAMPLE_DATA, shard_mb=0.05), tokenizer, "builtin", str(tmp_path))
+    assert not r.cache_hit and r.dataset_id.startswith("ds-")
+    m = r.manifest
+    assert m["counts"]["records"] == 6000 and m["counts"]["rejects"] == 0
+    assert m["counts"]["train_examples"] + m["counts"]["eval_examples"] == 6000
+    ds = tmp_path / "datasets" / r.dataset_id
+    assert json.loads((ds / "manifest.json").read_text()) == m
+    for split in ("train", "eval"):
+        rows = 0
+        for e in m["shards"][split]:
+            table = pq.read_table(ds / e["file"])
+            assert table.num_rows == e["rows"]
+            assert all(len(x) == 64 for x in table.column("input_ids").to_pylist())
+            rows += e["rows"]
+        assert rows == m["counts"][f"{split}_rows"]
+    assert len(m["shards"]["train"]) >= 2
+
+
+def test_restaging_is_a_cache_hit_that_writes_nothing(tmp_path: Path, tokenizer) -> None:
+    cfg = data_cfg(SAMPLE_DATA)
+    first = stage(cfg, tokenizer, "builtin", str(tmp_path))
+    ds = tmp_path / "datasets" / first.dataset_id
+    before = {p: p.stat().st_mtime_ns for p in ds.iterdir()}
+    again = stage(cfg, tokenizer, "builtin", str(tmp_path))
+    assert again.cache_hit and again.dataset_id == first.dataset_id
+    assert {p: p.stat().st_mtime_ns for p in ds.iterdir()} == before
+
+
+def test_changing_one_record_changes_the_id(tmp_path: Path, tokenizer) -> None:
+    a = write_jsonl(tmp_path / "a.jsonl", [good(i) for i in range(200)])
+    id1 = stage(data_cfg(a), tokenizer, "builtin", str(tmp_path / "s")).dataset_id
+    write_jsonl(a, [good(i) for i in range(199)] + [good(1000)])
+    id2 = stage(data_cfg(a), tokenizer, "builtin", str(tmp_path / "s")).dataset_id
+    assert id1 != id2
+
+
+BAD_LINES = {
+    "invalid JSON": '{"input": "1+1=", "target": ',
+    "invalid UTF-8": b'{"input": "1+1=", "target": "\xff"}',
+    "missing field 'target'": '{"input": "1+1="}',
+    "field 'target' must be a string, got int": '{"input": "1+1=", "target": 2}',
+    "field 'input' is empty": '{"input": "  ", "target": "2"}',
+    "over data.max_record_chars": json.dumps({"input": "1" * 500, "target": "2"}),
+    "expected a JSON object": "[1, 2]",
+}
+
+
+@pytest.mark.parametrize("reason", list(BAD_LINES))
+def test_each_bad_record_fails_staging_naming_file_and_line(tmp_path: Path, tokenizer, reason: str) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [good(i) for i in range(40)] + [BAD_LINES[reason]] + [good(99)])
+    with pytest.raises(StagingError) as err:
+        stage(data_cfg(src, max_record_chars=300), tokenizer, "builtin", str(tmp_path / "s"))
+    assert f"{src}:41: " in str(err.value) and reason in str(err.value)
+
+
+def test_rejects_within_the_allowed_fraction_are_quarantined_not_dropped(tmp_path: Path, tokenizer) -> None:
+    lines = [good(i) for i in range(100)]
+    bad_at = {}
+    for n, line in enumerate(BAD_LINES.values()):
+        lines.insert(10 * n + 3, line)
+    for i, line in enumerate(lines, start=1):
+        if line in BAD_LINES.values():
+            bad_at[i] = line
+    src = write_jsonl(tmp_path / "d.jsonl", lines)
+    r = stage(data_cfg(src, max_record_chars=300, max_reject_fraction=0.1), tokenizer, "builtin", str(tmp_path / "s"))
+    rejects = [
+        json.loads(x) for x in (tmp_path / "s" / "datasets" / r.dataset_id / "rejects.jsonl").read_text().splitlines()
+    ]
+    assert sorted(x["line"] for x in rejects) == sorted(bad_at)
+    assert all(x["file"] == str(src) and x["reason"] for x in rejects)
+    assert r.manifest["counts"]["rejects"] == len(BAD_LINES)
+    assert r.manifest["counts"]["train_examples"] + r.manifest["counts"]["eval_examples"] == 100
+
+
+def test_characters_the_tokenizer_cannot_represent_are_rejected(tmp_path: Path, tokenizer) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [good(i) for i in range(20)] + [json.dumps({"input": "é=", "target": "1"})])
+    with pytest.raises(StagingError, match=r"d\.jsonl:21: contains characters the tokenizer cannot represent"):
+        stage(data_cfg(src), tokenizer, "builtin", str(tmp_path / "s"))
+
+
+def test_empty_and_missing_inputs_are_clear_errors(tmp_path: Path, tokenizer) -> None:
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    with pytest.raises(StagingError, match=r"no records found in .*empty\.jsonl"):
+        stage(data_cfg(empty), tokenizer, "builtin", str(tmp_path / "s"))
+    with pytest.raises(StagingError, match=r"data\.train: no such file or folder: .*nope\.jsonl"):
+        stage(data_cfg(tmp_path / "nope.jsonl"), tokenizer, "builtin", str(tmp_path / "s"))
+    os.mkdir(tmp_path / "dir")
+    with pytest.raises(StagingError, match=r"data\.train: folder .*dir has no"):
+        stage(data_cfg(tmp_path / "dir"), tokenizer, "builtin", str(tmp_path / "s"))
+
+
+def test_prompt_tokens_are_masked_and_examples_never_straddle_rows(tmp_path: Path, tokenizer) -> None:
+    ids, labels = pack([([1, 5, 6, 7, 2], [IGNORE_INDEX, IGNORE_INDEX, 6, 7, 2])] * 3, seq_len=8, pad_id=0)
+    assert ids == [[1, 5, 6, 7, 2, 0, 0, 0]] * 3
+    assert labels[0] == [IGNORE_INDEX, IGNORE_INDEX, 6, 7, 2] + [IGNORE_INDEX] * 3
+    src = write_jsonl(
+        tmp_path / "d.jsonl", [json.dumps({"input": f"12+{i}=", "target": str(12 + i)}) for i in range(40)]
+    )
+    r = stage(data_cfg(src, eval_fraction=0.3, min_shards=1), tokenizer, "builtin", str(tmp_path / "s"))
+    row = pq.read_table(tmp_path / "s" / "datasets" / r.dataset_id / "train-00000.parquet").to_pylist()[0]
+    text = tokenizer.decode(row["input_ids"])
+    learned = tokenizer.decode(
+        [i for i, lab in zip(row["input_ids"], row["labels"], strict=True) if lab != IGNORE_INDEX]
+    )
+    assert text.startswith("<s>12+") and "=" in text
+    assert "+" not in learned and "=" not in learned, "prompt tokens must be masked from the loss"
+    assert learned.count("</s>") == text.count("</s>"), "every example in the row is whole (ends with its EOS)"
+
+
+def test_empty_eval_split_is_an_error(tmp_path: Path, tokenizer) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [good(i) for i in range(30)])
+    with pytest.raises(StagingError, match="eval split is empty"):
+        stage(data_cfg(src, eval_fraction=0.0), tokenizer, "builtin", str(tmp_path / "s"))
