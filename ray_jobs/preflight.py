@@ -1,7 +1,8 @@
 """Ray Jobs entrypoint run before training: ``python -m ray_jobs.preflight --spec <url>``.
 
-1. Checks the cluster has what the training job needs (CPUs, GPUs for ``cluster.num_workers`` workers), so a
-   job that could never be scheduled fails now with a clear message instead of pending forever.
+1. Checks the job can run at all: the cluster has the CPUs/GPUs for ``cluster.num_workers`` workers and the
+   dataset has a train shard for every rank, so a job that could never start fails now with a clear message
+   instead of pending forever.
 2. Warms the node-local shard cache: on every alive node a node-affinity Ray task copies the dataset's shards
    into ``data.cache_dir`` and verifies each checksum. Workers then read locally; a restarted job finds the
    cache warm. (Which node hosts which rank is Ray's choice, so each node gets every shard a rank might read.)
@@ -18,9 +19,16 @@ from ray_jobs.data import ShardCache
 from ray_jobs.storage import read_json
 
 
-def check_resources(cfg, total: dict[str, float]) -> list[str]:
+def check_fit(cfg, total: dict[str, float], manifest: dict) -> list[str]:
+    """Everything that would stop the training job from ever starting, as one list of reasons."""
     need_cpu = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     problems = []
+    shards = len(manifest["shards"]["train"])
+    if shards < cfg.cluster.num_workers:
+        problems.append(
+            f"the dataset has {shards} train shards but cluster.num_workers={cfg.cluster.num_workers}; "
+            "raise data.min_shards to at least cluster.num_workers (or lower data.shard_mb)"
+        )
     if total.get("CPU", 0) < need_cpu:
         problems.append(
             f"cluster.num_workers={cfg.cluster.num_workers} x cluster.cpus_per_worker={cfg.cluster.cpus_per_worker} "
@@ -53,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_json(json.dumps(spec["config"]))
     manifest = read_json(spec["manifest_url"])
     ray.init()
-    problems = check_resources(cfg, ray.cluster_resources())
+    problems = check_fit(cfg, ray.cluster_resources(), manifest)
     if problems:
         print("PREFLIGHT FAILED: " + "; ".join(problems), flush=True)
         return 2

@@ -1,0 +1,65 @@
+"""The whole pipeline through the CLI: Prefect flow -> local Ray head -> Ray Jobs API -> Ray Train -> HF folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.cluster import _reachable
+from tests.conftest import ROOT, tiny_overrides
+from tests.integration.conftest import read_metrics, read_registry, run_cli
+
+pytestmark = pytest.mark.integration
+DEMO = str(ROOT / "configs" / "demo.yaml")
+
+
+def sets(storage: Path, **extra: object) -> list[str]:
+    return [arg for kv in tiny_overrides(storage, **extra) for arg in ("--set", kv)]
+
+
+def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    storage = tmp_path / "storage"
+    r = run_cli("run", DEMO, *sets(storage, name="e2e"))
+    assert r.returncode == 0, r.explain()
+
+    final = storage / "runs" / "e2e" / "final"
+    assert r.last_line == f"final model: {final}"
+    tok = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    out = model.generate(**tok("<s>12+30=", add_special_tokens=False, return_tensors="pt"), max_new_tokens=4)
+    assert out.shape[1] > 5
+
+    evals = [m["eval_loss"] for m in read_metrics(storage, "e2e") if "eval_loss" in m]
+    assert evals[-1] < evals[0], "eval loss must fall"
+    assert "eval loss:" in r.stdout and "at step 0 ->" in r.stdout
+
+    reg = read_registry(storage, "e2e")
+    assert reg["state"] == "succeeded"
+    assert [a["submission_id"] for a in reg["attempts"]] == ["unbroken-e2e-train-001"]
+    assert reg["final_model"] == str(final)
+    ckpts = list((storage / "ray" / "e2e").glob("checkpoint_*"))
+    assert ckpts, "Ray Train wrote checkpoints under <storage>/ray/<run>"
+    assert _reachable("http://127.0.0.1:8265") is not None, "the local head this flow started must be stopped"
+
+
+def test_stage_command_prints_the_dataset_and_restaging_is_a_cache_hit(tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    first = run_cli("stage", DEMO, *sets(storage))
+    assert first.returncode == 0, first.explain()
+    ds_line, manifest_line = first.stdout.strip().splitlines()[-2:]
+    dataset_id = ds_line.removeprefix("dataset id: ")
+    assert dataset_id.startswith("ds-") and "cache hit" not in ds_line
+    assert manifest_line == f"manifest: {storage / 'datasets' / dataset_id / 'manifest.json'}"
+    again = run_cli("stage", DEMO, *sets(storage))
+    assert again.returncode == 0 and f"dataset id: {dataset_id} (cache hit)" in again.stdout, again.explain()
+
+
+def test_bad_data_fails_the_stage_command_naming_file_and_line(tmp_path: Path) -> None:
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"input": "1+1=", "target": "2"}\n{"input": "2+2="}\n')
+    r = run_cli("stage", DEMO, *sets(tmp_path / "storage", **{"data.train": src}))
+    assert r.returncode == 1
+    assert f"{src}:2: missing field 'target'" in r.stderr, r.explain()
