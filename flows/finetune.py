@@ -25,6 +25,7 @@ async def finetune(config_path: str | None = None, overrides: list[str] | None =
     cfg = load_config(config_path, overrides or [])
     model_path = prepare_base_model(cfg)
     staged = stage_dataset(cfg, model_path)
+    registry.check_compatible(cfg, staged.dataset_id)  # before any cluster work
     handle = provision_cluster(cfg)
     try:
         return await _train(cfg, handle, staged, model_path)

@@ -32,6 +32,49 @@ def save(storage: str, run: str, reg: dict[str, Any]) -> None:
     write_json_atomic(Layout(storage).run_registry(run), reg)
 
 
+# Fields a run cannot change between attempts: its checkpoints would not fit (shapes, world size) or resuming
+# would silently mix two different trainings. Everything else (max_steps, cadence, cluster address) may change.
+FIXED_FIELDS = (
+    "model",
+    "train.seed",
+    "train.micro_batch_size",
+    "train.grad_accum_steps",
+    "cluster.num_workers",
+    "cluster.use_gpu",
+)
+
+
+class RunConflict(ValueError):
+    """The run name exists on storage with settings its checkpoints cannot be resumed under."""
+
+
+def _pick(tree: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    return tree
+
+
+def check_compatible(cfg: Config, dataset_id: str) -> None:
+    """Refuse to reuse a run name whose earlier attempts used another dataset or a fixed field's other value."""
+    reg = load(cfg.storage, cfg.name)
+    if reg is None or "config" not in reg:
+        return
+    new = json.loads(cfg.model_dump_json())
+    changed = [
+        f"{f}: {_pick(reg['config'], f)!r} -> {_pick(new, f)!r}"
+        for f in FIXED_FIELDS
+        if _pick(reg["config"], f) != _pick(new, f)
+    ]
+    if reg.get("dataset_id") not in (None, dataset_id):
+        changed.insert(0, f"dataset: {reg['dataset_id']} -> {dataset_id}")
+    if changed:
+        raise RunConflict(
+            f"run {cfg.name!r} already exists at {Layout(cfg.storage).run_dir(cfg.name)} and its checkpoints cannot "
+            f"be resumed with this config; use a new name (--set name=...) or remove that run. Changed:\n  "
+            + "\n  ".join(changed)
+        )
+
+
 def begin_attempt(cfg: Config, cluster: dict[str, Any], dataset_id: str) -> int:
     """Record a new attempt (state ``submitted``) and return its number (1-based)."""
     reg = load(cfg.storage, cfg.name) or {"name": cfg.name, "created_at": time.time(), "attempts": []}

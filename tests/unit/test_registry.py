@@ -1,0 +1,43 @@
+"""Run registry: attempts are recorded, and a run name is not silently reused for an incompatible training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ray_jobs.config import load_config
+from tasks import registry
+from tests.conftest import ROOT
+
+
+def cfg(storage: Path, *overrides: str):
+    return load_config(ROOT / "configs" / "demo.yaml", [f"storage={storage}", "name=r", *overrides])
+
+
+def test_attempts_are_numbered_and_their_end_recorded(tmp_path: Path) -> None:
+    c = cfg(tmp_path)
+    assert registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1") == 1
+    registry.end_attempt(c, 1, "FAILED", "boom")
+    assert registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1") == 2
+    reg = registry.end_attempt(c, 2, "SUCCEEDED", final_model="/f")
+    assert reg["state"] == "succeeded" and reg["final_model"] == "/f"
+    assert [(a["submission_id"], a["status"]) for a in reg["attempts"]] == [
+        ("unbroken-r-train-001", "FAILED"),
+        ("unbroken-r-train-002", "SUCCEEDED"),
+    ]
+    assert reg["attempts"][0]["message"] == "boom"
+
+
+def test_reusing_a_run_name_with_compatible_changes_is_allowed(tmp_path: Path) -> None:
+    registry.begin_attempt(cfg(tmp_path), {"address": "a"}, "ds-1")
+    registry.check_compatible(cfg(tmp_path, "train.max_steps=5000", "checkpoint.every_steps=7"), "ds-1")
+
+
+def test_reusing_a_run_name_for_an_incompatible_training_is_refused(tmp_path: Path) -> None:
+    registry.begin_attempt(cfg(tmp_path), {"address": "a"}, "ds-1")
+    with pytest.raises(registry.RunConflict) as err:
+        registry.check_compatible(cfg(tmp_path, "model.tiny.hidden_size=64", "cluster.num_workers=1"), "ds-2")
+    text = str(err.value)
+    assert "dataset: ds-1 -> ds-2" in text and "cluster.num_workers: 2 -> 1" in text and "model:" in text
+    assert "--set name=" in text
