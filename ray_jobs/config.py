@@ -76,12 +76,25 @@ class TinyModelConfig(_Section):
         return self
 
 
+class LoraConfig(_Section):
+    r: int = Field(8, ge=1)
+    """Rank of the LoRA update matrices."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = ["q_proj", "v_proj"]
+    """Names of the linear layers that get adapters."""
+
+
 class ModelConfig(_Section):
     name_or_path: str = "builtin:tiny-llama"
     """Base model: a Hugging Face hub id, a local/fsspec folder saved with save_pretrained, or
     ``builtin:tiny-llama`` (a tiny Llama built from ``model.tiny`` with a locally trained tokenizer; no network)."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the built-in tiny model; ignored for any other ``name_or_path``."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters (peft) instead of all weights; the final export is merged into a plain HF model."""
 
     @field_validator("name_or_path")
     @classmethod
@@ -118,13 +131,25 @@ class TrainConfig(_Section):
     """Cap on eval micro-batches per worker; 0 = the whole eval split."""
     log_every_steps: int = Field(10, ge=1)
     """Write a metrics.jsonl line every N steps."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision: ``auto`` = bf16 autocast on GPU, fp32 on CPU. Weights and optimizer stay fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """``ddp`` replicates the model on every worker; ``fsdp`` shards it (FSDP2) for models too big for one device."""
 
 
 class CheckpointConfig(_Section):
-    every_steps: int = Field(100, ge=1)
-    """Checkpoint every N optimizer steps (and always after the last step)."""
+    every_steps: int = Field(100, ge=0)
+    """Checkpoint every N optimizer steps; 0 = not by steps. The last step is always checkpointed."""
+    every_minutes: float = Field(0.0, ge=0)
+    """Also checkpoint when this many minutes passed since the last one (15-30 on real runs); 0 = off."""
     num_to_keep: int = Field(3, ge=1)
-    """Keep this many newest checkpoints (Ray Train's CheckpointConfig)."""
+    """Keep this many checkpoints (Ray Train's CheckpointConfig): the newest, or the best by ``keep_best_by``."""
+    keep_best_by: str | None = None
+    """Keep the best checkpoints by this reported metric (lower is better, e.g. ``eval_loss``) instead of the newest."""
+    async_write: bool = True
+    """Write checkpoints on a background thread; the loop only waits while state is copied to host memory."""
 
 
 class ClusterConfig(_Section):
@@ -158,7 +183,11 @@ class FaultToleranceConfig(_Section):
     max_restarts: int = Field(3, ge=0)
     """Job resubmissions the watchdog may do for one run."""
     stall_timeout_s: float = Field(600.0, gt=0)
-    """A running job whose heartbeat is older than this is treated as hung."""
+    """A running job whose heartbeat shows no new step for this long is treated as hung."""
+    heartbeat_every_s: float = Field(5.0, gt=0)
+    """How often rank 0 refreshes ``runs/<run>/heartbeat.json`` while training."""
+    preemption_grace_s: float = Field(30.0, gt=0)
+    """After SIGTERM, a worker waits at most this long for its just-in-time checkpoint before exiting."""
 
 
 class Config(_Section):
@@ -187,6 +216,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
+        if self.model.lora is not None and self.train.parallelism == "fsdp":
+            raise ValueError("model.lora with train.parallelism=fsdp is not supported yet; use ddp for LoRA")
         builtin = self.model.name_or_path.startswith(BUILTIN_PREFIX)
         if builtin and self.data.seq_len > self.model.tiny.max_position_embeddings:
             raise ValueError(

@@ -20,8 +20,9 @@ log = logging.getLogger("unbroken.job")
 
 def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str | None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
+    from ray_jobs.preemption import torch_config
     from ray_jobs.trainer import train_loop_per_worker
 
     storage = Layout(cfg.storage).ray_storage()
@@ -34,7 +35,7 @@ def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str
             "model_path": model_path,
             "resume_from": resume_from,
         },
-        torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
+        torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s),
         scaling_config=ScalingConfig(
             num_workers=cfg.cluster.num_workers,
             use_gpu=cfg.cluster.use_gpu,
@@ -44,7 +45,11 @@ def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str
             name=cfg.name,
             storage_path=strip_protocol(storage) if fs is not None else storage,
             storage_filesystem=fs,
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg.checkpoint.num_to_keep,
+                checkpoint_score_attribute=cfg.checkpoint.keep_best_by,
+                checkpoint_score_order="min",
+            ),
             failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
         ),
     )

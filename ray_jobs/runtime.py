@@ -5,9 +5,6 @@ The loop only talks to a :class:`Runtime`, so the same code trains in-process in
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -17,18 +14,34 @@ class Runtime(Protocol):
 
     def prepare_model(self, model): ...
 
+    def shard_model(self, model): ...
+
     def device(self): ...
 
-    def latest_checkpoint_dir(self) -> tuple[Any, Path] | None:
-        """(context manager owner, local dir) of the checkpoint Ray restored, or None when starting fresh."""
-
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None: ...
+    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+        """Tell the platform about progress, and about a checkpoint already written to storage."""
 
     def all_reduce_sum(self, values: list[float]) -> list[float]: ...
 
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+def shard_with_fsdp(model) -> Any:
+    """FSDP2: shard every decoder block (HF ``_no_split_modules``), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    block_types = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_types]
+    if not blocks:
+        raise ValueError(f"train.parallelism=fsdp: no decoder blocks ({block_types}) found in {type(model).__name__}")
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
 
 class RayRuntime:
-    """Ray Train V2: ranks from the train context, DDP via ``prepare_model``, checkpoints via ``ray.train.report``."""
+    """Ray Train V2: ranks from the train context, DDP/FSDP on its process group, reports to its controller."""
 
     def __init__(self):
         import ray.train
@@ -42,26 +55,26 @@ class RayRuntime:
 
         return prepare_model(model)
 
+    def shard_model(self, model):
+        return shard_with_fsdp(model.to(self.device()))
+
     def device(self):
         from ray.train.torch import get_device
 
         return get_device()
 
-    def latest_checkpoint_dir(self):
+    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
         import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
 
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            return None
-        cm = ckpt.as_directory()
-        return cm, Path(cm.__enter__())
-
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        import ray.train
-        from ray.train import Checkpoint
-
-        ckpt = Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=ckpt)
+        ckpt = None
+        if checkpoint_url is not None:
+            # Already written under the run's storage by unbroken's writer: register it where it is.
+            storage = ray.train.get_context().get_storage()
+            name = checkpoint_url.rstrip("/").rsplit("/", 1)[-1]
+            path = f"{storage.experiment_fs_path.rstrip('/')}/{name}"
+            ckpt = Checkpoint(path=path, filesystem=storage.storage_filesystem)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         import torch
@@ -73,18 +86,28 @@ class RayRuntime:
         dist.all_reduce(t)
         return t.tolist()
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
 
 class LocalRuntime:
-    """One process, rank 0 of 1; checkpoints are kept as numbered folders under ``root``."""
+    """One process, rank 0 of 1. ``reports`` records what the loop reported (metrics, checkpoint url)."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self):
         self.rank = 0
         self.world_size = 1
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.reports: list[dict[str, Any]] = []
+        self.reports: list[tuple[dict[str, Any], str | None]] = []
 
     def prepare_model(self, model):
+        return model
+
+    def shard_model(self, model):
         return model
 
     def device(self):
@@ -92,20 +115,11 @@ class LocalRuntime:
 
         return torch.device("cpu")
 
-    def checkpoints(self) -> list[Path]:
-        return sorted(self.root.glob("checkpoint_*"))
-
-    def latest_checkpoint_dir(self):
-        found = self.checkpoints()
-        return (None, found[-1]) if found else None
-
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        self.reports.append(dict(metrics))
-        if checkpoint_dir:
-            dest = self.root / f"checkpoint_{len(self.checkpoints()):06d}"
-            tmp = Path(tempfile.mkdtemp(dir=self.root))
-            shutil.copytree(checkpoint_dir, tmp, dirs_exist_ok=True)
-            tmp.rename(dest)
+    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+        self.reports.append((dict(metrics), checkpoint_url))
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         return list(values)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]

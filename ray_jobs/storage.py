@@ -147,9 +147,12 @@ class Layout:
     def final_model(self, run: str) -> str:
         return join(self.run_dir(run), "final")
 
-    # ray/<run>/ : Ray Train's own run storage (checkpoints live here, each with unbroken's state files)
+    # ray/<run>/ : Ray Train's own run storage; unbroken's checkpoint folders live in it (so Ray tracks them)
     def ray_storage(self) -> str:
         return join(self.root, "ray")
+
+    def checkpoints_dir(self, run: str) -> str:
+        return join(self.ray_storage(), run)
 
 
 def pyarrow_filesystem(url: str):

@@ -2,6 +2,10 @@
 
 ``train_loop_per_worker`` is what Ray Train runs on each worker; :class:`Trainer` holds everything and talks
 to the cluster only through a :class:`~ray_jobs.runtime.Runtime`, so tests run the same loop in-process.
+
+Ranks must take the same decisions at the same step (checkpoint now, report a finished write, stop for a
+preemption), or their collectives would deadlock. Each step therefore ends with one small all-reduce of the loss,
+the token count and three flags; every decision is taken from that agreed vector only.
 """
 
 from __future__ import annotations
@@ -9,18 +13,23 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import socket
 import tempfile
+import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ray_jobs import checkpoint
+from ray_jobs import checkpoint as ckpt
+from ray_jobs import preemption
 from ray_jobs.base_model import load_model, load_tokenizer
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.config import Config, from_json
 from ray_jobs.data import Cursor, RankSampler, ShardCache, load_rows, rank_shards
 from ray_jobs.runtime import Runtime
-from ray_jobs.storage import Layout, download_dir, is_local, read_bytes, upload_dir, write_bytes_atomic
+from ray_jobs.storage import Layout, is_local, read_bytes, upload_dir, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("unbroken.train")
 IGNORE_INDEX = -100
@@ -28,8 +37,13 @@ IGNORE_INDEX = -100
 
 def setup_determinism(seed: int, threads: int) -> None:
     """Same seed + same world size = same weights: fixed seeds, deterministic kernels, fixed thread count."""
+    import random
+
+    import numpy as np
     import torch
 
+    random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(max(1, threads))
@@ -63,6 +77,92 @@ class MetricsLog:
         write_bytes_atomic(self.url, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
 
 
+class Heartbeat:
+    """Rank 0 refreshes ``runs/<run>/heartbeat.json`` every few seconds from a side thread.
+
+    ``time`` says the process is alive; ``step`` and ``last_step_at`` say whether training moves. A watcher tells a
+    hang (fresh ``time``, old ``last_step_at``) from slow progress (``step`` advancing) from a dead process (old
+    ``time``).
+    """
+
+    def __init__(self, url: str, every_s: float, trainer: Trainer):
+        self.url, self.every_s, self.trainer = url, every_s, trainer
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="unbroken-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        t = self.trainer
+        write_json_atomic(
+            self.url,
+            {
+                "run": t.cfg.name,
+                "step": t.loop.step,
+                "max_steps": t.cfg.train.max_steps,
+                "last_step_at": t.last_step_at,
+                "time": time.time(),
+                "tokens_per_s": t.tokens_per_s,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            },
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            with contextlib.suppress(OSError):  # a storage hiccup must not kill training
+                self.beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            self.beat()
+
+
+@dataclass
+class Agreed:
+    """One step's outcome as every rank sees it (the result of the per-step all-reduce)."""
+
+    loss: float
+    tokens: int
+    grad_norm: float  # this rank's (identical on every rank after the gradient all-reduce)
+    write_done: bool
+    time_due: bool
+    preempt: bool
+
+
+def build_model(cfg: Config, model_path: str, rt: Runtime):
+    model = load_model(model_path, cfg.data.cache_dir)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg)
+    if cfg.train.parallelism == "fsdp":
+        return rt.shard_model(model)
+    return rt.prepare_model(model.to(rt.device()))
+
+
+def apply_lora(model, cfg: Config):
+    from peft import LoraConfig, get_peft_model
+
+    lc = cfg.model.lora
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lc.r,
+            lora_alpha=lc.alpha,
+            lora_dropout=lc.dropout,
+            target_modules=lc.target_modules,
+            task_type="CAUSAL_LM",
+        ),
+    )
+
+
 class Trainer:
     def __init__(self, cfg: Config, manifest: dict[str, Any], model_path: str, rt: Runtime):
         import torch
@@ -70,83 +170,111 @@ class Trainer:
 
         self.cfg, self.rt, self.manifest, self.model_path = cfg, rt, manifest, model_path
         self.layout = Layout(cfg.storage)
+        self.fsdp = cfg.train.parallelism == "fsdp"
+        self.lora = cfg.model.lora is not None
         setup_determinism(cfg.train.seed, int(cfg.cluster.cpus_per_worker))
         self.device = rt.device()
-        self.model = rt.prepare_model(load_model(model_path, cfg.data.cache_dir).to(self.device))
+        self.model = build_model(cfg, model_path, rt)
+        bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and self.device.type == "cuda")
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        )
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = get_scheduler(t.lr_schedule, self.optimizer, t.warmup_steps, t.max_steps)
         self.cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir)
         self._load_data()
         self.loop = LoopState(world_size=rt.world_size, dataset_id=manifest["dataset_id"])
         self.cursor = Cursor()
         self.metrics: MetricsLog | None = None
+        self.writer = ckpt.AsyncWriter()
+        self.pending: tuple[int, dict[str, Any]] | None = None  # started, not yet reported (known to all ranks)
+        self.last_eval: float | None = None
+        self.last_checkpoint_step = -1
+        self.last_checkpoint_time = time.monotonic()
+        self.stalls_s: list[float] = []  # training-thread time blocked per checkpoint
+        self.rows_materialized = 0  # training rows turned into batches (resume must not build skipped ones)
+        self.last_step_at = time.time()
+        self.tokens_per_s = 0.0
+        self.resumed_from: str | None = None
         self._window = (time.monotonic(), 0)
 
     def _load_data(self) -> None:
         seq_len = self.manifest["seq_len"]
         mine = rank_shards(self.manifest["shards"]["train"], self.rt.rank, self.rt.world_size)
         self.train_ids, self.train_labels = load_rows(self.cache, mine, seq_len)
-        eval_ids, eval_labels = load_rows(self.cache, self.manifest["shards"]["eval"], seq_len)
-        self.eval_ids = eval_ids[self.rt.rank :: self.rt.world_size]
-        self.eval_labels = eval_labels[self.rt.rank :: self.rt.world_size]
+        self.eval_all = load_rows(self.cache, self.manifest["shards"]["eval"], seq_len)
         self.sampler = RankSampler(len(self.train_ids), self.cfg.train.seed, self.rt.rank)
         self.pad_id = self.manifest["tokenizer"]["pad_token_id"]
 
     # -- resume ---------------------------------------------------------------------------------------------
     def resume_or_start(self, explicit_checkpoint: str | None = None) -> None:
-        """Load the newest checkpoint (Ray's, or one named explicitly) or start fresh. Safe to run twice."""
-        found = self._checkpoint_source(explicit_checkpoint)
+        """Load the newest valid checkpoint (or the one named explicitly), else start fresh. Safe to run twice."""
+        if explicit_checkpoint:
+            found = (explicit_checkpoint, ckpt.read_verified(explicit_checkpoint))  # an explicit choice must be valid
+        else:
+            found = ckpt.find_latest_valid(self.layout.checkpoints_dir(self.cfg.name))
         resumed_step = None
         if found is None:
-            log.info("rank %d: no checkpoint, starting fresh", self.rt.rank)
+            log.info("rank %d: no valid checkpoint, starting fresh", self.rt.rank)
         else:
-            owner, path = found
-            try:
-                self.loop, self.cursor = checkpoint.load(
-                    path, self.rt.rank, self.rt.world_size, self.model, self.optimizer, self.scheduler
-                )
-            finally:
-                if owner is not None:
-                    owner.__exit__(None, None, None)
-            resumed_step = self.loop.step
-            log.info("rank %d: resumed from %s at step %d (cursor %s)", self.rt.rank, path, self.loop.step, self.cursor)
+            self.resumed_from, files = found
+            self._restore(files)
+            resumed_step = self.last_checkpoint_step = self.loop.step
+            log.info("rank %d: resumed from %s at step %d (%s)", self.rt.rank, found[0], self.loop.step, self.cursor)
         if self.rt.rank == 0:
             self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed_step)
 
-    def _checkpoint_source(self, explicit: str | None):
-        if explicit:
-            local = Path(tempfile.mkdtemp(prefix="unbroken-resume-"))
-            return None, download_dir(explicit, local)
-        return self.rt.latest_checkpoint_dir()
+    def _restore(self, files: dict[str, bytes]) -> None:
+        model_sd, optim_sd, state = ckpt.decode(files)
+        loop = LoopState(**state["loop"])
+        if loop.world_size != self.rt.world_size:
+            raise ckpt.CheckpointInvalid(
+                f"written by {loop.world_size} workers but this run has {self.rt.world_size}; "
+                "exact resume needs the same cluster.num_workers"
+            )
+        ckpt.load_model_state(self.model, model_sd, self.fsdp, self.lora)
+        ckpt.load_optimizer_state(self.model, self.optimizer, optim_sd, self.fsdp)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loop = loop
+        mine = state["ranks"][self.rt.rank]
+        self.cursor = Cursor(**mine["cursor"])
+        ckpt.set_rng_state(mine["rng"])
+        self.last_eval = state.get("last_eval_loss")
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> LoopState:
-        """Train to ``train.max_steps`` (or return early after step ``stop_at``, as if the job died there)."""
+        """Train to ``train.max_steps``; ``stop_at`` returns early after that step, as if the job died there."""
         end = self.cfg.train.max_steps if stop_at is None else min(stop_at, self.cfg.train.max_steps)
+        first = self.loop.step + 1
         if self.loop.step == 0:
-            self._log({"step": 0, "eval_loss": self.evaluate()})
+            self.last_eval = self.evaluate()
+            self._log({"step": 0, "eval_loss": self.last_eval})
+        heartbeat = self._start_heartbeat()
         self._window = (time.monotonic(), self.loop.tokens_seen)
-        while self.loop.step < end:
-            started = time.monotonic()
-            stats = self.train_step()
-            self.loop.elapsed_s += time.monotonic() - started
-            self._after_step(stats)
+        try:
+            while self.loop.step < end:
+                started = time.monotonic()
+                agreed = self._agree(*self.train_step())
+                self.loop.step += 1
+                self.loop.tokens_seen += agreed.tokens
+                self.loop.elapsed_s += time.monotonic() - started
+                self.last_step_at = time.time()
+                self._after_step(agreed)
+            if stop_at is None:
+                self._finish()
+            else:  # "died" here: a write in flight completes, but is never reported
+                self.writer.close()
+        finally:
+            if heartbeat:
+                heartbeat.stop()
+        if self.rt.rank == 0:
+            log.info("this attempt trained steps %d..%d", first, self.loop.step)
         return self.loop
 
-    def _after_step(self, stats: dict[str, float]) -> None:
-        step, last = self.loop.step, self.loop.step == self.cfg.train.max_steps
-        row: dict[str, Any] = {"step": step}
-        if step % self.cfg.train.log_every_steps == 0 or last:
-            row |= stats | self._throughput()
-        if step % self.cfg.train.eval_every_steps == 0 or last:
-            row["eval_loss"] = self.evaluate()
-        if len(row) > 1:
-            self._log(row)
-        if step % self.cfg.checkpoint.every_steps == 0 or last:
-            self.save_checkpoint(row)
-
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> tuple[float, int, float]:
+        """Forward/backward over ``grad_accum_steps`` micro-batches and one optimizer step (local numbers)."""
         import torch
 
         t = self.cfg.train
@@ -154,75 +282,191 @@ class Trainer:
         loss_sum, tokens = 0.0, 0
         for micro in range(t.grad_accum_steps):
             idx, self.cursor = self.sampler.take(self.cursor, t.micro_batch_size)
+            self.rows_materialized += len(idx)
             ids = torch.from_numpy(self.train_ids[idx]).to(self.device)
             labels = torch.from_numpy(self.train_labels[idx]).to(self.device)
-            sync = micro == t.grad_accum_steps - 1 or not hasattr(self.model, "no_sync")
-            with contextlib.nullcontext() if sync else self.model.no_sync():
+            with self._grad_sync(micro == t.grad_accum_steps - 1), self.autocast():
                 loss = self.model(input_ids=ids, labels=labels).loss
-                (loss / t.grad_accum_steps).backward()
+            (loss / t.grad_accum_steps).backward()
             loss_sum += loss.item() / t.grad_accum_steps
             tokens += int((ids != self.pad_id).sum())
         grad_norm = self._clip()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        g_loss, g_tokens = self.rt.all_reduce_sum([loss_sum, tokens])
-        self.loop.step += 1
-        self.loop.tokens_seen += int(g_tokens)
-        return {"loss": g_loss / self.rt.world_size, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+        return loss_sum, tokens, grad_norm
+
+    def _grad_sync(self, sync: bool):
+        """Gradients are all-reduced only on the last micro-batch of an accumulation."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        if sync or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def _clip(self) -> float:
         import torch
 
         max_norm = self.cfg.train.max_grad_norm or float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
+    def _agree(self, loss: float, tokens: int, grad_norm: float) -> Agreed:
+        rank0 = self.rt.rank == 0
+        every_min = self.cfg.checkpoint.every_minutes
+        time_due = rank0 and every_min > 0 and time.monotonic() - self.last_checkpoint_time >= every_min * 60
+        write_done = rank0 and self.writer.done()
+        v = self.rt.all_reduce_sum([loss, tokens, float(write_done), float(time_due), float(preemption.requested())])
+        return Agreed(v[0] / self.rt.world_size, int(v[1]), grad_norm, v[2] > 0, v[3] > 0, v[4] > 0)
+
+    def _after_step(self, a: Agreed) -> None:
+        t, step = self.cfg.train, self.loop.step
+        last = step == t.max_steps
+        row: dict[str, Any] = {"step": step}
+        if step % t.log_every_steps == 0 or last:
+            row |= {"loss": a.loss, "grad_norm": a.grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+            row |= self._throughput()
+        if step % t.eval_every_steps == 0 or last:
+            row["eval_loss"] = self.last_eval = self.evaluate()
+            if self.loop.best_eval_loss is None or self.last_eval < self.loop.best_eval_loss:
+                self.loop.best_eval_loss = self.last_eval
+        if a.write_done:
+            self._report_pending()
+        if a.preempt:
+            self._log(row)
+            self.checkpoint(sync=True)
+            log.warning("rank %d: just-in-time checkpoint at step %d saved (preemption)", self.rt.rank, step)
+            preemption.checkpoint_saved()
+            raise preemption.Preempted(f"preempted: just-in-time checkpoint at step {step} saved")
+        every = self.cfg.checkpoint.every_steps
+        if not last and ((every and step % every == 0) or a.time_due):
+            row["ckpt_stall_s"] = self.checkpoint(sync=not self.cfg.checkpoint.async_write)
+        self._log(row)
+
+    def _finish(self) -> None:
+        """The last step is always checkpointed, synchronously, and every started write is reported."""
+        if self.last_checkpoint_step != self.loop.step:
+            self.checkpoint(sync=True)
+        elif self.pending is not None:
+            self._report_pending()
+        self.writer.close()
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def checkpoint(self, sync: bool) -> float:
+        """Snapshot state into host memory and hand it to the writer; returns the seconds training was blocked."""
+        started = time.monotonic()
+        if self.pending is not None:  # at most one write in flight: finish (and report) the previous one first
+            self._report_pending()
+        snap = self._snapshot()
+        if self.rt.rank == 0:
+            self.writer.submit(snap, self._checkpoint_url(snap.step))
+        self.pending = (self.loop.step, {"step": self.loop.step, "eval_loss": self.last_eval})
+        self.last_checkpoint_step = self.loop.step
+        self.last_checkpoint_time = time.monotonic()
+        if sync:
+            self._report_pending()
+        stall = time.monotonic() - started
+        self.stalls_s.append(stall)
+        return stall
+
+    def _checkpoint_url(self, step: int) -> str:
+        from ray_jobs.storage import join
+
+        return join(self.layout.checkpoints_dir(self.cfg.name), ckpt.checkpoint_name(step))
+
+    def _snapshot(self) -> ckpt.Snapshot:
+        ranks = self.rt.all_gather_object(ckpt.rank_state(self.cursor))
+        need = self.fsdp or self.rt.rank == 0  # under FSDP gathering the full state is a collective
+        model_sd = ckpt.model_state(self.model, self.fsdp, self.lora) if need else {}
+        optim_sd = ckpt.optimizer_state(self.model, self.optimizer, self.fsdp) if need else {}
+        state = {
+            "loop": asdict(self.loop),
+            "scheduler": self.scheduler.state_dict(),
+            "ranks": ranks,
+            "last_eval_loss": self.last_eval,
+            "config": json.loads(self.cfg.model_dump_json()),
+        }
+        return ckpt.Snapshot(self.loop.step, model_sd, optim_sd, state)
+
+    def _report_pending(self) -> None:
+        """Every rank reports the written checkpoint to Ray together (rank 0 first waits for the write)."""
+        step, metrics = self.pending
+        url = None
+        if self.rt.rank == 0:
+            _, url = self.writer.collect()
+            log.info("checkpoint for step %d written: %s", step, url)
+        self.rt.report(metrics, url)
+        self.pending = None
+
+    # -- measuring ------------------------------------------------------------------------------------------
     def _throughput(self) -> dict[str, float]:
         now = time.monotonic()
         t0, tok0 = self._window
         self._window = (now, self.loop.tokens_seen)
-        rate = (self.loop.tokens_seen - tok0) / max(now - t0, 1e-9)
-        return {"tokens_seen": self.loop.tokens_seen, "tokens_per_s": round(rate, 1), "elapsed_s": self.loop.elapsed_s}
+        self.tokens_per_s = round((self.loop.tokens_seen - tok0) / max(now - t0, 1e-9), 1)
+        return {
+            "tokens_seen": self.loop.tokens_seen,
+            "tokens_per_s": self.tokens_per_s,
+            "elapsed_s": self.loop.elapsed_s,
+        }
 
     def evaluate(self) -> float:
-        """Mean loss per target token over the whole eval split (every rank takes a slice; summed across ranks)."""
+        """Mean loss per target token over the eval split; ranks take slices and run equally many batches."""
         import torch
 
-        model = unwrap(self.model)
+        ids_all, labels_all = self.eval_all
+        mine = slice(self.rt.rank, None, self.rt.world_size)
+        ids, labels = ids_all[mine], labels_all[mine]
+        mb = self.cfg.train.micro_batch_size
+        per_rank = -(-len(ids_all) // self.rt.world_size)
+        batches = -(-per_rank // mb)
+        if self.cfg.train.eval_max_batches:
+            batches = min(batches, self.cfg.train.eval_max_batches)
+        model = self.model if self.fsdp else unwrap(self.model)
         model.eval()
         loss_sum, count = 0.0, 0
-        mb = self.cfg.train.micro_batch_size
-        limit = self.cfg.train.eval_max_batches or None
-        with torch.no_grad():
-            for b, lo in enumerate(range(0, len(self.eval_ids), mb)):
-                if limit is not None and b >= limit:
-                    break
-                ids = torch.from_numpy(self.eval_ids[lo : lo + mb]).to(self.device)
-                labels = torch.from_numpy(self.eval_labels[lo : lo + mb]).to(self.device)
-                n = int((labels[:, 1:] != IGNORE_INDEX).sum())
-                loss_sum += model(input_ids=ids, labels=labels).loss.item() * n
-                count += n
+        with torch.no_grad(), self.autocast():
+            for b in range(batches):
+                lo = b * mb
+                real = lo < len(ids)  # a rank out of rows runs a throwaway batch so collectives stay in step
+                x = torch.from_numpy(ids[lo : lo + mb] if real else ids_all[:mb]).to(self.device)
+                y = torch.from_numpy(labels[lo : lo + mb] if real else labels_all[:mb]).to(self.device)
+                loss = model(input_ids=x, labels=y).loss.item()
+                if real:
+                    n = int((y[:, 1:] != IGNORE_INDEX).sum())
+                    loss_sum, count = loss_sum + loss * n, count + n
         loss_sum, count = self.rt.all_reduce_sum([loss_sum, float(count)])
         return loss_sum / max(count, 1.0)
 
     def _log(self, row: dict[str, Any]) -> None:
-        if self.metrics is not None:
+        if self.metrics is not None and len(row) > 1:
             self.metrics.append({**row, "time": time.time()})
             log.info("step %d %s", row["step"], {k: v for k, v in row.items() if k != "step"})
 
-    def save_checkpoint(self, metrics: dict[str, Any]) -> None:
-        with tempfile.TemporaryDirectory(prefix="unbroken-ckpt-") as d:
-            checkpoint.save(Path(d), self.rt.rank, self.model, self.optimizer, self.scheduler, self.loop, self.cursor)
-            self.rt.report({**metrics, "step": self.loop.step}, Path(d))
+    def _start_heartbeat(self) -> Heartbeat | None:
+        if self.rt.rank != 0:
+            return None
+        url = self.layout.heartbeat(self.cfg.name)
+        return Heartbeat(url, self.cfg.fault_tolerance.heartbeat_every_s, self).start()
 
     # -- the end --------------------------------------------------------------------------------------------
     def export_final(self) -> str | None:
-        """Rank 0 writes the final HF folder (weights, tokenizer, model card) to ``runs/<run>/final``."""
+        """Rank 0 writes the final HF folder (merged weights, tokenizer, model card) to ``runs/<run>/final``."""
+        state = ckpt.model_state(self.model, self.fsdp, self.lora) if (self.fsdp or self.rt.rank == 0) else {}
         if self.rt.rank != 0:
             return None
+        model = load_model(self.model_path, self.cfg.data.cache_dir)
+        if self.lora:
+            model = apply_lora(model, self.cfg)
+            model.load_state_dict(state, strict=False)
+            model = model.merge_and_unload()
+        else:
+            model.load_state_dict(state)
         url = self.layout.final_model(self.cfg.name)
         with tempfile.TemporaryDirectory(prefix="unbroken-final-") as d:
-            unwrap(self.model).save_pretrained(d)
+            model.save_pretrained(d)
             load_tokenizer(self.model_path, self.cfg.data.cache_dir).save_pretrained(d)
             (Path(d) / "README.md").write_text(model_card(self.cfg, self.manifest, self.loop, self.metrics))
             upload_dir(d, url)
@@ -238,6 +482,7 @@ def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: 
     losses = [r for r in rows if "loss" in r]
     facts = {
         "base model": cfg.model.name_or_path,
+        "method": f"LoRA r={cfg.model.lora.r}, merged" if cfg.model.lora else "full fine-tune",
         "dataset id": manifest["dataset_id"],
         "steps": loop.step,
         "tokens seen": loop.tokens_seen,
@@ -253,7 +498,7 @@ def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: 
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Entry point Ray Train runs on every worker."""
+    """Entry point Ray Train runs on every worker (and re-runs after a worker-group restart)."""
     from ray_jobs.runtime import RayRuntime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -262,4 +507,5 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     trainer.resume_or_start(loop_config.get("resume_from"))
     trainer.fit()
     trainer.export_final()
-    log.info("rank %d shard cache: %s", trainer.rt.rank, trainer.cache.counters())
+    log.info("rank %d shard cache: %s; checkpoint stalls (s): %s", trainer.rt.rank, trainer.cache.counters(),
+             [round(s, 4) for s in trainer.stalls_s])  # fmt: skip

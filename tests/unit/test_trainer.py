@@ -1,17 +1,21 @@
-"""The training loop in-process (LocalRuntime): it learns, resumes exactly, and exports a loadable HF folder."""
+"""The training loop in-process (LocalRuntime): it learns, resumes exactly, trusts only verified checkpoints,
+and exports loadable HF folders (full and LoRA)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
-from ray_jobs.base_model import build_builtin
+from ray_jobs import checkpoint as ckpt
+from ray_jobs.base_model import build_builtin, load_tokenizer
 from ray_jobs.config import Config, load_config
 from ray_jobs.runtime import LocalRuntime
 from ray_jobs.staging import stage
+from ray_jobs.storage import Layout
 from ray_jobs.trainer import Trainer
 from tests.conftest import ROOT, tiny_overrides
 
@@ -20,14 +24,24 @@ from tests.conftest import ROOT, tiny_overrides
 def setup(tmp_path_factory) -> tuple[Config, dict, str]:
     storage = tmp_path_factory.mktemp("trainer") / "storage"
     cfg = load_config(
-        ROOT / "configs" / "demo.yaml", tiny_overrides(storage, **{"train.lr": 0.01, "train.warmup_steps": 3})
+        ROOT / "configs" / "demo.yaml",
+        tiny_overrides(
+            storage, **{"train.lr": 0.01, "train.warmup_steps": 3, "fault_tolerance.heartbeat_every_s": 0.2}
+        ),
     )
     model = str(storage.parent / "base")
     build_builtin(cfg.model, cfg.train.seed, model)
-    from ray_jobs.base_model import load_tokenizer
-
     staged = stage(cfg.data, load_tokenizer(model), model, cfg.storage)
     return cfg, staged.manifest, model
+
+
+def named(cfg: Config, name: str, **train: object) -> Config:
+    c = cfg.model_copy(deep=True)
+    c.name = name
+    for k, v in train.items():
+        section, key = k.split("__")
+        setattr(getattr(c, section), key, v)
+    return c
 
 
 def weights_hash(trainer: Trainer) -> str:
@@ -35,48 +49,142 @@ def weights_hash(trainer: Trainer) -> str:
     return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
 
 
-def train(cfg: Config, manifest: dict, model: str, root: Path, stop_at: int | None = None) -> Trainer:
-    t = Trainer(cfg, manifest, model, LocalRuntime(root))
+def train(cfg: Config, manifest: dict, model: str, stop_at: int | None = None) -> Trainer:
+    t = Trainer(cfg, manifest, model, LocalRuntime())
     t.resume_or_start()
     t.fit(stop_at=stop_at)
     return t
 
 
-def test_eval_loss_falls_and_metrics_are_logged(setup, tmp_path: Path) -> None:
+def checkpoints(cfg: Config) -> list[tuple[int, str]]:
+    return ckpt.list_checkpoints(Layout(cfg.storage).checkpoints_dir(cfg.name))
+
+
+def test_eval_loss_falls_and_metrics_and_heartbeat_are_written(setup) -> None:
     cfg, manifest, model = setup
-    t = train(cfg, manifest, model, tmp_path / "a")
+    c = named(cfg, "learns")
+    t = train(c, manifest, model)
     rows = t.metrics.rows
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert [r["step"] for r in rows if "eval_loss" in r] == [0, 10, 20, 30]
     assert evals[-1] < evals[0] * 0.7
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen"} <= set(rows[-1])
+    beat = json.loads(Path(Layout(c.storage).heartbeat(c.name)).read_text())
+    assert beat["step"] == 30 and beat["max_steps"] == 30
+    assert beat["time"] >= beat["last_step_at"] > 0 and beat["pid"] > 0
 
 
-def test_stopped_and_resumed_run_is_bit_identical(setup, tmp_path: Path) -> None:
+def test_checkpoints_have_manifests_and_are_reported_once_each(setup) -> None:
     cfg, manifest, model = setup
-    straight = weights_hash(train(cfg, manifest, model, tmp_path / "straight"))
-    interrupted = tmp_path / "interrupted"
-    cut = train(cfg, manifest, model, interrupted, stop_at=20)  # checkpoints at 10 and 20, then "dies"
-    assert cut.loop.step == 20 and weights_hash(cut) != straight
-    resumed = train(cfg, manifest, model, interrupted)
+    c = named(cfg, "ckpts")
+    t = train(c, manifest, model)
+    assert [s for s, _ in checkpoints(c)] == [30, 20, 10]
+    for _, url in checkpoints(c):
+        files = ckpt.read_verified(url)
+        assert set(files) == {"model.safetensors", "optim.pt", "state.json"}
+    reported = [(m["step"], url) for m, url in t.rt.reports]
+    assert [s for s, _ in reported] == [10, 20, 30]
+    assert all(url and url.endswith(ckpt.checkpoint_name(s)) for s, url in reported)
+    assert len(t.stalls_s) == 3
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_stopped_and_resumed_run_is_bit_identical(setup, async_write: bool) -> None:
+    cfg, manifest, model = setup
+    straight = weights_hash(
+        train(named(cfg, f"straight-{str(async_write).lower()}", checkpoint__async_write=async_write), manifest, model)
+    )
+    c = named(cfg, f"cut-{str(async_write).lower()}", checkpoint__async_write=async_write)
+    cut = train(c, manifest, model, stop_at=25)  # checkpoints at 10 and 20, then "dies" at 25
+    assert cut.loop.step == 25 and weights_hash(cut) != straight
+    resumed = train(c, manifest, model)
+    assert resumed.resumed_from.endswith(ckpt.checkpoint_name(20))
     assert resumed.loop.step == 30
     assert weights_hash(resumed) == straight
     logged = [r["step"] for r in resumed.metrics.rows]
     assert logged == sorted(set(logged)), "metrics.jsonl holds each step once after a resume"
 
 
-def test_final_export_loads_with_transformers_and_generates(setup, tmp_path: Path) -> None:
+def test_resume_deep_into_an_epoch_builds_no_batch_for_skipped_rows(setup) -> None:
+    cfg, manifest, model = setup
+    c = named(cfg, "deep", train__max_steps=31)
+    train(c, manifest, model, stop_at=30)
+    resumed = Trainer(c, manifest, model, LocalRuntime())
+    resumed.resume_or_start()
+    assert resumed.cursor.pos > 0, "the resume point is inside an epoch"
+    assert resumed.rows_materialized == 0
+    resumed.fit()
+    assert resumed.rows_materialized == c.train.micro_batch_size * c.train.grad_accum_steps
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100]), "is 100 bytes"),
+        (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
+    ],
+    ids=["truncated-file", "missing-manifest"],
+)
+def test_a_damaged_newest_checkpoint_is_skipped_saying_why(setup, caplog, damage, reason: str) -> None:
+    cfg, manifest, model = setup
+    c = named(cfg, f"damaged-{reason.split()[0]}")
+    train(c, manifest, model)
+    newest = Path(checkpoints(c)[0][1])
+    damage(newest)
+    with caplog.at_level(logging.WARNING, logger="unbroken.checkpoint"):
+        t = Trainer(c, manifest, model, LocalRuntime())
+        t.resume_or_start()
+    assert t.loop.step == 20 and t.resumed_from.endswith(ckpt.checkpoint_name(20))
+    assert any(str(newest) in r.message and reason in r.message for r in caplog.records), caplog.text
+
+
+def test_an_explicit_damaged_checkpoint_is_refused(setup) -> None:
+    cfg, manifest, model = setup
+    c = named(cfg, "explicit")
+    train(c, manifest, model, stop_at=10)
+    url = checkpoints(c)[0][1]
+    (Path(url) / "optim.pt").write_bytes(b"garbage")
+    t = Trainer(c, manifest, model, LocalRuntime())
+    with pytest.raises(ckpt.CheckpointInvalid, match="optim.pt"):
+        t.resume_or_start(explicit_checkpoint=url)
+
+
+def _load_and_generate(final: Path) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg, manifest, model = setup
-    t = train(cfg, manifest, model, tmp_path / "x")
-    url = t.export_final()
-    final = Path(url)
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in final.iterdir()}
     tok = AutoTokenizer.from_pretrained(final)
     lm = AutoModelForCausalLM.from_pretrained(final)
     out = lm.generate(**tok("<s>12+3=", add_special_tokens=False, return_tensors="pt"), max_new_tokens=3)
-    assert out.shape[1] > 0
+    return tok.decode(out[0])
+
+
+def test_full_run_exports_a_folder_that_loads_and_generates(setup) -> None:
+    cfg, manifest, model = setup
+    t = train(named(cfg, "export-full"), manifest, model)
+    final = Path(t.export_final())
+    assert _load_and_generate(final).startswith("<s>12+3=")
     card = (final / "README.md").read_text()
-    assert manifest["dataset_id"] in card and "eval loss at step 0" in card
+    assert manifest["dataset_id"] in card and "eval loss at step 0" in card and "full fine-tune" in card
     assert json.loads((final / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_lora_run_trains_adapters_only_resumes_exactly_and_exports_merged(setup) -> None:
+    cfg, manifest, model = setup
+    lora = {"model.lora.r": 4, "model.lora.target_modules": "[q_proj, k_proj, v_proj, o_proj]"}
+    c = load_config(ROOT / "configs" / "demo.yaml", tiny_overrides(Path(cfg.storage), name="lora", **lora))
+    straight = train(c, manifest, model)
+    trainable = {n for n, p in straight.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    saved = ckpt.decode(ckpt.read_verified(checkpoints(c)[0][1]))[0]
+    assert set(saved) == trainable, "a LoRA checkpoint holds the adapter weights only"
+
+    c2 = c.model_copy(deep=True)
+    c2.name = "lora-cut"
+    train(c2, manifest, model, stop_at=15)
+    assert weights_hash(train(c2, manifest, model)) == weights_hash(straight)
+
+    final = Path(straight.export_final())
+    assert "lora" not in (final / "model.safetensors").read_bytes()[:4096].decode("latin-1")
+    assert _load_and_generate(final).startswith("<s>12+3=")
+    assert "LoRA r=4, merged" in (final / "README.md").read_text()
