@@ -1,16 +1,19 @@
 """SIGTERM -> just-in-time checkpoint at the next step boundary, then exit (bounded by a grace period).
 
-Ray Train runs the training function in a side thread of the worker process, while signal handlers live on the
-main thread. A Torch backend hook (:class:`UnbrokenTorchConfig`) runs on each worker's main thread and installs
-the handler. The handler raises a flag the training loop checks at every step boundary (agreed across ranks),
-then waits until the loop has saved the checkpoint -- or the grace period ran out -- and exits the process as
-Ray's own SIGTERM handler would. Ray Train then restarts the worker group (FailureConfig), which resumes from
-that checkpoint: no step is lost or repeated.
+Ray Train runs the training function in a side thread of the worker process, while signal handlers belong to
+the main thread -- which sits in Ray's C++ task loop and runs Python handlers only when it next runs Python,
+possibly long after the signal. So a Torch backend hook (:func:`torch_config`) runs on each worker's main thread
+and installs a handler *plus* a wakeup fd: CPython's C-level handler writes the signal number to a pipe at once,
+and a watcher thread turns it into the flag the training loop checks at every step boundary (agreed across
+ranks). The loop saves the checkpoint and raises :class:`Preempted` on every rank, so Ray Train restarts the
+worker group, which resumes from that checkpoint: no step is lost or repeated. If no checkpoint comes within
+the grace period (a hung loop), the process exits anyway, as SIGTERM demands.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -20,6 +23,13 @@ log = logging.getLogger("unbroken.preemption")
 
 _requested = threading.Event()
 _saved = threading.Event()
+_training = threading.Event()  # set only while the loop runs; outside it there is nothing to save
+_triggered = threading.Lock()
+
+
+def training(active: bool) -> None:
+    """The loop marks when it is running (a SIGTERM outside it exits at once, as Ray's default would)."""
+    (_training.set if active else _training.clear)()
 
 
 def requested() -> bool:
@@ -28,28 +38,47 @@ def requested() -> bool:
 
 
 def checkpoint_saved() -> None:
-    """The loop saved the just-in-time checkpoint: the process may exit now."""
+    """The loop saved the just-in-time checkpoint."""
     _saved.set()
+
+
+def _on_sigterm(grace_s: float) -> None:
+    if not _training.is_set():
+        log.warning("SIGTERM outside the training loop: exiting now (the last checkpoint is the resume point)")
+        os._exit(1)
+    _requested.set()
+    log.warning("SIGTERM: saving a checkpoint at the next step boundary (grace %.0fs)", grace_s)
+    if not _saved.wait(grace_s):
+        log.error("SIGTERM: no checkpoint within %.0fs; exiting without one", grace_s)
+        os._exit(1)
+    # Saved: the loop raised Preempted and Ray Train is restarting the group, which ends this process. Should
+    # it somehow linger, SIGTERM still means exit.
+    time.sleep(grace_s)
+    os._exit(1)
+
+
+def _trigger(grace_s: float) -> None:
+    """Start the SIGTERM response once, on its own thread: whoever notices the signal first must not block --
+    least of all the main thread, which serves Ray Train's health polls (a blocked poll gets the group killed)."""
+    if _triggered.acquire(blocking=False):
+        threading.Thread(target=_on_sigterm, args=(grace_s,), name="unbroken-sigterm", daemon=True).start()
+
+
+def _watch(read_fd: int, grace_s: float) -> None:
+    while True:
+        if signal.SIGTERM in os.read(read_fd, 64):
+            _trigger(grace_s)
 
 
 def install_sigterm_handler(grace_s: float) -> None:
     """Must run on the main thread. Replaces Ray's SIGTERM handler with a checkpoint-first one."""
-
-    def handler(signum, frame):
-        started = time.monotonic()
-        _requested.set()
-        log.warning("SIGTERM: saving a checkpoint at the next step boundary (grace %.0fs)", grace_s)
-        saved = _saved.wait(grace_s)
-        log.warning(
-            "SIGTERM: %s after %.1fs; exiting",
-            "checkpoint saved" if saved else "grace period over without a checkpoint",
-            time.monotonic() - started,
-        )
-        from ray._private.worker import raise_sys_exit_with_custom_error_message
-
-        raise_sys_exit_with_custom_error_message("The process received a SIGTERM (preempted).", exit_code=1)
-
-    signal.signal(signal.SIGTERM, handler)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _trigger(grace_s))
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if previous != -1:
+        log.warning("replaced an existing signal wakeup fd (%d)", previous)
+    threading.Thread(target=_watch, args=(read_fd, grace_s), name="unbroken-signal-watch", daemon=True).start()
 
 
 class Preempted(RuntimeError):

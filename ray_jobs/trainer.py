@@ -253,6 +253,7 @@ class Trainer:
             self._log({"step": 0, "eval_loss": self.last_eval})
         heartbeat = self._start_heartbeat()
         self._window = (time.monotonic(), self.loop.tokens_seen)
+        preemption.training(True)
         try:
             while self.loop.step < end:
                 started = time.monotonic()
@@ -267,6 +268,7 @@ class Trainer:
             else:  # "died" here: a write in flight completes, but is never reported
                 self.writer.close()
         finally:
+            preemption.training(False)
             if heartbeat:
                 heartbeat.stop()
         if self.rt.rank == 0:

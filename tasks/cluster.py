@@ -10,10 +10,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
+from tasks.logs import run_logger
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
@@ -117,7 +118,7 @@ def stop_local_head() -> None:
 @task(name="provision-cluster", cache_policy=NO_CACHE)
 def provision_cluster(cfg: Config) -> ClusterHandle:
     """Start a local Ray head, or check that ``cluster.address`` answers; returns how to reach it."""
-    log = get_run_logger()
+    log = run_logger()
     if cfg.cluster.address:
         why = _reachable(cfg.cluster.address)
         if why:
@@ -135,4 +136,4 @@ def stop_cluster(handle: ClusterHandle) -> None:
     """Stop a local head this flow started (never a cluster it merely used)."""
     if handle.started_here:
         stop_local_head()
-        get_run_logger().info("stopped the local Ray head")
+        run_logger().info("stopped the local Ray head")

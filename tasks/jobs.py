@@ -10,13 +10,14 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout, read_bytes, write_json_atomic
 from tasks.cluster import ClusterHandle, jobs_client
+from tasks.logs import run_logger
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # What never travels to the cluster in runtime_env.working_dir (the venv alone is GBs).
@@ -46,7 +47,7 @@ def write_job_spec(cfg: Config, attempt: int, manifest_url: str, model_path: str
 
 def submit(handle: ClusterHandle, submission_id: str, module: str, spec_url: str) -> str:
     """Submit ``python -m <module> --spec <url>``; a job already submitted under this id is not submitted twice."""
-    log = get_run_logger()
+    log = run_logger()
     client = jobs_client(handle.address)
     if any(j.submission_id == submission_id for j in client.list_jobs()):
         log.info("Ray job %s was already submitted; watching it", submission_id)
@@ -90,7 +91,7 @@ async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, 
     """Poll the job until it ends, forwarding its log; stop the job if the watch itself is interrupted."""
     from ray.job_submission import JobStatus
 
-    log = get_run_logger()
+    log = run_logger()
     client = jobs_client(handle.address)
     tail = asyncio.create_task(_forward_logs(client, submission_id, log))
     status = None
@@ -144,5 +145,5 @@ async def prefetch_shards(handle: ClusterHandle, submission_id: str, spec_url: s
     logs = client.get_job_logs(submission_id)
     nodes = [json.loads(ln.split("PREFLIGHT CACHE ", 1)[1]) for ln in logs.splitlines() if "PREFLIGHT CACHE " in ln]
     for n in nodes:
-        get_run_logger().info("shard cache on node %s: %s", n["node"], n)
+        run_logger().info("shard cache on node %s: %s", n["node"], n)
     return nodes

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import tempfile
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.base_model import build_builtin, builtin_name, is_builtin
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout, exists, join, upload_dir
+from tasks.logs import run_logger
 
 
 @task(name="prepare-base-model", cache_policy=NO_CACHE)
@@ -17,7 +18,7 @@ def prepare_base_model(cfg: Config) -> str:
     """Return where the job loads the base model from: a hub id, a folder, or the built-in model on storage."""
     if not is_builtin(cfg.model):
         return cfg.model.name_or_path
-    log = get_run_logger()
+    log = run_logger()
     url = Layout(cfg.storage).model_dir(builtin_name(cfg.model, cfg.train.seed))
     if exists(join(url, "README.md")):
         log.info("built-in base model already on storage: %s", url)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout, read_bytes
+from tasks.logs import run_logger
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
 
@@ -102,7 +103,7 @@ def summarize(cfg: Config, dataset_id: str) -> dict[str, Any]:
     )
     create_markdown_artifact(summary_markdown(cfg, s), key=f"{cfg.name}-summary", description="run summary")
     create_link_artifact(final, link_text="final model folder", key=f"{cfg.name}-final-model")
-    get_run_logger().info(
+    run_logger().info(
         "eval loss %.4f at step 0 -> %.4f at step %d; exact match %s",
         s["first_eval_loss"], s["final_eval_loss"], s["steps"], s["exact_match"],
     )  # fmt: skip

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.base_model import load_tokenizer
 from ray_jobs.config import Config
 from ray_jobs.staging import StagingError, stage
+from tasks.logs import run_logger
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Staged:
 @task(name="stage-dataset", cache_policy=NO_CACHE)
 def stage_dataset(cfg: Config, model_path: str) -> Staged:
     """Validate, tokenize and pack ``data.train`` into Parquet shards + manifest under ``<storage>/datasets``."""
-    log = get_run_logger()
+    log = run_logger()
     try:
         tokenizer = load_tokenizer(model_path, cfg.data.cache_dir)
     except (OSError, ValueError) as e:
