@@ -150,20 +150,49 @@ def load_model_state(model, sd: dict[str, Any], fsdp: bool, trainable_only: bool
     if expected is not None and set(sd) != expected:
         raise CheckpointInvalid(f"checkpoint weights {sorted(set(sd) ^ expected)[:5]} do not match the model")
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        import torch
 
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=not trainable_only))
+        params = dict(model.named_parameters())
+        missing = set(params) - set(sd) if not trainable_only else set()
+        if missing:
+            raise CheckpointInvalid(f"checkpoint lacks weights {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for name, full in sd.items():
+                if name in params:
+                    params[name].copy_(_local_shard(full, params[name]))
     else:
         unwrap(model).load_state_dict(sd, strict=not trainable_only)
 
 
-def load_optimizer_state(model, optimizer, osd: dict[str, Any], fsdp: bool) -> None:
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+def _local_shard(full, like):
+    """This rank's piece of a full tensor, cut locally (every rank holds the full tensor: no collective)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-        set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
-    else:
+    full = full.to(device=like.device, dtype=like.dtype)
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full
+
+
+def load_optimizer_state(model, optimizer, osd: dict[str, Any], fsdp: bool) -> None:
+    if not fsdp:
         optimizer.load_state_dict(osd)
+        return
+    # The FSDP optimizer state was saved keyed by parameter name with full tensors; rebuild the optimizer's own
+    # (index-keyed, sharded) form locally, moment by moment.
+    names = {id(p): n for n, p in model.named_parameters()}
+    state, groups = {}, []
+    index = 0
+    for group, saved_group in zip(optimizer.param_groups, osd["param_groups"], strict=True):
+        ids = []
+        for p in group["params"]:
+            saved = osd["state"].get(names[id(p)])
+            if saved is not None:
+                state[index] = {k: _local_shard(v, p) if k != "step" else v for k, v in saved.items()}
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 # -- snapshot, write, verify, read ----------------------------------------------------------------------------

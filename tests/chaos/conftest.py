@@ -1,4 +1,4 @@
-"""One real local Ray head (token auth on) for the whole chaos module; stopped at the end."""
+"""One real local Ray head (token auth on) per chaos module; stopped at its end."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tasks.cluster import ClusterHandle, start_local_head, stop_local_head
 from tests.chaos.harness import DEMO
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory) -> ClusterHandle:
     storage = tmp_path_factory.mktemp("chaos-cluster")
     cfg = load_config(DEMO, [f"storage={storage}", "cluster.dashboard_port=8285", "cluster.head_port=6399"])

@@ -71,3 +71,21 @@ def test_sigterm_saves_the_current_step_and_the_restart_repeats_no_step(ray_clus
     attempts = [tuple(map(int, m)) for m in re.findall(r"this attempt trained steps (\d+)\.\.(\d+)", logs)]
     assert attempts == [(step + 1, cfg.train.max_steps)], "after the restart, training starts at the next step"
     assert final_weights_hash(cfg) == baseline
+
+
+def test_fsdp_run_killed_mid_run_ends_bit_identical_and_exports(ray_cluster, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    fsdp = {"train.parallelism": "fsdp", "train.max_steps": 120}
+    straight = chaos_config(tmp_path / "a", "fsdp-straight", **fsdp)
+    sid = start_training(ray_cluster, straight)
+    assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
+
+    cfg = chaos_config(tmp_path / "b", "fsdp-kill9", **fsdp)
+    sid = start_training(ray_cluster, cfg)
+    wait_for("the first checkpoint", lambda: ckpt.list_checkpoints(Layout(cfg.storage).checkpoints_dir(cfg.name)))
+    kill(rank0_pid(cfg), signal.SIGKILL)
+    assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
+    assert "resumed from" in job_logs(ray_cluster, sid)
+    assert final_weights_hash(cfg) == final_weights_hash(straight)
+    AutoModelForCausalLM.from_pretrained(Path(Layout(cfg.storage).final_model(cfg.name)))
