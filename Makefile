@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration lint format clean
+.PHONY: setup demo test test-unit test-integration test-chaos lint format clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,9 @@ test-unit: setup
 
 test-integration: setup
 	$(VENV)/bin/pytest tests/integration
+
+test-chaos: setup
+	$(VENV)/bin/pytest tests/chaos
 
 lint: setup
 	$(VENV)/bin/ruff check .

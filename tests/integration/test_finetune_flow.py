@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,10 @@ def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> No
     assert reg["state"] == "succeeded"
     assert [a["submission_id"] for a in reg["attempts"]] == ["unbroken-e2e-train-001"]
     assert reg["final_model"] == str(final)
-    ckpts = list((storage / "ray" / "e2e").glob("checkpoint_*"))
-    assert ckpts, "Ray Train wrote checkpoints under <storage>/ray/<run>"
+    ckpts = sorted((storage / "ray" / "e2e").glob("checkpoint-step-*"))
+    assert ckpts and all((c / "manifest.json").exists() for c in ckpts), "checkpoints with manifests"
+    beat = json.loads((storage / "runs" / "e2e" / "heartbeat.json").read_text())
+    assert beat["step"] == beat["max_steps"] == 30
     assert _reachable("http://127.0.0.1:8265") is not None, "the local head this flow started must be stopped"
 
 

@@ -188,3 +188,39 @@ def test_lora_run_trains_adapters_only_resumes_exactly_and_exports_merged(setup)
     assert "lora" not in (final / "model.safetensors").read_bytes()[:4096].decode("latin-1")
     assert _load_and_generate(final).startswith("<s>12+3=")
     assert "LoRA r=4, merged" in (final / "README.md").read_text()
+
+
+def test_time_based_cadence_checkpoints_without_a_step_schedule(setup) -> None:
+    cfg, manifest, model = setup
+    c = named(cfg, "by-time", checkpoint__every_steps=0, checkpoint__every_minutes=1e-6)
+    t = train(c, manifest, model)
+    steps = sorted(s for s, _ in checkpoints(c))
+    assert len(steps) > 3 and steps[-1] == 30, "every step is past a 60 us interval; the last step always counts"
+    assert [m["step"] for m, _ in t.rt.reports] == steps, "each checkpoint is reported to the platform once"
+
+
+def test_bf16_autocast_and_gradient_checkpointing_train(setup) -> None:
+    cfg, manifest, model = setup
+    c = named(cfg, "bf16", train__precision="bf16", train__gradient_checkpointing=True)
+    t = train(c, manifest, model)
+    evals = [r["eval_loss"] for r in t.metrics.rows if "eval_loss" in r]
+    assert evals[-1] < evals[0]
+    assert t.model.is_gradient_checkpointing
+    assert all(p.dtype.is_floating_point and p.dtype.itemsize == 4 for p in t.model.parameters()), "weights stay fp32"
+
+
+def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
+    from ray_jobs.job import build_trainer
+
+    cfg = load_config(
+        ROOT / "configs" / "demo.yaml",
+        ["storage=/tmp/x", "checkpoint.num_to_keep=4", "checkpoint.keep_best_by=eval_loss",
+         "fault_tolerance.max_failures=5", "fault_tolerance.preemption_grace_s=12"],
+    )  # fmt: skip
+    trainer = build_trainer(cfg, {"dataset_id": "ds-x"}, "/m", None)
+    run = trainer.run_config
+    assert run.name == "demo" and run.storage_path == "/tmp/x/ray"
+    assert run.checkpoint_config.num_to_keep == 4
+    assert run.checkpoint_config.checkpoint_score_attribute == "eval_loss"
+    assert run.failure_config.max_failures == 5
+    assert trainer.backend_config.preemption_grace_s == 12 and trainer.backend_config.backend == "gloo"
