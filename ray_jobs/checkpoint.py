@@ -261,6 +261,7 @@ def read_verified(url: str) -> dict[str, bytes]:
 def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
     """(step, url) of every checkpoint folder under a run's checkpoint dir, newest first."""
     fs, path = fs_and_path(checkpoints_dir)
+    fs.invalidate_cache(path)  # s3fs caches listings; a stale one would hide the newest checkpoint
     try:
         entries = fs.ls(path, detail=False)
     except FileNotFoundError:

@@ -34,13 +34,21 @@ class _Section(BaseModel):
 
 class DataConfig(_Section):
     train: str
-    """Training source: a JSONL file or a folder of them, as a local path or any fsspec URL (``s3://...``)."""
+    """Training source: a JSONL or Parquet file, or a folder of them, as a local path or any fsspec URL (``s3://...``)."""
     eval: str | None = None
     """Optional separate eval source; when empty, ``eval_fraction`` of ``train`` is held out by record hash."""
+    format: Literal["pairs", "text", "chat"] = "pairs"
+    """``pairs``: prompt/completion fields (prompt masked from the loss); ``text``: one text field, all of it
+    learned; ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat template, the
+    final assistant message learned."""
     input_field: str = "input"
-    """Record field holding the prompt; its tokens are masked from the loss."""
+    """``pairs``: record field holding the prompt; its tokens are masked from the loss."""
     target_field: str = "target"
-    """Record field holding the completion the model learns to produce."""
+    """``pairs``: record field holding the completion the model learns to produce."""
+    text_field: str = "text"
+    """``text``: record field holding the text."""
+    messages_field: str = "messages"
+    """``chat``: record field holding the list of messages; the last one must be the assistant's."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     """Share of records held out for eval (chosen by record hash, so adding records never reshuffles)."""
     seq_len: int = Field(256, ge=8)
@@ -55,6 +63,8 @@ class DataConfig(_Section):
     """Write at least this many train shards, so up to this many ranks each read shards of their own."""
     cache_dir: str = "/tmp/unbroken/cache"
     """Node-local folder where each node keeps the shards its ranks read (the same path on every node)."""
+    cache_max_gb: float = Field(100.0, gt=0)
+    """Size cap of ``cache_dir`` per node, in GB; other datasets' shards are evicted (least recently used first)."""
 
 
 class TinyModelConfig(_Section):

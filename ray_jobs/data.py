@@ -25,14 +25,23 @@ class ShardIntegrityError(RuntimeError):
 
 
 class ShardCache:
-    """Verified node-local copies of one dataset's shards; a miss reads shared storage once and fills the cache."""
+    """Verified node-local copies of one dataset's shards; a miss reads shared storage once and fills the cache.
 
-    def __init__(self, storage: str, dataset_id: str, cache_dir: str):
+    The cache folder holds one subfolder per dataset. When a new shard would push it past ``max_bytes``, whole
+    folders of *other* datasets are evicted, least recently used first; the dataset in use is never evicted.
+    """
+
+    def __init__(self, storage: str, dataset_id: str, cache_dir: str, max_bytes: float = float("inf")):
         self.remote_dir = Layout(storage).dataset_dir(dataset_id)
-        self.local_dir = Path(cache_dir) / dataset_id
+        self.root = Path(cache_dir)
+        self.local_dir = self.root / dataset_id
+        self.max_bytes = max_bytes
         self.hits = 0
         self.misses = 0
         self.bytes_from_storage = 0
+        self.evicted: list[str] = []
+        if self.local_dir.exists():
+            os.utime(self.local_dir)  # "recently used", for eviction order
 
     def local_path(self, entry: dict[str, Any]) -> Path:
         """Path of a verified local copy of a shard, fetching it on a miss."""
@@ -45,8 +54,21 @@ class ShardCache:
         self.bytes_from_storage += len(data)
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise ShardIntegrityError(f"{join(self.remote_dir, entry['file'])}: sha256 does not match the manifest")
+        self._make_room(len(data))
         self._store(local, data, entry["sha256"])
         return local
+
+    def _make_room(self, incoming: int) -> None:
+        import shutil
+
+        others = [d for d in self.root.iterdir() if d.is_dir() and d != self.local_dir] if self.root.exists() else []
+        used = sum(_tree_bytes(d) for d in [*others, self.local_dir] if d.exists())
+        for victim in sorted(others, key=lambda d: d.stat().st_mtime):
+            if used + incoming <= self.max_bytes:
+                break
+            used -= _tree_bytes(victim)
+            shutil.rmtree(victim, ignore_errors=True)
+            self.evicted.append(victim.name)
 
     @staticmethod
     def _is_valid(local: Path, entry: dict[str, Any]) -> bool:
@@ -68,6 +90,10 @@ class ShardCache:
 
     def counters(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "bytes_from_storage": self.bytes_from_storage}
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def rank_shards(entries: list[dict[str, Any]], rank: int, world_size: int) -> list[dict[str, Any]]:

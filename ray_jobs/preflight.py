@@ -41,13 +41,13 @@ def check_fit(cfg, total: dict[str, float], manifest: dict) -> list[str]:
     return problems
 
 
-def warm_node(storage: str, dataset_id: str, cache_dir: str, entries: list[dict]) -> dict:
+def warm_node(storage: str, dataset_id: str, cache_dir: str, max_bytes: float, entries: list[dict]) -> dict:
     import ray
 
-    cache = ShardCache(storage, dataset_id, cache_dir)
+    cache = ShardCache(storage, dataset_id, cache_dir, max_bytes)
     for e in entries:
         cache.local_path(e)
-    return {"node": ray.get_runtime_context().get_node_id()[:12], **cache.counters()}
+    return {"node": ray.get_runtime_context().get_node_id()[:12], **cache.counters(), "evicted": cache.evicted}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     task = ray.remote(num_cpus=0)(warm_node)
     refs = [
         task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, entries
+            cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, cfg.data.cache_max_gb * 1e9, entries
         )
         for n in ray.nodes()
         if n["Alive"]

@@ -22,7 +22,7 @@ from ray_jobs.storage import Layout, exists, fs_and_path, join, read_json, write
 
 STAGING_VERSION = 1
 IGNORE_INDEX = -100
-_SOURCE_SUFFIXES = (".jsonl", ".json")
+_SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 class StagingError(ValueError):
@@ -41,12 +41,17 @@ class Record:
 @dataclass
 class Reject:
     file: str
-    line: int
+    line: int  # 1-based line of a JSONL file, or row of a Parquet file (see ``unit``)
     reason: str
     text: str = ""
+    unit: str = "line"
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file}:row {self.line}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "line": self.line, "reason": self.reason, "text": self.text}
+        return {"file": self.file, self.unit: self.line, "reason": self.reason, "text": self.text}
 
 
 @dataclass
@@ -58,14 +63,27 @@ class SourceFile:
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
+    @property
+    def unit(self) -> str:
+        return "row" if self.url.endswith((".parquet", ".arrow")) else "line"
+
 
 def list_sources(url: str, field_name: str = "data.train") -> list[str]:
-    """The JSONL files of a source: the file itself, or every ``*.jsonl`` under a folder, sorted."""
+    """The files of a source: the file itself, a ``datasets`` ``save_to_disk`` folder's Arrow files, or every
+    JSONL/Parquet file under a folder, sorted."""
     fs, path = fs_and_path(url)
+    fs.invalidate_cache(path)  # a bucket listing cached earlier in this process may predate new files
     if not fs.exists(path):
         raise StagingError(f"{field_name}: no such file or folder: {url}")
     if fs.isfile(path):
         return [url]
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    if "dataset_dict.json" in names:
+        raise StagingError(f"{field_name}: {url} holds several splits (a DatasetDict); point at one, e.g. {url}/train")
+    if "state.json" in names:  # a datasets.Dataset.save_to_disk folder: its Arrow files, in order
+        with fs.open(f"{path.rstrip('/')}/state.json") as f:
+            files = [d["filename"] for d in json.load(f)["_data_files"]]
+        return [f"{url.rstrip('/')}/{name}" for name in files]
     found = sorted(p for p in fs.find(path) if p.endswith(_SOURCE_SUFFIXES))
     if not found:
         raise StagingError(f"{field_name}: folder {url} has no {'/'.join(_SOURCE_SUFFIXES)} files")
@@ -85,48 +103,123 @@ def read_sources(url: str, field_name: str) -> list[SourceFile]:
     return out
 
 
-def parse_records(src: SourceFile, data: DataConfig, split: str = "train") -> tuple[list[Record], list[Reject]]:
-    """Validate every line of one JSONL file; a line is either a Record or a Reject, never lost."""
+def parse_records(
+    src: SourceFile, data: DataConfig, split: str = "train", render=None
+) -> tuple[list[Record], list[Reject]]:
+    """Check every record of one source file; each becomes a Record or a Reject, none is lost.
+
+    ``render`` turns chat messages into (prompt, target) text (the tokenizer's chat template); only ``chat`` needs it.
+    """
     records: list[Record] = []
     rejects: list[Reject] = []
-    for lineno, raw in enumerate(src.data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue  # blank lines are not records in JSONL
-        problem, rec = _parse_line(raw, data)
+    for pos, obj, problem, preview in _objects(src):
+        if problem is None:
+            problem, prompt, target = _check(obj, data, render)
         if problem:
-            preview = raw[:200].decode("utf-8", errors="replace")
-            rejects.append(Reject(src.url, lineno, problem, preview))
+            rejects.append(Reject(src.url, pos, problem, preview, src.unit))
         else:
-            records.append(Record(src.url, lineno, *rec, split=split))
+            records.append(Record(src.url, pos, prompt, target, split=split))
     return records, rejects
 
 
-def _parse_line(raw: bytes, data: DataConfig) -> tuple[str | None, tuple[str, str]]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return f"invalid UTF-8 at byte {e.start}", ("", "")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return f"invalid JSON: {e.msg} (column {e.colno})", ("", "")
+def _objects(src: SourceFile):
+    """(position, object, problem, preview) for each record: JSONL lines (blank ones are not records) or Parquet rows."""
+    if src.unit == "row":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        arrow = src.url.endswith(".arrow")
+        try:
+            table = (
+                pa.ipc.open_stream(io.BytesIO(src.data)).read_all() if arrow else pq.read_table(io.BytesIO(src.data))
+            )
+            rows = table.to_pylist()
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise StagingError(f"{src.url}: not a readable {'Arrow' if arrow else 'Parquet'} file: {e}") from e
+        for i, row in enumerate(rows, start=1):
+            yield i, row, None, json.dumps(row, default=str)[:200]
+        return
+    for lineno, raw in enumerate(src.data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        preview = raw[:200].decode("utf-8", errors="replace")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield lineno, None, f"invalid UTF-8 at byte {e.start}", preview
+            continue
+        try:
+            yield lineno, json.loads(text), None, preview
+        except json.JSONDecodeError as e:
+            yield lineno, None, f"invalid JSON: {e.msg} (column {e.colno})", preview
+
+
+def _check(obj: Any, data: DataConfig, render) -> tuple[str | None, str, str]:
+    """(problem, prompt, target) of one decoded record under ``data.format``."""
     if not isinstance(obj, dict):
-        return f"expected a JSON object, got {type(obj).__name__}", ("", "")
-    values = []
-    for key in (data.input_field, data.target_field):
-        if key not in obj:
-            return f"missing field {key!r}", ("", "")
-        if not isinstance(obj[key], str):
-            return f"field {key!r} must be a string, got {type(obj[key]).__name__}", ("", "")
-        if not obj[key].strip():
-            return f"field {key!r} is empty", ("", "")
-        values.append(obj[key])
-    if sum(map(len, values)) > data.max_record_chars:
-        return f"record is {sum(map(len, values))} characters, over data.max_record_chars ({data.max_record_chars})", (
-            "",
-            "",
+        return f"expected a JSON object, got {type(obj).__name__}", "", ""
+    if data.format == "chat":
+        problem, prompt, target = _check_chat(obj, data.messages_field, render)
+    else:
+        fields = (data.input_field, data.target_field) if data.format == "pairs" else (data.text_field,)
+        problem = next(filter(None, (_string_problem(obj, f) for f in fields)), None)
+        if problem:
+            return problem, "", ""
+        prompt, target = (obj[fields[0]], obj[fields[1]]) if data.format == "pairs" else ("", obj[fields[0]])
+    if problem:
+        return problem, "", ""
+    if len(prompt) + len(target) > data.max_record_chars:
+        n = len(prompt) + len(target)
+        return f"record is {n} characters, over data.max_record_chars ({data.max_record_chars})", "", ""
+    return None, prompt, target
+
+
+def _string_problem(obj: dict, key: str) -> str | None:
+    if key not in obj:
+        return f"missing field {key!r}"
+    if not isinstance(obj[key], str):
+        return f"field {key!r} must be a string, got {type(obj[key]).__name__}"
+    if not obj[key].strip():
+        return f"field {key!r} is empty"
+    return None
+
+
+def _check_chat(obj: dict, key: str, render) -> tuple[str | None, str, str]:
+    msgs = obj.get(key)
+    if key not in obj:
+        return f"missing field {key!r}", "", ""
+    if not isinstance(msgs, list) or not msgs:
+        return f"field {key!r} must be a non-empty list of messages", "", ""
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"{key}[{i}] must be an object with string 'role' and 'content'", "", ""
+        if not m["content"].strip():
+            return f"{key}[{i}] has empty content", "", ""
+    if msgs[-1]["role"] != "assistant":
+        return f"the last message must be the assistant's (got {msgs[-1]['role']!r})", "", ""
+    try:
+        prompt, target = render(msgs)
+    except Exception as e:  # a template error names the record, not the whole run
+        return f"chat template failed: {e}", "", ""
+    return None, prompt, target
+
+
+def chat_renderer(tokenizer, name: str):
+    """(prompt, target) text of a conversation: everything before the final assistant reply, and the reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise StagingError(
+            f"data.format=chat needs a tokenizer with a chat template; the tokenizer of {name} has none "
+            "(use data.format=pairs, or a model whose tokenizer_config.json has a chat_template)"
         )
-    return None, (values[0], values[1])
+
+    def render(msgs: list[dict]) -> tuple[str, str]:
+        prompt = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(msgs, tokenize=False)
+        if not full.startswith(prompt):
+            raise ValueError("the rendered conversation does not start with its rendered prompt")
+        return prompt, full[len(prompt) :]
+
+    return render
 
 
 def record_in_eval(rec: Record, eval_fraction: float) -> bool:
@@ -154,7 +247,10 @@ def dataset_id(sources: dict[str, list[SourceFile]], tok_fp: str, data: DataConf
 
 def staging_config(data: DataConfig) -> dict[str, Any]:
     """The config fields that change what staging writes (and so the dataset id)."""
-    keys = ("input_field", "target_field", "eval_fraction", "seq_len", "max_record_chars", "shard_mb", "min_shards")
+    keys = (
+        "format", "input_field", "target_field", "text_field", "messages_field", "eval_fraction", "seq_len",
+        "max_record_chars", "shard_mb", "min_shards",
+    )  # fmt: skip
     out = {k: getattr(data, k) for k in keys}
     out["separate_eval"] = data.eval is not None
     return out
@@ -166,20 +262,22 @@ class Tokenized:
     def __init__(self, tokenizer, records: list[Record], seq_len: int):
         if tokenizer.eos_token_id is None:
             raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
-        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        self.eos = tokenizer.eos_token_id
+        bos_id, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
         self.unk = tokenizer.unk_token_id
         prompts = _encode(tokenizer, [r.prompt for r in records])
         targets = _encode(tokenizer, [r.target for r in records])
         self.examples: list[tuple[list[int], list[int]]] = []
         self.rejects: list[Reject] = []
         for rec, p, t in zip(records, prompts, targets, strict=True):
-            ids = self.bos + p + t + [self.eos]
+            bos = [bos_id] if bos_id is not None and p[:1] != [bos_id] else []
+            eos = [self.eos] if t[-1:] != [self.eos] else []
+            ids = bos + p + t + eos
             problem = self._problem(ids, seq_len)
             if problem:
-                self.rejects.append(Reject(rec.file, rec.line, problem, (rec.prompt + rec.target)[:200]))
+                unit = "row" if rec.file.endswith(".parquet") else "line"
+                self.rejects.append(Reject(rec.file, rec.line, problem, (rec.prompt + rec.target)[:200], unit))
                 continue
-            labels = [IGNORE_INDEX] * (len(self.bos) + len(p)) + t + [self.eos]
+            labels = [IGNORE_INDEX] * (len(bos) + len(p)) + t + eos
             self.examples.append((ids, labels))
 
     def _problem(self, ids: list[int], seq_len: int) -> str | None:
@@ -273,7 +371,8 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str) -> Sta
 
 
 def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir) -> dict[str, Any]:
-    records, rejects = _validate_all(sources, data)
+    render = chat_renderer(tokenizer, tokenizer_name) if data.format == "chat" else None
+    records, rejects = _validate_all(sources, data, render)
     train_recs, eval_recs = _split(records, data, sources)
     train_tok = Tokenized(tokenizer, train_recs, data.seq_len)
     eval_tok = Tokenized(tokenizer, eval_recs, data.seq_len)
@@ -325,12 +424,12 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     }
 
 
-def _validate_all(sources, data) -> tuple[list[Record], list[Reject]]:
+def _validate_all(sources, data, render) -> tuple[list[Record], list[Reject]]:
     records: list[Record] = []
     rejects: list[Reject] = []
     for split, files in sources.items():
         for f in files:
-            recs, rejs = parse_records(f, data, split)
+            recs, rejs = parse_records(f, data, split, render)
             records += recs
             rejects += rejs
     return records, rejects
@@ -349,7 +448,7 @@ def _enforce_reject_policy(rejects, total, data, out_dir, sources) -> None:
     if not rejects or len(rejects) / total <= data.max_reject_fraction:
         return
     url = _write_rejects(rejects, out_dir)
-    first = "\n".join(f"  {r.file}:{r.line}: {r.reason}" for r in rejects[:5])
+    first = "\n".join(f"  {r.where}: {r.reason}" for r in rejects[:5])
     more = f"\n  ... and {len(rejects) - 5} more" if len(rejects) > 5 else ""
     raise StagingError(
         f"{len(rejects)} of {total} records rejected ({len(rejects) / total:.1%}), over "

@@ -31,6 +31,7 @@ def join(base: str, *parts: str) -> str:
 
 def exists(url: str) -> bool:
     fs, path = fs_and_path(url)
+    fs.invalidate_cache(path)  # object-store listings are cached per process; this question needs the truth
     return fs.exists(path)
 
 

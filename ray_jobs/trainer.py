@@ -183,7 +183,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = get_scheduler(t.lr_schedule, self.optimizer, t.warmup_steps, t.max_steps)
-        self.cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir)
+        self.cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, cfg.data.cache_max_gb * 1e9)
         self._load_data()
         self.loop = LoopState(world_size=rt.world_size, dataset_id=manifest["dataset_id"])
         self.cursor = Cursor()

@@ -38,8 +38,14 @@ def eval_examples(cfg: Config, limit: int) -> list[tuple[str, str]]:
 
 
 def generate_samples(model_url: str, cfg: Config, n: int = 64) -> list[dict[str, Any]]:
-    """Greedy completions of held-out prompts by the final model (loaded with plain transformers)."""
+    """Greedy completions of held-out prompts by the final model (loaded with plain transformers).
+
+    Only for ``pairs`` data, where a prompt and its expected completion are explicit.
+    """
     import torch
+
+    if cfg.data.format != "pairs":
+        return []
 
     from ray_jobs.base_model import load_model, load_tokenizer
 
@@ -94,7 +100,7 @@ def summarize(cfg: Config, dataset_id: str) -> dict[str, Any]:
         "first_eval_loss": evals[0]["eval_loss"],
         "final_eval_loss": evals[-1]["eval_loss"],
         "final_train_loss": losses[-1]["loss"] if losses else float("nan"),
-        "exact_match": f"{sum(x['exact'] for x in samples)}/{len(samples)}",
+        "exact_match": f"{sum(x['exact'] for x in samples)}/{len(samples)}" if samples else "n/a",
         "samples": samples,
         "final_model": final,
     }

@@ -19,12 +19,13 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def tiny_overrides(storage: Path, **extra: object) -> list[str]:
-    """``--set`` overrides for a fast run of the demo config on a private storage folder."""
+def tiny_overrides(root: Path, **extra: object) -> list[str]:
+    """``--set`` overrides for a fast run of the demo config on a private storage folder under ``root``
+    (``storage=...`` in ``extra`` puts storage elsewhere, e.g. on s3; the node cache stays under ``root``)."""
     base = {
         "name": "t",
-        "storage": str(storage),
-        "data.cache_dir": str(storage / "_node_cache"),
+        "storage": str(root),
+        "data.cache_dir": str(root / "_node_cache"),
         "model.tiny.hidden_size": 32,
         "model.tiny.num_layers": 1,
         "model.tiny.intermediate_size": 64,

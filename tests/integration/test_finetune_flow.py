@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,12 @@ def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> No
     evals = [m["eval_loss"] for m in read_metrics(storage, "e2e") if "eval_loss" in m]
     assert evals[-1] < evals[0], "eval loss must fall"
     assert "eval loss:" in r.stdout and "at step 0 ->" in r.stdout
+
+    logs = r.stdout + r.stderr  # Prefect's console log goes to stderr
+    preflight = re.findall(r"shard cache on node \w+: (\{[^}]*\})", logs)
+    workers = re.findall(r"rank \d shard cache: (\{[^}]*\})", logs)
+    assert preflight and "'misses': 0" not in preflight[0], "the preflight job filled the cold node cache"
+    assert len(workers) == 2 and all("'bytes_from_storage': 0" in w for w in workers), "workers read only the cache"
 
     reg = read_registry(storage, "e2e")
     assert reg["state"] == "succeeded"

@@ -71,3 +71,33 @@ def test_corrupt_local_copy_is_refetched_and_corrupt_storage_is_an_error(tmp_pat
     bad = dict(entry, sha256="0" * 64)
     with pytest.raises(ShardIntegrityError, match="sha256 does not match"):
         ShardCache(storage, "ds-x", str(tmp_path / "cache2")).local_path(bad)
+
+
+def test_cache_cap_evicts_other_datasets_least_recently_used_first(tmp_path: Path) -> None:
+    import os
+
+    storage = tmp_path / "storage"
+    entries = {}
+    for ds in ("ds-old", "ds-mid", "ds-new"):
+        d = storage / "datasets" / ds
+        d.mkdir(parents=True)
+        payload = ds.encode() * 100  # 600 bytes
+        (d / "train-00000.parquet").write_bytes(payload)
+        entries[ds] = {
+            "file": "train-00000.parquet",
+            "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+    cache_dir = tmp_path / "cache"
+    for age, ds in enumerate(("ds-old", "ds-mid")):
+        ShardCache(str(storage), ds, str(cache_dir)).local_path(entries[ds])
+        os.utime(cache_dir / ds, (1000 + age, 1000 + age))  # ds-old used longest ago
+
+    cache = ShardCache(str(storage), "ds-new", str(cache_dir), max_bytes=1500)
+    cache.local_path(entries["ds-new"])
+    assert cache.evicted == ["ds-old"], "just enough is evicted, oldest first"
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["ds-mid", "ds-new"]
+
+    tiny = ShardCache(str(storage), "ds-new", str(cache_dir), max_bytes=10)
+    tiny.local_path(dict(entries["ds-new"]))  # a hit: nothing fetched, nothing evicted
+    assert tiny.evicted == [] and tiny.hits == 1

@@ -147,3 +147,95 @@ def test_empty_eval_split_is_an_error(tmp_path: Path, tokenizer) -> None:
     src = write_jsonl(tmp_path / "d.jsonl", [good(i) for i in range(30)])
     with pytest.raises(StagingError, match="eval split is empty"):
         stage(data_cfg(src, eval_fraction=0.0), tokenizer, "builtin", str(tmp_path / "s"))
+
+
+def test_text_format_learns_every_token_of_the_text(tmp_path: Path, tokenizer) -> None:
+    src = write_jsonl(tmp_path / "t.jsonl", [json.dumps({"text": f"line {i} of text"}) for i in range(30)])
+    r = stage(data_cfg(src, format="text", eval_fraction=0.2), tokenizer, "builtin", str(tmp_path / "s"))
+    row = pq.read_table(tmp_path / "s" / "datasets" / r.dataset_id / "train-00000.parquet").to_pylist()[0]
+    real = [(i, lab) for i, lab in zip(row["input_ids"], row["labels"], strict=True) if i != tokenizer.pad_token_id]
+    learned = [i for i, lab in real if lab != IGNORE_INDEX]
+    assert tokenizer.decode(learned).startswith("line ") and "</s>" in tokenizer.decode(learned)
+    assert [i for i, lab in real if lab == IGNORE_INDEX] == [tokenizer.bos_token_id] * tokenizer.decode(learned).count(
+        "</s>"
+    )
+
+
+def test_text_format_names_a_missing_text_field(tmp_path: Path, tokenizer) -> None:
+    src = write_jsonl(tmp_path / "t.jsonl", [json.dumps({"text": "ok"})] * 20 + [json.dumps({"body": "x"})])
+    with pytest.raises(StagingError, match=r"t\.jsonl:21: missing field 'text'"):
+        stage(data_cfg(src, format="text"), tokenizer, "builtin", str(tmp_path / "s"))
+
+
+def chat(i: int, last: str = "assistant") -> str:
+    return json.dumps({"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": last, "content": str(i + 1)}]})
+
+
+def test_chat_format_without_a_chat_template_is_a_clear_error(tmp_path: Path, tokenizer) -> None:
+    src = write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(20)])
+    with pytest.raises(StagingError, match="data.format=chat needs a tokenizer with a chat template"):
+        stage(data_cfg(src, format="chat"), tokenizer, "my-model", str(tmp_path / "s"))
+
+
+def test_chat_format_renders_the_template_and_learns_only_the_final_reply(tmp_path: Path) -> None:
+    tok = train_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    lines = [chat(i) for i in range(30)] + [chat(99, last="user")]
+    src = write_jsonl(tmp_path / "c.jsonl", lines)
+    with pytest.raises(StagingError, match=r"c\.jsonl:31: the last message must be the assistant's"):
+        stage(data_cfg(src, format="chat"), tok, "builtin", str(tmp_path / "s"))
+    write_jsonl(src, lines[:30])
+    r = stage(data_cfg(src, format="chat", eval_fraction=0.2), tok, "builtin", str(tmp_path / "s"))
+    row = pq.read_table(tmp_path / "s" / "datasets" / r.dataset_id / "train-00000.parquet").to_pylist()[0]
+    text = tok.decode([i for i in row["input_ids"] if i != tok.pad_token_id])
+    learned = tok.decode([i for i, lab in zip(row["input_ids"], row["labels"], strict=True) if lab != IGNORE_INDEX])
+    assert "[user] " in text and "[assistant] " in text
+    assert "[user]" not in learned and "[assistant]" not in learned and "?" not in learned
+
+
+def test_parquet_sources_are_validated_row_by_row(tmp_path: Path, tokenizer) -> None:
+    import pyarrow as pa
+
+    rows = [{"input": f"{i}+1=", "target": str(i + 1)} for i in range(40)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "good.parquet")
+    r = stage(data_cfg(tmp_path / "good.parquet"), tokenizer, "builtin", str(tmp_path / "s"))
+    assert r.manifest["counts"]["records"] == 40
+
+    bad = rows[:9] + [{"input": "9+1=", "target": None}] + rows[10:]
+    pq.write_table(pa.Table.from_pylist(bad), tmp_path / "bad.parquet")
+    with pytest.raises(StagingError, match=r"bad\.parquet:row 10: field 'target' must be a string, got NoneType"):
+        stage(data_cfg(tmp_path / "bad.parquet"), tokenizer, "builtin", str(tmp_path / "s"))
+
+
+def test_a_folder_mixing_jsonl_and_parquet_is_one_source(tmp_path: Path, tokenizer) -> None:
+    import pyarrow as pa
+
+    (tmp_path / "src").mkdir()
+    write_jsonl(tmp_path / "src" / "a.jsonl", [good(i) for i in range(20)])
+    pq.write_table(pa.Table.from_pylist([json.loads(good(i)) for i in range(20, 45)]), tmp_path / "src" / "b.parquet")
+    r = stage(data_cfg(tmp_path / "src"), tokenizer, "builtin", str(tmp_path / "s"))
+    assert r.manifest["counts"]["records"] == 45
+    assert [s["url"].rsplit("/", 1)[1] for s in r.manifest["sources"]["train"]] == ["a.jsonl", "b.parquet"]
+
+
+def test_a_saved_hf_dataset_folder_is_a_source(tmp_path: Path, tokenizer) -> None:
+    import datasets
+
+    rows = [json.loads(good(i)) for i in range(30)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    r = stage(data_cfg(tmp_path / "hf"), tokenizer, "builtin", str(tmp_path / "s"))
+    assert r.manifest["counts"]["records"] == 30
+    assert r.manifest["sources"]["train"][0]["url"].endswith(".arrow")
+    assert stage(data_cfg(tmp_path / "hf"), tokenizer, "builtin", str(tmp_path / "s")).cache_hit
+
+    bad = rows[:4] + [{"input": "", "target": "1"}] + rows[5:]
+    datasets.Dataset.from_list(bad).save_to_disk(str(tmp_path / "hf-bad"))
+    with pytest.raises(StagingError, match=r"data-00000-of-00001\.arrow:row 5: field 'input' is empty"):
+        stage(data_cfg(tmp_path / "hf-bad"), tokenizer, "builtin", str(tmp_path / "s"))
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(StagingError, match=r"several splits .* point at one, e\.g\. .*dd/train"):
+        stage(data_cfg(tmp_path / "dd"), tokenizer, "builtin", str(tmp_path / "s"))
