@@ -373,28 +373,26 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str) -> Sta
 def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir) -> dict[str, Any]:
     render = chat_renderer(tokenizer, tokenizer_name) if data.format == "chat" else None
     records, rejects = _validate_all(sources, data, render)
-    train_recs, eval_recs = _split(records, data, sources)
-    train_tok = Tokenized(tokenizer, train_recs, data.seq_len)
-    eval_tok = Tokenized(tokenizer, eval_recs, data.seq_len)
-    rejects += train_tok.rejects + eval_tok.rejects
-    total = len(records) + len(rejects) - len(train_tok.rejects) - len(eval_tok.rejects)
+    total = len(records) + len(rejects)
+    train, evals = _split(records, data, sources)
+    tokenized = {"train": Tokenized(tokenizer, train, data.seq_len), "eval": Tokenized(tokenizer, evals, data.seq_len)}
+    rejects += tokenized["train"].rejects + tokenized["eval"].rejects
     _enforce_reject_policy(rejects, total, data, out_dir, sources)
-    if not train_tok.examples:
+    if not tokenized["train"].examples:
         raise StagingError(f"data.train: no usable records in {_names(sources['train'])}")
-    if not eval_tok.examples:
+    if not tokenized["eval"].examples:
         raise StagingError("the eval split is empty: raise data.eval_fraction or set data.eval")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_rows = pack(train_tok.examples, data.seq_len, pad)
-    eval_rows = pack(eval_tok.examples, data.seq_len, pad)
+    rows = {split: pack(t.examples, data.seq_len, pad) for split, t in tokenized.items()}
+    min_shards = {"train": data.min_shards, "eval": 1}
     shards = {
-        "train": write_shards(
-            "train", train_rows, shard_count(len(train_rows[0]), data.seq_len, data.shard_mb, data.min_shards), out_dir
-        ),
-        "eval": write_shards(
-            "eval", eval_rows, shard_count(len(eval_rows[0]), data.seq_len, data.shard_mb, 1), out_dir
-        ),
+        split: write_shards(split, r, shard_count(len(r[0]), data.seq_len, data.shard_mb, min_shards[split]), out_dir)
+        for split, r in rows.items()
     }
     _write_rejects(rejects, out_dir)
+    counts = _counts(total, rejects, tokenized, rows)
+    tok_info = {"name_or_path": tokenizer_name, "fingerprint": tok_fp, "vocab_size": len(tokenizer),
+                "pad_token_id": pad, "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
     return {
         "dataset_id": ds_id,
         "staging_version": STAGING_VERSION,
@@ -402,25 +400,24 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
         "sources": {
             k: [{"url": f.url, "bytes": len(f.data), "sha256": f.sha256} for f in v] for k, v in sources.items()
         },
-        "tokenizer": {
-            "name_or_path": tokenizer_name,
-            "fingerprint": tok_fp,
-            "vocab_size": len(tokenizer),
-            "pad_token_id": pad,
-            "eos_token_id": tokenizer.eos_token_id,
-        },
+        "tokenizer": tok_info,
         "staging_config": staging_config(data),
-        "counts": {
-            "records": total,
-            "rejects": len(rejects),
-            "train_examples": len(train_tok.examples),
-            "eval_examples": len(eval_tok.examples),
-            "train_rows": len(train_rows[0]),
-            "eval_rows": len(eval_rows[0]),
-            "train_tokens": sum(len(i) for i, _ in train_tok.examples),
-            "train_target_tokens": sum(sum(1 for x in lab if x != IGNORE_INDEX) for _, lab in train_tok.examples),
-        },
+        "counts": counts,
         "shards": shards,
+    }
+
+
+def _counts(total: int, rejects: list[Reject], tokenized: dict[str, Tokenized], rows: dict) -> dict[str, int]:
+    train = tokenized["train"].examples
+    return {
+        "records": total,
+        "rejects": len(rejects),
+        "train_examples": len(train),
+        "eval_examples": len(tokenized["eval"].examples),
+        "train_rows": len(rows["train"][0]),
+        "eval_rows": len(rows["eval"][0]),
+        "train_tokens": sum(len(ids) for ids, _ in train),
+        "train_target_tokens": sum(sum(1 for x in lab if x != IGNORE_INDEX) for _, lab in train),
     }
 
 

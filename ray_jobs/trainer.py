@@ -272,7 +272,10 @@ class Trainer:
             if heartbeat:
                 heartbeat.stop()
         if self.rt.rank == 0:
-            log.info("this attempt trained steps %d..%d", first, self.loop.step)
+            if self.loop.step >= first:
+                log.info("this attempt trained steps %d..%d", first, self.loop.step)
+            else:
+                log.info("this attempt trained no steps (the checkpoint is already at step %d)", self.loop.step)
         return self.loop
 
     def train_step(self) -> tuple[float, int, float]:
