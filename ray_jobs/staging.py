@@ -289,8 +289,14 @@ class Tokenized:
 
 
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Batched encode (the fast tokenizer parallelises across cores); an empty batch is simply empty."""
-    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    """Batched encode; a fast tokenizer's Rust backend is called directly (it parallelises across cores, and
+    skips transformers' per-record conversion into dicts of masks staging never uses). Same ids either way."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
 
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[list, list]:

@@ -239,3 +239,11 @@ def test_a_saved_hf_dataset_folder_is_a_source(tmp_path: Path, tokenizer) -> Non
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(StagingError, match=r"several splits .* point at one, e\.g\. .*dd/train"):
         stage(data_cfg(tmp_path / "dd"), tokenizer, "builtin", str(tmp_path / "s"))
+
+
+def test_fast_backend_encoding_matches_the_transformers_call(tokenizer) -> None:
+    from ray_jobs.staging import _encode
+
+    texts = ["12+3=", "<s>[user] hi</s>\n", "é?", " ", "a" * 300]
+    assert _encode(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert _encode(tokenizer, []) == []
