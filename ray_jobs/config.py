@@ -250,7 +250,7 @@ def _check_url(v: str) -> str:
     return v
 
 
-def _absolute(url: str | None) -> str | None:
+def absolute_url(url: str | None) -> str | None:
     """Local relative paths become absolute (the job runs elsewhere); URLs are left alone."""
     if not url or "://" in url:
         return url
@@ -315,11 +315,11 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             problems.append(f"{_field_name(err['loc'])}: {msg.removeprefix('Value error, ')}")
         raise ConfigError(problems, source) from None
-    cfg.storage = _absolute(cfg.storage)
-    cfg.data.train = _absolute(cfg.data.train)
-    cfg.data.eval = _absolute(cfg.data.eval)
+    cfg.storage = absolute_url(cfg.storage)
+    cfg.data.train = absolute_url(cfg.data.train)
+    cfg.data.eval = absolute_url(cfg.data.eval)
     if not cfg.model.name_or_path.startswith(BUILTIN_PREFIX) and Path(cfg.model.name_or_path).exists():
-        cfg.model.name_or_path = _absolute(cfg.model.name_or_path)
+        cfg.model.name_or_path = absolute_url(cfg.model.name_or_path)
     return cfg
 
 

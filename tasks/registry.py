@@ -108,3 +108,50 @@ def end_attempt(cfg: Config, attempt: int, status: str, message: str = "", **ext
     reg.update(extra)
     save(cfg.storage, cfg.name, reg)
     return reg
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _took(a: dict[str, Any]) -> str:
+    if not a.get("ended_at"):
+        return "running"
+    s = int(a["ended_at"] - a["started_at"])
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def describe(storage: str, run: str) -> str:
+    """A human summary of a run from storage alone: state, attempts, incidents, heartbeat, final model."""
+    reg = load(storage, run)
+    if reg is None:
+        raise FileNotFoundError(f"no run {run!r} under {storage} (looked for {Layout(storage).run_registry(run)})")
+    cluster = reg.get("cluster", {})
+    lines = [
+        f"run {run}: {reg.get('state', '?')}",
+        f"  dataset: {reg.get('dataset_id', '-')}    cluster: {cluster.get('mode', '-')} {cluster.get('address', '')}",
+        "attempts:",
+    ]
+    for a in reg["attempts"]:
+        msg = f"  {a['message'].splitlines()[0][:100]}" if a.get("message") else ""
+        lines.append(
+            f"  #{a['attempt']} {a['submission_id']}  {a['status']:<9} {_when(a['started_at'])}  {_took(a)}{msg}"
+        )
+    incidents = reg.get("incidents", [])
+    lines.append("incidents:" if incidents else "incidents: none")
+    lines += [f"  {_when(i.get('time'))} {i.get('kind')}: {i.get('detail', '')}" for i in incidents]
+    lines.append(_heartbeat_line(storage, run))
+    if reg.get("final_model"):
+        lines.append(f"final model: {reg['final_model']}")
+    return "\n".join(lines)
+
+
+def _heartbeat_line(storage: str, run: str) -> str:
+    try:
+        beat = read_json(Layout(storage).heartbeat(run))
+    except FileNotFoundError:
+        return "heartbeat: none yet"
+    age = time.time() - beat["last_step_at"]
+    return (
+        f"heartbeat: step {beat['step']}/{beat['max_steps']}, last step {age:.0f}s ago, {beat['tokens_per_s']} tokens/s"
+    )

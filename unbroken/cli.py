@@ -1,4 +1,4 @@
-"""``unbroken`` command line: ``run`` (the finetune flow) and ``stage`` (the staging flow).
+"""``unbroken`` command line: ``run`` (the finetune flow), ``stage`` (the staging flow), ``status`` (a run's record).
 
 The config is validated here first, so a bad config fails in a fraction of a second with every bad field named,
 before Prefect, storage or a cluster is touched.
@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("config", help="YAML config file (see configs/)")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set train.max_steps=100 (repeatable)")  # fmt: skip
+    st = sub.add_parser("status", help="print a run's registry: state, attempts, incidents, heartbeat")
+    st.add_argument("run", help="run name")
+    st.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
     return p
 
 
@@ -52,8 +55,22 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from ray_jobs.config import absolute_url
+    from tasks.registry import describe
+
+    try:
+        print(describe(absolute_url(args.storage), args.run))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "status":
+        return cmd_status(args)
     try:
         load_config(args.config, args.overrides)
     except ConfigError as e:

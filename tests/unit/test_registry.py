@@ -41,3 +41,31 @@ def test_reusing_a_run_name_for_an_incompatible_training_is_refused(tmp_path: Pa
     text = str(err.value)
     assert "dataset: ds-1 -> ds-2" in text and "cluster.num_workers: 2 -> 1" in text and "model:" in text
     assert "--set name=" in text
+
+
+def test_status_command_prints_attempts_heartbeat_and_final_model(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+    import time
+
+    c = cfg(tmp_path)
+    registry.begin_attempt(c, {"address": "http://127.0.0.1:8265"}, "ds-1")
+    registry.end_attempt(c, 1, "FAILED", "Ray job unbroken-r-train-001 ended FAILED: worker died\nmore")
+    registry.begin_attempt(c, {"address": "http://127.0.0.1:8265"}, "ds-1")
+    registry.end_attempt(c, 2, "SUCCEEDED", final_model="/x/final")
+    beat = {"step": 30, "max_steps": 30, "last_step_at": time.time() - 5, "time": time.time(), "tokens_per_s": 1.5}
+    (tmp_path / "runs" / "r" / "heartbeat.json").write_text(json.dumps(beat))
+
+    out = subprocess.run([sys.executable, "-m", "unbroken", "status", "r", "--storage", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert text.startswith("run r: succeeded")
+    assert "#1 unbroken-r-train-001  FAILED" in text and "worker died" in text and "more" not in text
+    assert "#2 unbroken-r-train-002  SUCCEEDED" in text
+    assert "incidents: none" in text and "heartbeat: step 30/30" in text and "final model: /x/final" in text
+
+    missing = subprocess.run([sys.executable, "-m", "unbroken", "status", "nope", "--storage", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 1 and "no run 'nope' under" in missing.stderr
