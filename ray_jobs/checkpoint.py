@@ -307,9 +307,6 @@ class AsyncWriter:
             raise RuntimeError("a checkpoint write is already in flight; collect it first")
         self._inflight = (snap, url, self._pool.submit(write, snap, url))
 
-    def in_flight(self) -> bool:
-        return self._inflight is not None
-
     def done(self) -> bool:
         return self._inflight is not None and self._inflight[2].done()
 

@@ -5,7 +5,6 @@ Every path that tests and tools read is built here, so the layout has exactly on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import uuid
@@ -66,14 +65,6 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
 
 def write_json_atomic(url: str, obj: Any) -> None:
     write_bytes_atomic(url, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def download_dir(url: str, local_dir: str | os.PathLike) -> Path:
