@@ -29,6 +29,11 @@ class StagingError(ValueError):
     """Data that cannot be staged; the message names the file (and line) at fault."""
 
 
+def position_unit(url: str) -> str:
+    """How a record's position in a source file is counted: JSONL lines, or rows of a columnar file."""
+    return "row" if url.endswith((".parquet", ".arrow")) else "line"
+
+
 @dataclass
 class Record:
     file: str
@@ -65,7 +70,7 @@ class SourceFile:
 
     @property
     def unit(self) -> str:
-        return "row" if self.url.endswith((".parquet", ".arrow")) else "line"
+        return position_unit(self.url)
 
 
 def list_sources(url: str, field_name: str = "data.train") -> list[str]:
@@ -274,8 +279,8 @@ class Tokenized:
             ids = bos + p + t + eos
             problem = self._problem(ids, seq_len)
             if problem:
-                unit = "row" if rec.file.endswith(".parquet") else "line"
-                self.rejects.append(Reject(rec.file, rec.line, problem, (rec.prompt + rec.target)[:200], unit))
+                preview = (rec.prompt + rec.target)[:200]
+                self.rejects.append(Reject(rec.file, rec.line, problem, preview, position_unit(rec.file)))
                 continue
             labels = [IGNORE_INDEX] * (len(bos) + len(p)) + t + eos
             self.examples.append((ids, labels))

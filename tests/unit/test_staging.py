@@ -236,6 +236,11 @@ def test_a_saved_hf_dataset_folder_is_a_source(tmp_path: Path, tokenizer) -> Non
     with pytest.raises(StagingError, match=r"data-00000-of-00001\.arrow:row 5: field 'input' is empty"):
         stage(data_cfg(tmp_path / "hf-bad"), tokenizer, "builtin", str(tmp_path / "s"))
 
+    too_long = rows[:6] + [{"input": "1" * 80, "target": "1"}] + rows[7:]  # tokenizes past data.seq_len=64
+    datasets.Dataset.from_list(too_long).save_to_disk(str(tmp_path / "hf-long"))
+    with pytest.raises(StagingError, match=r"data-00000-of-00001\.arrow:row 7: record is \d+ tokens, longer than"):
+        stage(data_cfg(tmp_path / "hf-long"), tokenizer, "builtin", str(tmp_path / "s"))
+
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(StagingError, match=r"several splits .* point at one, e\.g\. .*dd/train"):
         stage(data_cfg(tmp_path / "dd"), tokenizer, "builtin", str(tmp_path / "s"))
