@@ -383,9 +383,8 @@ class Trainer:
 
     def _snapshot(self) -> ckpt.Snapshot:
         ranks = self.rt.all_gather_object(ckpt.rank_state(self.cursor))
-        need = self.fsdp or self.rt.rank == 0  # under FSDP gathering the full state is a collective
-        model_sd = ckpt.model_state(self.model, self.fsdp, self.lora) if need else {}
-        optim_sd = ckpt.optimizer_state(self.model, self.optimizer, self.fsdp) if need else {}
+        model_sd = self._full_model_state()
+        optim_sd = ckpt.optimizer_state(self.model, self.optimizer, self.fsdp) if self._gathers else {}
         state = {
             "loop": asdict(self.loop),
             "scheduler": self.scheduler.state_dict(),
@@ -394,6 +393,15 @@ class Trainer:
             "config": json.loads(self.cfg.model_dump_json()),
         }
         return ckpt.Snapshot(self.loop.step, model_sd, optim_sd, state)
+
+    @property
+    def _gathers(self) -> bool:
+        """Whether this rank takes part in gathering full state: rank 0 only, but every rank under FSDP (a collective)."""
+        return self.fsdp or self.rt.rank == 0
+
+    def _full_model_state(self) -> dict[str, Any]:
+        """Full weights on rank 0 (empty elsewhere)."""
+        return ckpt.model_state(self.model, self.fsdp, self.lora) if self._gathers else {}
 
     def _report_pending(self) -> None:
         """Every rank reports the written checkpoint to Ray together (rank 0 first waits for the write)."""
@@ -459,7 +467,7 @@ class Trainer:
     # -- the end --------------------------------------------------------------------------------------------
     def export_final(self) -> str | None:
         """Rank 0 writes the final HF folder (merged weights, tokenizer, model card) to ``runs/<run>/final``."""
-        state = ckpt.model_state(self.model, self.fsdp, self.lora) if (self.fsdp or self.rt.rank == 0) else {}
+        state = self._full_model_state()
         if self.rt.rank != 0:
             return None
         model = load_model(self.model_path, self.cfg.data.cache_dir)
