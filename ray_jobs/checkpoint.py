@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ray_jobs.data import Cursor
-from ray_jobs.storage import fs_and_path, join, read_bytes, write_bytes_atomic, write_json_atomic
+from ray_jobs.storage import as_url, fs_and_path, join, read_bytes, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("unbroken.checkpoint")
 
@@ -266,12 +266,11 @@ def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
         entries = fs.ls(path, detail=False)
     except FileNotFoundError:
         return []
-    proto = checkpoints_dir.split("://", 1)[0] + "://" if "://" in checkpoints_dir else ""
     found = []
     for p in entries:
         m = _NAME.search(p.rstrip("/"))
         if m:
-            found.append((int(m.group(1)), proto + p if proto and not p.startswith(proto) else p))
+            found.append((int(m.group(1)), as_url(checkpoints_dir, p)))
     return sorted(found, reverse=True)
 
 

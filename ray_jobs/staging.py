@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
-from ray_jobs.storage import Layout, exists, fs_and_path, join, read_json, write_bytes_atomic, write_json_atomic
+from ray_jobs.storage import Layout, as_url, exists, fs_and_path, join, read_json, write_bytes_atomic, write_json_atomic
 
 STAGING_VERSION = 1
 IGNORE_INDEX = -100
@@ -92,8 +92,7 @@ def list_sources(url: str, field_name: str = "data.train") -> list[str]:
     found = sorted(p for p in fs.find(path) if p.endswith(_SOURCE_SUFFIXES))
     if not found:
         raise StagingError(f"{field_name}: folder {url} has no {'/'.join(_SOURCE_SUFFIXES)} files")
-    proto = url.split("://", 1)[0] + "://" if "://" in url else ""
-    return [proto + p if proto and not p.startswith(proto) else p for p in found]
+    return [as_url(url, p) for p in found]
 
 
 def read_sources(url: str, field_name: str) -> list[SourceFile]:

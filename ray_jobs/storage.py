@@ -24,6 +24,14 @@ def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
+def as_url(like: str, path: str) -> str:
+    """A path from an fsspec listing (protocol stripped) as a URL on the filesystem of ``like``; local paths stay bare."""
+    if "://" not in like:
+        return path
+    fs, _ = fs_and_path(like)
+    return fs.unstrip_protocol(path)
+
+
 def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
 
