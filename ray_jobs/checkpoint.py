@@ -22,7 +22,6 @@ import json
 import logging
 import random
 import re
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -299,7 +298,6 @@ class AsyncWriter:
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-ckpt")
         self._inflight: tuple[Snapshot, str, Future] | None = None
-        self._lock = threading.Lock()
 
     def submit(self, snap: Snapshot, url: str) -> None:
         if self._inflight is not None:
