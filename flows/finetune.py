@@ -13,10 +13,11 @@ from prefect import flow, get_run_logger
 from ray_jobs.config import Config, load_config
 from tasks import registry
 from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
-from tasks.jobs import prefetch_shards, submit_job, watch_job, write_job_spec
+from tasks.jobs import JobFailed, prefetch_shards, submit_job, watch_job, write_job_spec
 from tasks.model import prepare_base_model
 from tasks.report import summarize
 from tasks.stage import Staged, stage_dataset
+from tasks.watchdog import failed_job_incident
 
 
 @flow(name="finetune")
@@ -37,16 +38,30 @@ async def finetune(config_path: str | None = None, overrides: list[str] | None =
 
 
 async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path: str) -> dict[str, Any]:
-    """One attempt: preflight, submit, watch, summarize; the registry records how it ended, whatever happens."""
-    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id)
+    """One attempt: preflight, submit, watch, summarize; the registry records how it ended, whatever happens.
+
+    When the training job itself fails, this flow does not retry: it records the incident, leaves the run
+    ``recovering`` and fails, so the watchdog (triggered by this failure, or on its schedule) restarts it from the
+    newest valid checkpoint. Anything else (preflight finds the cluster too small, a cancel) ends the run.
+    """
+    extra = {"manifest_url": staged.manifest_url, "model_path": model_path}
+    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra)
+    handed_over = False
     try:
         spec_url = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from=None)
         await prefetch_shards(handle, registry.submission_id(cfg.name, attempt, "preflight"), spec_url)
         submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
-        await watch_job(handle, submission, cfg)
+        try:
+            await watch_job(handle, submission, cfg, attempt)
+        except JobFailed as e:
+            registry.hand_over(cfg, attempt, str(e), failed_job_incident(cfg, attempt, handle.address, e))
+            handed_over = True
+            get_run_logger().error("training job failed; the run is left to the watchdog to recover: %s", e)
+            raise
         summary = summarize(cfg, staged.dataset_id)
     except BaseException as e:
-        registry.end_attempt(cfg, attempt, "FAILED", f"{type(e).__name__}: {e}")
+        if not handed_over:
+            registry.end_attempt(cfg, attempt, "FAILED", f"{type(e).__name__}: {e}")
         raise
     registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=summary["final_model"])
     return summary

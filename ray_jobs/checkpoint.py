@@ -48,6 +48,14 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint-step-{step:08d}"
 
 
+def checkpoint_step(url: str) -> int:
+    """The step a checkpoint folder holds, from its name."""
+    m = _NAME.search(url.rstrip("/"))
+    if m is None:
+        raise ValueError(f"not a checkpoint folder name: {url}")
+    return int(m.group(1))
+
+
 @dataclass
 class LoopState:
     step: int = 0

@@ -192,6 +192,10 @@ class FaultToleranceConfig(_Section):
     """Worker-group restarts Ray Train does inside one job (FailureConfig); -1 = unlimited."""
     max_restarts: int = Field(3, ge=0)
     """Job resubmissions the watchdog may do for one run."""
+    restart_backoff_s: float = Field(10.0, ge=0)
+    """The watchdog waits this long after detecting trouble before the first restart, doubling for each further one."""
+    restart_backoff_max_s: float = Field(600.0, ge=0)
+    """Cap on that wait."""
     stall_timeout_s: float = Field(600.0, gt=0)
     """A running job whose heartbeat shows no new step for this long is treated as hung."""
     heartbeat_every_s: float = Field(5.0, gt=0)

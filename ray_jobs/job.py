@@ -18,7 +18,7 @@ from ray_jobs.storage import Layout, pyarrow_filesystem, read_json, strip_protoc
 log = logging.getLogger("unbroken.job")
 
 
-def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str | None):
+def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str | None, attempt: int = 0):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -34,6 +34,7 @@ def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str
             "manifest": manifest,
             "model_path": model_path,
             "resume_from": resume_from,
+            "attempt": attempt,
         },
         torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s),
         scaling_config=ScalingConfig(
@@ -55,6 +56,17 @@ def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str
     )
 
 
+def root_cause(e: BaseException) -> dict[str, str]:
+    """The exception a worker raised, under Ray Train's wrappers: its type name and first message line."""
+    failures = getattr(e, "worker_failures", None) or {}
+    if failures:
+        e = failures[min(failures)]
+    e = getattr(e, "cause", None) or e  # RayTaskError(ValueError) -> the ValueError the worker raised
+    name = type(e).__name__.removeprefix("RayTaskError(").removesuffix(")")
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return {"type": name, "message": (lines[0] if lines else "")[:500]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ray_jobs.job")
     parser.add_argument("--spec", required=True, help="URL of the job spec JSON written by the submit task")
@@ -63,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     spec = read_json(args.spec)
     cfg = from_json(json.dumps(spec["config"]))
     manifest = read_json(spec["manifest_url"])
-    trainer = build_trainer(cfg, manifest, spec["model_path"], spec.get("resume_from"))
+    trainer = build_trainer(cfg, manifest, spec["model_path"], spec.get("resume_from"), spec.get("attempt", 0))
     try:
         result = trainer.fit()
-    except Exception as e:  # Ray wraps worker errors; print the cause plainly for the watcher
+    except Exception as e:  # Ray wraps worker errors; name the root cause plainly for the watchdog's policy
         log.error("training failed: %s", e)
+        print("UNBROKEN_FAILURE " + json.dumps(root_cause(e)), flush=True)
         return 1
     ckpt = result.checkpoint.path if result.checkpoint else None
     print("UNBROKEN_RESULT " + json.dumps({"metrics": result.metrics, "checkpoint": ckpt}), flush=True)

@@ -71,6 +71,33 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
             f.write(data)
 
 
+def create_exclusive(url: str, data: bytes) -> bool:
+    """Create ``url`` with ``data`` only if nothing is there yet; False when it already exists.
+
+    The one compare-and-set primitive shared storage offers everywhere: ``O_CREAT | O_EXCL`` on a local/NFS path,
+    a conditional PUT (``If-None-Match: *``) on S3. Two writers racing for the same name: exactly one wins.
+    """
+    fs, path = fs_and_path(url)
+    if is_local(url):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+    try:
+        fs.pipe_file(path, data, mode="create")
+    except FileExistsError:
+        return False
+    except Exception as e:  # S3 answers 412 Precondition Failed when the object exists
+        if "PreconditionFailed" in repr(e) or "412" in str(e):
+            return False
+        raise
+    return True
+
+
 def write_json_atomic(url: str, obj: Any) -> None:
     write_bytes_atomic(url, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
@@ -143,6 +170,10 @@ class Layout:
 
     def heartbeat(self, run: str) -> str:
         return join(self.run_dir(run), "heartbeat.json")
+
+    def lease_dir(self, run: str) -> str:
+        """``lease-<generation>.json`` files: which watchdog may act on the run (see tasks/lease.py)."""
+        return join(self.run_dir(run), "leases")
 
     def final_model(self, run: str) -> str:
         return join(self.run_dir(run), "final")

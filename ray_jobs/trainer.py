@@ -104,6 +104,9 @@ class Heartbeat:
                 "step": t.loop.step,
                 "max_steps": t.cfg.train.max_steps,
                 "last_step_at": t.last_step_at,
+                "attempt": t.attempt,
+                "started_step": t.started_step,
+                "first_step_at": t.first_step_at,
                 "time": time.time(),
                 "tokens_per_s": t.tokens_per_s,
                 "pid": os.getpid(),
@@ -198,6 +201,9 @@ class Trainer:
         self.last_step_at = time.time()
         self.tokens_per_s = 0.0
         self.resumed_from: str | None = None
+        self.attempt = 0  # the job attempt (set from the job spec): tells a watcher whose heartbeat it reads
+        self.started_step = 0  # where this process's training began; with first_step_at: time to first new step
+        self.first_step_at: float | None = None
         self._window = (time.monotonic(), 0)
 
     def _load_data(self) -> None:
@@ -248,6 +254,7 @@ class Trainer:
         """Train to ``train.max_steps``; ``stop_at`` returns early after that step, as if the job died there."""
         end = self.cfg.train.max_steps if stop_at is None else min(stop_at, self.cfg.train.max_steps)
         first = self.loop.step + 1
+        self.started_step, self.first_step_at = self.loop.step, None
         if self.loop.step == 0:
             self.last_eval = self.evaluate()
             self._log({"step": 0, "eval_loss": self.last_eval})
@@ -262,6 +269,7 @@ class Trainer:
                 self.loop.tokens_seen += agreed.tokens
                 self.loop.elapsed_s += time.monotonic() - started
                 self.last_step_at = time.time()
+                self.first_step_at = self.first_step_at or self.last_step_at
                 self._after_step(agreed)
             if stop_at is None:
                 self._finish()
@@ -517,6 +525,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = from_json(loop_config["config"])
     trainer = Trainer(cfg, loop_config["manifest"], loop_config["model_path"], RayRuntime())
+    trainer.attempt = loop_config.get("attempt", 0)
     trainer.resume_or_start(loop_config.get("resume_from"))
     trainer.fit()
     trainer.export_final()

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout, read_bytes, write_json_atomic
+from tasks import registry
 from tasks.cluster import ClusterHandle, jobs_client
 from tasks.logs import run_logger
 
@@ -29,6 +30,13 @@ WORKING_DIR_EXCLUDES = [
 
 class JobFailed(RuntimeError):
     """A Ray job ended in a state other than SUCCEEDED."""
+
+
+class ClusterLost(JobFailed):
+    """The cluster stopped answering while a job ran on it (the job's fate is unknown)."""
+
+
+LOST_AFTER_ERRORS = 5  # consecutive failed status polls that mean the cluster is gone, not a blip
 
 
 def write_job_spec(cfg: Config, attempt: int, manifest_url: str, model_path: str, resume_from: str | None) -> str:
@@ -95,11 +103,20 @@ async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, 
     client = jobs_client(handle.address)
     tail = asyncio.create_task(_forward_logs(client, submission_id, log))
     status = None
+    errors = 0
     try:
         while True:
-            status = await asyncio.to_thread(client.get_job_status, submission_id)
+            try:
+                status = await asyncio.to_thread(client.get_job_status, submission_id)
+                errors = 0
+            except Exception as e:  # connection refused, timeouts: the head may be gone
+                errors += 1
+                if errors >= LOST_AFTER_ERRORS:
+                    raise ClusterLost(f"the Ray cluster at {handle.address} stopped answering: {e}") from e
+                await asyncio.sleep(poll_s)
+                continue
             if on_poll is not None:
-                await on_poll()
+                await on_poll(status)
             if status.is_terminal():
                 break
             await asyncio.sleep(poll_s)
@@ -108,8 +125,11 @@ async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, 
     finally:
         tail.cancel()
         if status is None or not status.is_terminal():
-            client.stop_job(submission_id)
-            log.warning("watch interrupted: stopped Ray job %s", submission_id)
+            try:
+                client.stop_job(submission_id)
+                log.warning("watch interrupted: stopped Ray job %s", submission_id)
+            except Exception as e:
+                log.warning("watch interrupted; could not stop Ray job %s: %s", submission_id, e)
     if status != JobStatus.SUCCEEDED:
         info = client.get_job_info(submission_id)
         raise JobFailed(f"Ray job {submission_id} ended {status}: {info.message}")
@@ -117,14 +137,17 @@ async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, 
 
 
 @task(name="watch-job", cache_policy=NO_CACHE)
-async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, poll_s: float = 2.0) -> str:
-    """Watch the training job: log tail into Prefect, a progress artifact (step / max_steps) while it runs."""
+async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, attempt: int, poll_s: float = 2.0) -> str:
+    """Watch the training job: log tail into Prefect, a progress artifact (step / max_steps) while it runs, the
+    registry's ``running`` state once Ray runs it."""
     metrics_url = Layout(cfg.storage).metrics(cfg.name)
     progress_id = await acreate_progress_artifact(
         0.0, key=f"{cfg.name}-progress", description=f"training steps of {cfg.name}"
     )
 
-    async def update_progress() -> None:
+    async def update_progress(status) -> None:
+        if str(status) == "RUNNING":
+            await asyncio.to_thread(registry.mark_running, cfg.storage, cfg.name, attempt)
         step = await asyncio.to_thread(last_step, metrics_url)
         await aupdate_progress_artifact(progress_id, progress=min(100.0, 100.0 * step / cfg.train.max_steps))
 

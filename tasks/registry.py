@@ -1,6 +1,12 @@
 """The run registry ``<storage>/runs/<run>/run.json``: state, config, dataset, cluster and every attempt.
 
-Written atomically (whole-file replace), read by ``unbroken status`` and the watchdog.
+Written atomically (whole-file replace), read by ``unbroken status`` and the watchdog. Writers: the finetune
+flow (first attempt, its end) and the watchdog (incidents, later attempts) -- the watchdog only while it holds the
+run's lease (tasks/lease.py), so two writers never interleave a read-modify-write on the same run.
+
+States: ``submitted`` (a job was submitted) -> ``running`` (Ray says RUNNING) -> ``succeeded``; on trouble
+``recovering`` (an open incident: the watchdog will restart it, or is waiting out a backoff) and ``failed``
+(terminal: gave up, the user cancelled, or it failed before training could start).
 """
 
 from __future__ import annotations
@@ -11,9 +17,11 @@ import time
 from typing import Any
 
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, read_json, write_json_atomic
+from ray_jobs.storage import Layout, exists, fs_and_path, join, read_json, write_json_atomic
+from tasks import lease as leases
 
 STATES = ("submitted", "running", "recovering", "succeeded", "failed")
+ACTIVE = ("submitted", "running", "recovering")
 
 
 def submission_id(run: str, attempt: int, kind: str = "train") -> str:
@@ -30,6 +38,45 @@ def load(storage: str, run: str) -> dict[str, Any] | None:
 def save(storage: str, run: str, reg: dict[str, Any]) -> None:
     reg["updated_at"] = time.time()
     write_json_atomic(Layout(storage).run_registry(run), reg)
+
+
+def update(storage: str, run: str, **fields: Any) -> dict[str, Any]:
+    """Read, set top-level fields, write back; returns the new record."""
+    reg = load(storage, run)
+    if reg is None:
+        raise FileNotFoundError(Layout(storage).run_registry(run))
+    reg.update(fields)
+    save(storage, run, reg)
+    return reg
+
+
+def runs(storage: str) -> list[str]:
+    """Names of every run with a registry under this storage."""
+    fs, path = fs_and_path(join(storage, "runs"))
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+    return [n for n in names if exists(Layout(storage).run_registry(n))]
+
+
+def active_runs(storage: str) -> list[str]:
+    """Runs the watchdog must look after: submitted, running or recovering."""
+    return [r for r in runs(storage) if (reg := load(storage, r)) and reg.get("state") in ACTIVE]
+
+
+def current_attempt(reg: dict[str, Any]) -> dict[str, Any]:
+    return reg["attempts"][-1]
+
+
+def open_incident(reg: dict[str, Any]) -> dict[str, Any] | None:
+    """The incident the watchdog has not acted on yet (no restart, not given up), if any."""
+    for inc in reg.get("incidents", []):
+        if inc.get("action") in (None, "waiting"):
+            return inc
+    return None
 
 
 # Fields a run cannot change between attempts: its checkpoints would not fit (shapes, world size) or resuming
@@ -75,21 +122,42 @@ def check_compatible(cfg: Config, dataset_id: str) -> None:
         )
 
 
-def begin_attempt(cfg: Config, cluster: dict[str, Any], dataset_id: str) -> int:
-    """Record a new attempt (state ``submitted``) and return its number (1-based)."""
-    reg = load(cfg.storage, cfg.name) or {"name": cfg.name, "created_at": time.time(), "attempts": []}
+def begin_attempt(
+    cfg: Config,
+    cluster: dict[str, Any],
+    dataset_id: str,
+    *,
+    resume_from: str | None = None,
+    started_by: str = "finetune-flow",
+    extra: dict[str, Any] | None = None,
+) -> int:
+    """Record a new attempt (state ``submitted``) and return its number (1-based).
+
+    ``extra`` is what the watchdog needs to resubmit without the flow: manifest URL and base-model path.
+    """
+    reg = load(cfg.storage, cfg.name) or {
+        "name": cfg.name, "created_at": time.time(), "attempts": [], "incidents": [], "restarts": 0,
+    }  # fmt: skip
     attempt = len(reg["attempts"]) + 1
     reg.update(
         state="submitted",
         config=json.loads(cfg.model_dump_json()),
         dataset_id=dataset_id,
-        cluster={"address": cluster["address"], "mode": "existing" if cfg.cluster.address else "local"},
+        cluster={
+            "address": cluster["address"],
+            "mode": "existing" if cfg.cluster.address else "local",
+            # A local head whose stop is owed by whoever finishes the run (unless cluster.keep_running).
+            "started_here": bool(cluster.get("started_here")),
+        },
+        **(extra or {}),
     )
     reg["attempts"].append(
         {
             "attempt": attempt,
             "submission_id": submission_id(cfg.name, attempt),
             "started_at": time.time(),
+            "started_by": started_by,
+            "resume_from": resume_from,
             "status": "SUBMITTED",
         }
     )
@@ -97,17 +165,55 @@ def begin_attempt(cfg: Config, cluster: dict[str, Any], dataset_id: str) -> int:
     return attempt
 
 
-def end_attempt(cfg: Config, attempt: int, status: str, message: str = "", **extra: Any) -> dict[str, Any]:
-    """Record how an attempt ended; the run state follows (succeeded / failed)."""
-    reg = load(cfg.storage, cfg.name)
-    if reg is None:
-        raise FileNotFoundError(Layout(cfg.storage).run_registry(cfg.name))
-    entry = reg["attempts"][attempt - 1]
-    entry.update(status=status, ended_at=time.time(), message=message)
-    reg["state"] = "succeeded" if status == "SUCCEEDED" else "failed"
-    reg.update(extra)
-    save(cfg.storage, cfg.name, reg)
-    return reg
+def mark_running(storage: str, run: str, attempt: int) -> None:
+    """The attempt's job is RUNNING (first time seen): ``submitted`` -> ``running``. Skipped while a watchdog
+    holds the run (the next poll, or the watchdog itself, does it)."""
+    lease = leases.acquire(storage, run, ttl_s=30)
+    if lease is None:
+        return
+    with lease:
+        reg = load(storage, run)
+        if reg is None or len(reg["attempts"]) != attempt or reg["attempts"][-1]["status"] != "SUBMITTED":
+            return
+        reg["attempts"][-1]["status"] = "RUNNING"
+        if reg["state"] == "submitted":
+            reg["state"] = "running"
+        save(storage, run, reg)
+
+
+def end_attempt(
+    cfg: Config, attempt: int, status: str, message: str = "", state: str | None = None, **extra: Any
+) -> dict[str, Any] | None:
+    """Record how the flow's attempt ended; the run state follows (succeeded / failed) unless ``state`` says
+    otherwise. Under the run's lease, and only while the attempt is still the run's current, unfinished one: a
+    watchdog that got there first (recorded the failure, maybe restarted the run) is never overwritten.
+    Returns the new record, or None when the watchdog had already dealt with the attempt."""
+    return _end(cfg, attempt, status, message, state, None, extra)
+
+
+def hand_over(cfg: Config, attempt: int, message: str, incident: dict[str, Any]) -> dict[str, Any] | None:
+    """The finetune flow saw its training job fail: record the incident and leave recovery to the watchdog."""
+    return _end(cfg, attempt, "FAILED", message, "recovering", incident, {})
+
+
+def _end(cfg, attempt, status, message, state, incident, extra) -> dict[str, Any] | None:
+    with leases.acquire_wait(cfg.storage, cfg.name):
+        reg = load(cfg.storage, cfg.name)
+        if reg is None:
+            raise FileNotFoundError(Layout(cfg.storage).run_registry(cfg.name))
+        entry = reg["attempts"][attempt - 1]
+        dealt_with = len(reg["attempts"]) != attempt or entry["status"] not in ("SUBMITTED", "RUNNING")
+        if dealt_with and not status == entry["status"] == "SUCCEEDED":
+            return None
+        entry.update(status=status, ended_at=time.time(), message=message)
+        reg["state"] = state or ("succeeded" if status == "SUCCEEDED" else "failed")
+        if reg["state"] == "failed" and not reg.get("reason"):
+            reg["reason"] = message
+        if incident is not None:
+            reg.setdefault("incidents", []).append(incident)
+        reg.update(extra)
+        save(cfg.storage, cfg.name, reg)
+        return reg
 
 
 def _when(ts: float | None) -> str:
@@ -138,12 +244,38 @@ def describe(storage: str, run: str) -> str:
             f"  #{a['attempt']} {a['submission_id']}  {a['status']:<9} {_when(a['started_at'])}  {_took(a)}{msg}"
         )
     incidents = reg.get("incidents", [])
+    lines.append(
+        f"restarts: {reg.get('restarts', 0)} of {_pick(reg.get('config', {}), 'fault_tolerance.max_restarts')}"
+    )
     lines.append("incidents:" if incidents else "incidents: none")
-    lines += [f"  {_when(i.get('time'))} {i.get('kind')}: {i.get('detail', '')}" for i in incidents]
+    lines += [_incident_line(i) for i in incidents]
+    if reg.get("state") == "failed" and reg.get("reason"):
+        lines.append(f"reason: {reg['reason']}")
     lines.append(_heartbeat_line(storage, run))
     if reg.get("final_model"):
         lines.append(f"final model: {reg['final_model']}")
     return "\n".join(lines)
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}s"
+
+
+def _incident_line(i: dict[str, Any]) -> str:
+    """One incident: what, who saw it, what was done, and what it cost."""
+    head = f"  {_when(i.get('detected_at'))} {i.get('kind')} (attempt {i.get('attempt')}, by {i.get('detected_by')})"
+    action = i.get("action") or "open"
+    if action == "restarted":
+        what = (
+            f"restarted as attempt {i['new_attempt']} from "
+            + (f"step {i['resumed_step']}" if i.get("resumed_step") is not None else "scratch")
+            + f"; lost steps {i.get('lost_steps', '-')}; silent {_secs(i.get('silent_s'))} before detection; "
+            f"first new step {_secs(i.get('time_to_recover_s'))} after detection"
+        )
+    else:
+        what = action + (f": {i['reason']}" if i.get("reason") else "")
+    detail = f"\n    {i['detail']}" if i.get("detail") else ""
+    return f"{head}: {what}{detail}"
 
 
 def _heartbeat_line(storage: str, run: str) -> str:

@@ -1,4 +1,5 @@
-"""``unbroken`` command line: ``run`` (the finetune flow), ``stage`` (the staging flow), ``status`` (a run's record).
+"""``unbroken`` command line: ``run`` (the finetune flow), ``stage`` (the staging flow), ``status`` (a run's record),
+``watchdog`` (the recovery flow, once or in a loop).
 
 The config is validated here first, so a bad config fails in a fraction of a second with every bad field named,
 before Prefect, storage or a cluster is touched.
@@ -22,6 +23,10 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("config", help="YAML config file (see configs/)")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set train.max_steps=100 (repeatable)")  # fmt: skip
+    wd = sub.add_parser("watchdog", help="check every active run under a storage root and recover what broke")
+    wd.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
+    wd.add_argument("--once", action="store_true", help="one pass, then exit (a scheduled deployment does this)")
+    wd.add_argument("--interval", type=float, default=30.0, help="seconds between passes when looping (default 30)")
     st = sub.add_parser("status", help="print a run's registry: state, attempts, incidents, heartbeat")
     st.add_argument("run", help="run name")
     st.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
@@ -67,10 +72,48 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_watchdog(args: argparse.Namespace) -> int:
+    """``--once``: one pass (one flow run). Otherwise a pass every ``--interval`` seconds until interrupted; a failed
+    pass is reported and the loop goes on (the next pass retries whatever that one could not do)."""
+    import signal
+    import time
+
+    from flows.watchdog import watchdog
+    from ray_jobs.config import absolute_url
+
+    storage = absolute_url(args.storage)
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends the loop like Ctrl-C
+    while True:
+        started = time.monotonic()
+        try:
+            for o in watchdog(storage):
+                print(f"{o['run']}: {o['action']} {o['detail']}".rstrip(), flush=True)
+        except Exception as e:
+            if args.once:
+                raise
+            print(f"watchdog pass failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if args.once:
+            return 0
+        time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "watchdog":
+        _quiet_defaults()
+        try:
+            return cmd_watchdog(args)
+        except KeyboardInterrupt:
+            return 130
+        except Exception as e:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     try:
         load_config(args.config, args.overrides)
     except ConfigError as e:

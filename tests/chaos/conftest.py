@@ -1,4 +1,5 @@
-"""One real local Ray head (token auth on) per chaos module; stopped at its end."""
+"""One real local Ray head (token auth on) for the whole chaos suite, one uninterrupted baseline run to compare
+every broken run against, and a table of what each fault cost (printed at the end of the session)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import pytest
 
 from ray_jobs.config import load_config
 from tasks.cluster import ClusterHandle, start_local_head, stop_local_head
-from tests.chaos.harness import DEMO
+from tests.chaos.harness import DEMO, REPORT, chaos_config, final_weights_hash, job_logs, start_training, wait_job
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory) -> ClusterHandle:
     storage = tmp_path_factory.mktemp("chaos-cluster")
     cfg = load_config(DEMO, [f"storage={storage}", "cluster.dashboard_port=8285", "cluster.head_port=6399"])
@@ -17,3 +18,27 @@ def ray_cluster(tmp_path_factory) -> ClusterHandle:
     assert handle.started_here, "another Ray cluster is already running on this machine"
     yield handle
     stop_local_head()
+
+
+@pytest.fixture(scope="session")
+def baseline(ray_cluster, tmp_path_factory) -> str:
+    """Final-weights hash of the chaos config trained without interruption (same seed, same world size)."""
+    cfg = chaos_config(tmp_path_factory.mktemp("baseline") / "storage", "baseline")
+    sid = start_training(ray_cluster, cfg)
+    assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
+    return final_weights_hash(cfg)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not REPORT:
+        return
+    tr = terminalreporter
+    tr.section("chaos: what each fault cost")
+    tr.write_line(
+        f"{'scenario':<34} {'detected by':<22} {'detection s':>11} {'to 1st new step s':>17} {'lost steps':>10}"
+    )
+    for r in REPORT:
+        det = "-" if r["detection_s"] is None else f"{r['detection_s']:.1f}"
+        tr.write_line(
+            f"{r['scenario']:<34} {r['detected_by']:<22} {det:>11} {r['recovery_s']:>17.1f} {r['lost_steps']:>10}"
+        )

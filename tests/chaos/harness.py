@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ray_jobs.config import Config, load_config
 from ray_jobs.storage import Layout
+from tasks import registry
 from tasks.cluster import ClusterHandle, jobs_client
 from tasks.jobs import submit, write_job_spec
 from tasks.model import prepare_base_model
@@ -20,6 +21,7 @@ from tasks.stage import stage_dataset
 from tests.conftest import ROOT, tiny_overrides
 
 DEMO = ROOT / "configs" / "demo.yaml"
+REPORT: list[dict] = []  # one row per fault: what it cost (printed by conftest at the end of the session)
 
 
 def chaos_config(storage: Path, name: str, **extra: object) -> Config:
@@ -33,6 +35,9 @@ def chaos_config(storage: Path, name: str, **extra: object) -> Config:
         "checkpoint.num_to_keep": 50,  # keep every checkpoint so the test can inspect them
         "fault_tolerance.max_failures": 3,
         "fault_tolerance.heartbeat_every_s": 0.5,
+        "cluster.dashboard_port": 8285,  # the chaos suite's head (conftest), where a watchdog re-provisions it
+        "cluster.head_port": 6399,
+        "cluster.keep_running": True,
     }
     return load_config(DEMO, tiny_overrides(storage, **(base | extra)))
 
@@ -43,6 +48,35 @@ def start_training(handle: ClusterHandle, cfg: Config, attempt: int = 1, resume_
     staged = stage_dataset.fn(cfg, model_path)
     spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from)
     return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec)
+
+
+def start_run(handle: ClusterHandle, cfg: Config) -> str:
+    """Attempt 1 of a run exactly as the finetune flow records it (registry + job spec + submit), minus Prefect:
+    from here on a watchdog can look after it."""
+    model_path = prepare_base_model.fn(cfg)
+    staged = stage_dataset.fn(cfg, model_path)
+    extra = {"manifest_url": staged.manifest_url, "model_path": model_path}
+    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra)
+    spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, None)
+    return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec)
+
+
+def driver_pid(cfg: Config) -> int | None:
+    """The Ray job driver (``python -m ray_jobs.job --spec .../runs/<run>/job-spec-NNN.json``) of this run."""
+    needle = f"/runs/{cfg.name}/job-spec-".encode()
+    for pid, cmdline in _processes():
+        if b"-m ray_jobs.job" in cmdline and needle in cmdline and not cmdline.startswith(b"/bin/sh"):
+            return pid
+    return None
+
+
+def _processes():
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                yield int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
 
 
 def wait_job(handle: ClusterHandle, sid: str, timeout_s: float = 300) -> str:
@@ -89,17 +123,7 @@ def rank0_pid(cfg: Config) -> int:
 
 def train_worker_pids() -> list[int]:
     """PIDs of live Ray Train worker processes (their process title names the actor)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if b"RayTrainWorker" in cmdline:
-            pids.append(int(entry.name))
-    return sorted(pids)
+    return sorted(pid for pid, cmdline in _processes() if b"RayTrainWorker" in cmdline)
 
 
 def kill(pid: int, sig: signal.Signals) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ import pytest
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.storage import Layout
 from tests.chaos.harness import (
+    REPORT,
     chaos_config,
     final_weights_hash,
+    heartbeat,
     heartbeat_step,
     job_logs,
     kill,
@@ -30,23 +33,21 @@ from tests.chaos.harness import (
 pytestmark = pytest.mark.chaos
 
 
-@pytest.fixture(scope="module")
-def baseline(ray_cluster, tmp_path_factory) -> str:
-    cfg = chaos_config(tmp_path_factory.mktemp("baseline") / "storage", "baseline")
-    sid = start_training(ray_cluster, cfg)
-    assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
-    return final_weights_hash(cfg)
-
-
 def test_kill_9_of_a_worker_after_the_first_checkpoint_ends_bit_identical(ray_cluster, baseline, tmp_path) -> None:
     cfg = chaos_config(tmp_path / "storage", "kill9")
     ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
     sid = start_training(ray_cluster, cfg)
     wait_for("the first checkpoint", lambda: ckpt.list_checkpoints(ckpts))
     victim = rank0_pid(cfg)
+    at_kill, killed_at = heartbeat_step(cfg), time.time()
     kill(victim, signal.SIGKILL)
 
     assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
+    beat = heartbeat(cfg)  # the restarted worker group's last beat: where it started, when it first stepped
+    assert beat["pid"] != victim
+    REPORT.append({"scenario": "kill -9 a train worker", "detected_by": "Ray Train (in job)", "detection_s": None,
+                   "recovery_s": beat["first_step_at"] - killed_at,
+                   "lost_steps": max(0, at_kill - beat["started_step"])})  # fmt: skip
     logs = job_logs(ray_cluster, sid)
     assert re.search(r"resumed from \S+checkpoint-step-\d{8} at step \d+", logs), logs[-5000:]
     assert victim not in train_worker_pids()

@@ -1,0 +1,87 @@
+"""The watchdog flow: one pass over every active run under a storage root; restarts what failed, hung or lost its
+cluster (see tasks/watchdog.py for the rules). Independent of the finetune flow: it needs only the storage.
+
+Each pass is one flow run (a scheduled deployment runs it on an interval; ``unbroken watchdog`` loops it).
+Recoveries and give-ups are Prefect events (``unbroken.run.recovered`` / ``unbroken.run.gave-up``, resource
+``unbroken.run.<run>``), for automations and for people watching the event feed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
+
+from ray_jobs.config import absolute_url
+from tasks import registry
+from tasks.logs import run_logger
+from tasks.watchdog import Outcome, check_run
+
+EVENTS = {"restarted": "unbroken.run.recovered", "gave-up": "unbroken.run.gave-up"}
+
+
+@task(name="check-run", cache_policy=NO_CACHE, task_run_name="check-{run}")
+def check_run_task(storage: str, run: str) -> Outcome:
+    return check_run(storage, run)
+
+
+def emit(outcome: Outcome) -> None:
+    """The event for a recovery or a give-up (nothing for a healthy run)."""
+    name = EVENTS.get(outcome.action)
+    if name is None:
+        return
+    incident = outcome.incident or {}
+    emit_event(
+        event=name,
+        resource={"prefect.resource.id": f"unbroken.run.{outcome.run}", "prefect.resource.name": outcome.run},
+        payload={"run": outcome.run, "detail": outcome.detail, "incident": incident},
+    )
+
+
+def incidents_table(storage: str, runs: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        reg = registry.load(storage, run) or {}
+        for i in reg.get("incidents", []):
+            rows.append(
+                {
+                    "run": run,
+                    "detected": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.get("detected_at", 0))),
+                    "kind": i.get("kind"),
+                    "attempt": i.get("attempt"),
+                    "action": i.get("action") or "open",
+                    "resumed step": i.get("resumed_step"),
+                    "lost steps": i.get("lost_steps"),
+                    "silent (s)": i.get("silent_s"),
+                    "to first new step (s)": i.get("time_to_recover_s"),
+                    "detail": (i.get("reason") or i.get("detail") or "")[:200],
+                }
+            )
+    return rows
+
+
+@flow(name="watchdog", flow_run_name="watchdog")
+def watchdog(storage: str = ".unbroken/storage") -> list[dict[str, Any]]:
+    """Check every active run under ``storage`` once; returns what was done for each."""
+    log = run_logger()
+    storage = absolute_url(storage)
+    active = registry.active_runs(storage)
+    log.info("%d active run(s) under %s: %s", len(active), storage, ", ".join(active) or "-")
+    outcomes = []
+    for run in active:
+        try:
+            outcome = check_run_task(storage, run)
+        except Exception as e:  # one run's trouble (say, its cluster cannot be provisioned) must not starve others
+            log.error("run %s: check failed: %s: %s", run, type(e).__name__, e)
+            outcome = Outcome(run, "error", f"{type(e).__name__}: {e}")
+        log.info("run %s: %s %s", run, outcome.action, outcome.detail)
+        emit(outcome)
+        outcomes.append(outcome.to_dict())
+    rows = incidents_table(storage, active)
+    if rows:
+        create_table_artifact(rows, key="watchdog-incidents", description=f"incidents of active runs under {storage}")
+    return outcomes

@@ -1,0 +1,184 @@
+"""Faults Ray Train cannot recover from inside a job, recovered by the watchdog from outside.
+
+Two real ``unbroken watchdog`` processes (each its own Prefect server) watch one storage root for the whole module,
+so every scenario also checks that two watchdogs never both restart a run: exactly one incident, one restart,
+two attempts. Training runs with ``fault_tolerance.max_failures=0``, so every fault reaches the watchdog. Each run
+must end with weights bit-identical to the uninterrupted baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_jobs import checkpoint as ckpt
+from ray_jobs.config import Config
+from ray_jobs.storage import Layout
+from tasks import registry
+from tasks.cluster import ray_cli
+from tests.chaos.harness import (
+    REPORT,
+    chaos_config,
+    driver_pid,
+    final_weights_hash,
+    heartbeat_step,
+    rank0_pid,
+    start_run,
+    train_worker_pids,
+    wait_for,
+)
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.chaos
+
+WATCHED = {
+    "fault_tolerance.max_failures": 0,  # no in-job restarts: the watchdog must do it
+    "fault_tolerance.stall_timeout_s": 25,
+    "fault_tolerance.restart_backoff_s": 1,
+    "fault_tolerance.preemption_grace_s": 5,
+}
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("watched") / "storage"
+
+
+@pytest.fixture(scope="module")
+def watchdogs(ray_cluster, watched, tmp_path_factory):
+    """Two independent watchdog loops on the same storage (separate Prefect homes: separate servers)."""
+    procs = []
+    for i in range(2):
+        home = tmp_path_factory.mktemp(f"watchdog-{i}")
+        env = dict(os.environ, PREFECT_HOME=str(home / "prefect"), PYTHONUNBUFFERED="1")
+        log = open(home / "watchdog.log", "w")  # noqa: SIM115 (closed with the process)
+        cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(watched), "--interval", "1"]
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, home))
+    yield [home / "watchdog.log" for _, _, home in procs]
+    for p, log, _ in procs:
+        p.terminate()
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        log.close()
+
+
+def watched_config(storage: Path, name: str) -> Config:
+    return chaos_config(storage, name, **WATCHED)
+
+
+def until_done(cfg: Config, watchdog_logs: list[Path], timeout_s: float = 300) -> dict:
+    def finished():
+        reg = registry.load(cfg.storage, cfg.name)
+        return reg if reg and reg["state"] in ("succeeded", "failed") else None
+
+    try:
+        return wait_for(f"run {cfg.name} to finish", finished, timeout_s=timeout_s, every_s=0.5)
+    except TimeoutError:
+        tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in watchdog_logs)
+        raise AssertionError(f"{registry.describe(cfg.storage, cfg.name)}\n{tails}") from None
+
+
+def check_recovered(cfg: Config, reg: dict, baseline: str, kind: str, fault_at: float, scenario: str) -> dict:
+    """The run finished by exactly one restart, bit-identical to the baseline; its cost goes into the report."""
+    status = registry.describe(cfg.storage, cfg.name)
+    assert reg["state"] == "succeeded", status
+    assert [i["kind"] for i in reg["incidents"]] == [kind], status
+    assert reg["restarts"] == 1 and len(reg["attempts"]) == 2, status
+    incident = reg["incidents"][0]
+    assert incident["action"] == "restarted" and incident["new_attempt"] == 2, status
+    assert reg["attempts"][1]["started_by"] == "watchdog"
+    assert reg["attempts"][1]["resume_from"] == incident["resumed_from"]
+    assert incident.get("first_new_step_at"), status
+    assert "restarted as attempt 2 from step" in status and "lost steps" in status
+    assert final_weights_hash(cfg) == baseline
+    REPORT.append({"scenario": scenario, "detected_by": f"watchdog ({kind})",
+                   "detection_s": incident["detected_at"] - fault_at,
+                   "recovery_s": incident["first_new_step_at"] - fault_at, "lost_steps": incident["lost_steps"]})  # fmt: skip
+    return incident
+
+
+def started_and_checkpointed(cfg: Config, past_step: int = 50) -> None:
+    ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
+    wait_for("a checkpoint", lambda: ckpt.list_checkpoints(ckpts), timeout_s=180)
+    wait_for(f"step {past_step}", lambda: heartbeat_step(cfg) > past_step, timeout_s=120)
+
+
+def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, baseline, watched, watchdogs) -> None:
+    cfg = watched_config(watched, "driver-kill")
+    start_run(ray_cluster, cfg)
+    started_and_checkpointed(cfg)
+    pid = wait_for("the job driver", lambda: driver_pid(cfg))
+    fault_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+
+    reg = until_done(cfg, watchdogs)
+    incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 the job driver")
+    # Ray SIGTERMs the orphaned workers: they save a just-in-time checkpoint, so little or nothing is lost.
+    assert incident["resumed_step"] >= incident["failed_step"] - cfg.checkpoint.every_steps
+
+
+def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, watched, watchdogs) -> None:
+    cfg = watched_config(watched, "hang")
+    start_run(ray_cluster, cfg)
+    started_and_checkpointed(cfg)
+    victim = next(p for p in train_worker_pids() if p != rank0_pid(cfg))  # rank 1: rank 0 keeps beating
+    fault_at = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        reg = until_done(cfg, watchdogs)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, sig)
+    incident = check_recovered(cfg, reg, baseline, "stalled", fault_at, "SIGSTOP a train worker (hang)")
+    # Not before the stall timeout, and not long after it (a pass a second, plus a loaded machine's slack).
+    assert cfg.fault_tolerance.stall_timeout_s <= incident["silent_s"] < cfg.fault_tolerance.stall_timeout_s + 20
+    assert "made no step" in incident["detail"]
+
+
+def test_worker_killed_while_a_checkpoint_is_written_resumes_from_the_previous_one(
+    ray_cluster, baseline, watched, watchdogs
+) -> None:
+    cfg = watched_config(watched, "ckpt-kill")
+    ckpts = Path(Layout(cfg.storage).checkpoints_dir(cfg.name))
+    start_run(ray_cluster, cfg)
+    wait_for("the first checkpoint", lambda: ckpt.list_checkpoints(str(ckpts)), timeout_s=180)
+    victim = rank0_pid(cfg)  # rank 0 writes the checkpoints
+
+    def writing():  # a checkpoint folder after the first whose manifest (written last) is not there yet
+        for d in ckpts.glob("checkpoint-step-*"):
+            if ckpt.checkpoint_step(d.name) > cfg.checkpoint.every_steps and not (d / "manifest.json").exists():
+                return d
+        return None
+
+    partial = wait_for("a checkpoint write in progress", writing, timeout_s=120, every_s=0)
+    fault_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    caught_mid_write = not (partial / "manifest.json").exists()
+
+    reg = until_done(cfg, watchdogs)
+    incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 during a checkpoint write")
+    if caught_mid_write:
+        assert incident["resumed_step"] < ckpt.checkpoint_step(partial.name), "a half-written checkpoint was loaded"
+    assert caught_mid_write, f"the kill landed after {partial.name} was complete; nothing partial was tested"
+
+
+def test_whole_cluster_stopped_is_reprovisioned_and_resumed(ray_cluster, baseline, watched, watchdogs) -> None:
+    cfg = watched_config(watched, "cluster-down")
+    start_run(ray_cluster, cfg)
+    started_and_checkpointed(cfg)
+    fault_at = time.time()
+    subprocess.run([ray_cli(), "stop", "--force"], check=True, capture_output=True)
+
+    reg = until_done(cfg, watchdogs)
+    incident = check_recovered(cfg, reg, baseline, "cluster-unreachable", fault_at, "ray stop --force (cluster)")
+    assert incident["reprovisioned"], "the watchdog started the local head again"
