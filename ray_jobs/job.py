@@ -57,14 +57,16 @@ def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str
 
 
 def root_cause(e: BaseException) -> dict[str, str]:
-    """The exception a worker raised, under Ray Train's wrappers: its type name and first message line."""
+    """The exception a worker raised, under Ray Train's wrappers: its type name, its classes, first message line."""
     failures = getattr(e, "worker_failures", None) or {}
     if failures:
         e = failures[min(failures)]
     e = getattr(e, "cause", None) or e  # RayTaskError(ValueError) -> the ValueError the worker raised
     name = type(e).__name__.removeprefix("RayTaskError(").removesuffix(")")
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return {"type": name, "message": (lines[0] if lines else "")[:500]}
+    # The class chain too: a policy that refuses to retry ValueError must see peft's NoMatchingPeftModuleError.
+    kinds = [c.__name__ for c in type(e).__mro__ if c not in (object, BaseException)]
+    return {"type": name, "message": (lines[0] if lines else "")[:500], "kinds": kinds}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,7 +136,7 @@ def give_up_reason(reg: dict[str, Any], cfg: Config, incident: dict[str, Any]) -
     """Why restarting again would be pointless or not allowed; None when a restart is in order."""
     done, budget = reg.get("restarts", 0), cfg.fault_tolerance.max_restarts
     error = incident.get("error") or {}
-    if error.get("type") in USER_ERRORS:
+    if USER_ERRORS.intersection(error.get("kinds") or [error.get("type")]):
         return (
             f"the job raised {error['type']}: {error.get('message', '')} -- an error in the code, data or config, "
             "which a restart would repeat"

@@ -76,3 +76,19 @@ def test_a_whole_run_with_data_and_storage_on_s3(bucket, tmp_path) -> None:
     local = tmp_path / "final"
     fs.get(f"{storage}/runs/s3run/final/", str(local) + "/", recursive=True)
     AutoModelForCausalLM.from_pretrained(local)
+
+
+def test_watchdog_lease_on_s3_is_exclusive(bucket) -> None:
+    """The lease's exclusive create is a conditional PUT (If-None-Match: *) on S3: one winner, fencing works."""
+    from ray_jobs.storage import create_exclusive
+    from tasks import lease as leases
+
+    storage = f"{bucket}/lease-test"
+    assert create_exclusive(f"{storage}/claim", b"a") is True
+    assert create_exclusive(f"{storage}/claim", b"b") is False
+    first = leases.acquire(storage, "r", owner="a", ttl_s=60)
+    assert first is not None and leases.acquire(storage, "r", owner="b") is None
+    first.release()
+    second = leases.acquire(storage, "r", owner="b", ttl_s=60)
+    assert second is not None and second.generation == 2
+    second.check()
