@@ -92,15 +92,16 @@ def inspect(reg: dict[str, Any], cfg: Config, now: float) -> Verdict:
     address = reg["cluster"]["address"]
     attempt = registry.current_attempt(reg)
     sid = attempt["submission_id"]
+    beat = current_heartbeat(cfg.storage, cfg.name, attempt["attempt"])  # storage outlives the cluster
     why = _reachable(address)
     if why is not None:
-        return Verdict("cluster-unreachable", f"the Jobs API at {address} does not answer: {why}")
+        return Verdict("cluster-unreachable", f"the Jobs API at {address} does not answer: {why}", heartbeat=beat)
     client = jobs_client(address)
     try:
         info = client.get_job_info(sid)
     except RuntimeError as e:  # 404: a restarted cluster has no record of the job
-        return Verdict("job-lost", f"the cluster at {address} has no job {sid} ({str(e).splitlines()[0]})")
-    beat = current_heartbeat(cfg.storage, cfg.name, attempt["attempt"])
+        detail = f"the cluster at {address} has no job {sid} ({str(e).splitlines()[0]})"
+        return Verdict("job-lost", detail, heartbeat=beat)
     status = str(info.status)
     if info.status == JobStatus.SUCCEEDED:
         return Verdict("succeeded", status=status, heartbeat=beat)
@@ -182,11 +183,13 @@ def _check(storage: str, run: str, reg: dict[str, Any], lease: leases.Lease, now
     if incident is None:
         verdict = inspect(reg, cfg, now)
         if verdict.kind == "running":
+            before = json.dumps(reg, sort_keys=True)
             _note_progress(reg, verdict.heartbeat)
             if verdict.status == "RUNNING" and reg["state"] == "submitted":
                 reg["state"] = "running"
                 registry.current_attempt(reg)["status"] = "RUNNING"
-            registry.save(storage, run, reg)
+            if json.dumps(reg, sort_keys=True) != before:  # a healthy run costs no write per pass
+                registry.save(storage, run, reg)
             step = verdict.heartbeat["step"] if verdict.heartbeat else "-"
             return Outcome(run, "ok", f"{verdict.status}, step {step}")
         if verdict.kind == "succeeded":

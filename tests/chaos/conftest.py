@@ -35,10 +35,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     tr = terminalreporter
     tr.section("chaos: what each fault cost")
     tr.write_line(
-        f"{'scenario':<34} {'detected by':<22} {'detection s':>11} {'to 1st new step s':>17} {'lost steps':>10}"
+        f"{'scenario':<34} {'detected by':<32} {'detection s':>11} {'to 1st new step s':>17} {'lost steps':>10}"
     )
     for r in REPORT:
         det = "-" if r["detection_s"] is None else f"{r['detection_s']:.1f}"
         tr.write_line(
-            f"{r['scenario']:<34} {r['detected_by']:<22} {det:>11} {r['recovery_s']:>17.1f} {r['lost_steps']:>10}"
+            f"{r['scenario']:<34} {r['detected_by']:<32} {det:>11} {r['recovery_s']:>17.1f} {r['lost_steps']:>10}"
         )
