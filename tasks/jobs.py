@@ -7,6 +7,7 @@ import contextlib
 import json
 import re
 import shlex
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ class ClusterLost(JobFailed):
     """The cluster stopped answering while a job ran on it (the job's fate is unknown)."""
 
 
+AGENT_WAIT_S = 60.0  # how long a submission retries "No available agent to submit job" (a head still starting)
 LOST_AFTER_ERRORS = 5  # consecutive failed status polls that mean the cluster is gone, not a blip
 
 
@@ -60,12 +62,21 @@ def submit(handle: ClusterHandle, submission_id: str, module: str, spec_url: str
     if any(j.submission_id == submission_id for j in client.list_jobs()):
         log.info("Ray job %s was already submitted; watching it", submission_id)
         return submission_id
-    client.submit_job(
-        entrypoint=f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
-        submission_id=submission_id,
-        runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES},
-        entrypoint_num_cpus=0,
-    )
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            client.submit_job(
+                entrypoint=f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
+                submission_id=submission_id,
+                runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES},
+                entrypoint_num_cpus=0,
+            )
+            break
+        except RuntimeError as e:  # a head that just started answers before its job agent is up
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            log.info("the cluster's job agent is not up yet; retrying the submission")
+            time.sleep(1.0)
     log.info("submitted Ray job %s (%s)", submission_id, module)
     return submission_id
 

@@ -46,3 +46,18 @@ def storage(tmp_path: Path) -> Path:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def asserting_events():
+    """Prefect events emitted in this process are recorded (``AssertingEventsClient.all``) instead of sent;
+    call ``EventsWorker.drain_all()`` before looking."""
+    from prefect.events.clients import AssertingEventsClient
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()  # a worker started earlier in the session keeps its old client: stop it
+    EventsWorker.set_client_override(AssertingEventsClient)
+    AssertingEventsClient.reset()
+    yield AssertingEventsClient
+    EventsWorker.drain_all()
+    EventsWorker.set_client_override(None)

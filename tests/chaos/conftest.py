@@ -10,7 +10,7 @@ from tasks.cluster import ClusterHandle, start_local_head, stop_local_head
 from tests.chaos.harness import DEMO, REPORT, chaos_config, final_weights_hash, job_logs, start_training, wait_job
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped before other packages start their own heads (one per machine)
 def ray_cluster(tmp_path_factory) -> ClusterHandle:
     storage = tmp_path_factory.mktemp("chaos-cluster")
     cfg = load_config(DEMO, [f"storage={storage}", "cluster.dashboard_port=8285", "cluster.head_port=6399"])
@@ -20,7 +20,7 @@ def ray_cluster(tmp_path_factory) -> ClusterHandle:
     stop_local_head()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def baseline(ray_cluster, tmp_path_factory) -> str:
     """Final-weights hash of the chaos config trained without interruption (same seed, same world size)."""
     cfg = chaos_config(tmp_path_factory.mktemp("baseline") / "storage", "baseline")

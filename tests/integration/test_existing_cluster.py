@@ -36,7 +36,7 @@ def test_flow_uses_an_existing_cluster_and_leaves_it_running(cluster: str, tmp_p
     assert r.returncode == 0, r.explain()
     assert r.last_line == f"final model: {storage / 'runs' / 'ext' / 'final'}"
     assert _reachable(cluster) is None, "a cluster the flow did not start must be left running"
-    assert read_registry(storage, "ext")["cluster"] == {"address": cluster, "mode": "existing"}
+    assert read_registry(storage, "ext")["cluster"] == {"address": cluster, "mode": "existing", "started_here": False}
 
 
 def test_a_job_the_cluster_cannot_fit_fails_with_a_clear_reason(cluster: str, tmp_path: Path) -> None:

@@ -15,17 +15,6 @@ from tests.integration.conftest import read_registry, run_cli
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def asserting_events():
-    from prefect.events.clients import AssertingEventsClient
-    from prefect.events.worker import EventsWorker
-
-    EventsWorker.set_client_override(AssertingEventsClient)
-    AssertingEventsClient.reset()
-    yield AssertingEventsClient
-    EventsWorker.set_client_override(None)
-
-
 def test_failed_job_is_handed_over_and_a_user_error_is_not_retried(tmp_path, asserting_events) -> None:
     from prefect.events.worker import EventsWorker
 

@@ -145,23 +145,17 @@ def test_status_shows_incidents_with_their_cost(tmp_path: Path) -> None:
     assert "made no step for 25s" in text
 
 
-def test_recoveries_and_give_ups_are_prefect_events_named_by_run() -> None:
-    from prefect.events.clients import AssertingEventsClient
+def test_recoveries_and_give_ups_are_prefect_events_named_by_run(asserting_events) -> None:
     from prefect.events.worker import EventsWorker
 
     from flows.watchdog import emit
     from tasks.watchdog import Outcome
 
-    EventsWorker.set_client_override(AssertingEventsClient)
-    AssertingEventsClient.reset()
-    try:
-        emit(Outcome("r1", "restarted", "attempt 2 from step 80", {"kind": "stalled", "lost_steps": 3}))
-        emit(Outcome("r2", "ok", "RUNNING, step 9"))  # nothing to tell
-        emit(Outcome("r3", "gave-up", "restart budget exhausted", {"kind": "job-failed"}))
-        EventsWorker.drain_all()
-        events = [e for c in AssertingEventsClient.all for e in c.events]
-    finally:
-        EventsWorker.set_client_override(None)
+    emit(Outcome("r1", "restarted", "attempt 2 from step 80", {"kind": "stalled", "lost_steps": 3}))
+    emit(Outcome("r2", "ok", "RUNNING, step 9"))  # nothing to tell
+    emit(Outcome("r3", "gave-up", "restart budget exhausted", {"kind": "job-failed"}))
+    EventsWorker.drain_all()
+    events = [e for c in asserting_events.all for e in c.events]
     assert [(e.event, e.resource.id, e.resource.name) for e in events] == [
         ("unbroken.run.recovered", "unbroken.run.r1", "r1"),
         ("unbroken.run.gave-up", "unbroken.run.r3", "r3"),
