@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration test-chaos lint format clean
+.PHONY: setup demo test test-unit test-integration test-chaos lint format clean ui serve browser
 
 setup: $(STAMP)
 
@@ -17,6 +17,20 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: setup
 	$(VENV)/bin/unbroken run configs/demo.yaml
+
+# Headless Chromium for the UI test (tests/integration/test_served.py): Debian's chromium package.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { S=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$S apt-get install -y -qq chromium >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq chromium; }; }
+	@chromium --version
+
+# The Prefect UI on http://127.0.0.1:4200 (SQLite under .unbroken/prefect); Ctrl-C stops it.
+ui: setup
+	$(VENV)/bin/unbroken server
+
+# Serve the deployments against that server (run `make ui` in another terminal first).
+serve: setup
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(VENV)/bin/unbroken serve
 
 test: setup
 	$(VENV)/bin/pytest

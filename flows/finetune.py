@@ -6,12 +6,15 @@ config fails here without touching storage or a cluster.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import acreate_link_artifact
 
-from ray_jobs.config import Config, load_config
+from ray_jobs.config import Config, ConfigError, load_config
 from tasks import registry
+from tasks.cancel import one_run_per_name, stop_on_cancel, stop_on_crash
 from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
 from tasks.jobs import JobFailed, prefetch_shards, submit_job, watch_job, write_job_spec
 from tasks.model import prepare_base_model
@@ -20,10 +23,42 @@ from tasks.stage import Staged, stage_dataset
 from tasks.watchdog import failed_job_incident
 
 
-@flow(name="finetune")
-async def finetune(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Fine-tune a causal LM on Ray Train from a YAML config (plus ``a.b=c`` overrides); returns the summary."""
-    cfg = load_config(config_path, overrides or [])
+def run_options(config_path: str | None, overrides: list[str] | None, dataset_uri: str | None) -> list[str]:
+    """The overrides a flow run applies: its own, plus ``data.train`` from a dataset event's payload."""
+    return [*(overrides or []), *([f"data.train={dataset_uri}"] if dataset_uri else [])]
+
+
+def flow_run_name() -> str:
+    """``finetune-<run name>``: the run is findable by name in the UI (the config names it)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    try:
+        cfg = load_config(
+            p.get("config_path"), run_options(p.get("config_path"), p.get("overrides"), p.get("dataset_uri"))
+        )
+    except (ConfigError, OSError):
+        return "finetune-invalid-config"
+    return f"finetune-{cfg.name}"
+
+
+@flow(
+    name="finetune",
+    flow_run_name=flow_run_name,
+    on_cancellation=[stop_on_cancel],
+    on_crashed=[stop_on_crash],
+)
+async def finetune(
+    config_path: str | None = None, overrides: list[str] | None = None, dataset_uri: str | None = None
+) -> dict[str, Any]:
+    """Fine-tune a causal LM on Ray Train from a YAML config (plus ``a.b=c`` overrides, and ``dataset_uri`` as
+    ``data.train`` when a dataset event started the run); returns the summary."""
+    cfg = load_config(config_path, run_options(config_path, overrides, dataset_uri))
+    async with one_run_per_name(cfg.name):
+        return await _finetune(cfg)
+
+
+async def _finetune(cfg: Config) -> dict[str, Any]:
     model_path = prepare_base_model(cfg)
     staged = stage_dataset(cfg, model_path)
     registry.check_compatible(cfg, staged.dataset_id)  # before any cluster work
@@ -51,6 +86,10 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path:
         spec_url = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from=None)
         await prefetch_shards(handle, registry.submission_id(cfg.name, attempt, "preflight"), spec_url)
         submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
+        await acreate_link_artifact(
+            f"{handle.dashboard_url}/#/jobs/{submission}", link_text=f"Ray job {submission}",
+            key=f"{cfg.name}-ray-job", description="the training job in the Ray dashboard",
+        )  # fmt: skip
         try:
             await watch_job(handle, submission, cfg, attempt)
         except JobFailed as e:
@@ -61,7 +100,9 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path:
         summary = summarize(cfg, staged.dataset_id)
     except BaseException as e:
         if not handed_over:
-            registry.end_attempt(cfg, attempt, "FAILED", f"{type(e).__name__}: {e}")
+            cancelled = isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)) or "Termination" in type(e).__name__
+            why = f"cancelled ({type(e).__name__})" if cancelled else f"{type(e).__name__}: {e}"
+            registry.end_attempt(cfg, attempt, "STOPPED" if cancelled else "FAILED", why)
         raise
     registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=summary["final_model"])
     return summary

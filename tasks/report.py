@@ -14,6 +14,43 @@ from ray_jobs.storage import Layout, read_bytes
 from tasks.logs import run_logger
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
+CHART_POINTS = 60  # mermaid renders a few dozen points legibly
+
+
+def metrics_table(cfg: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The logged steps, with the checkpoint (if any) written at each step."""
+    from ray_jobs import checkpoint as ckpt
+
+    saved = {step: url.rstrip("/").rsplit("/", 1)[-1] for step, url in ckpt.list_checkpoints(
+        Layout(cfg.storage).checkpoints_dir(cfg.name))}  # fmt: skip
+    return [{**{k: r.get(k) for k in METRIC_COLUMNS}, "checkpoint": saved.get(r["step"], "")} for r in rows]
+
+
+def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:
+    """Train and eval loss by step as a mermaid ``xychart-beta`` line chart (the Prefect UI renders mermaid)."""
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    if len(train) > CHART_POINTS:  # evenly thinned, always keeping the last point
+        every = -(-len(train) // CHART_POINTS)
+        train = train[::every] + ([train[-1]] if (len(train) - 1) % every else [])
+    lines = [f"# Loss of {cfg.name}", "", "```mermaid", "xychart-beta", f'    title "{cfg.name}: loss by step"']
+    if train:
+        top = max([r["loss"] for r in train] + [r["eval_loss"] for r in evals])
+        lines += [
+            f"    x-axis [{', '.join(str(r['step']) for r in train)}]",
+            f'    y-axis "loss" 0 --> {top * 1.05:.3f}',
+            "    line [" + ", ".join(f"{r['loss']:.4f}" for r in train) + "]",
+        ]
+    lines += [
+        "```",
+        "",
+        "Train loss at each logged step (the line). Eval loss:",
+        "",
+        "| step | eval loss |",
+        "|---|---|",
+    ]
+    lines += [f"| {r['step']} | {r['eval_loss']:.4f} |" for r in evals]
+    return "\n".join(lines) + "\n"
 
 
 def read_metrics(cfg: Config) -> list[dict[str, Any]]:
@@ -104,9 +141,8 @@ def summarize(cfg: Config, dataset_id: str) -> dict[str, Any]:
         "samples": samples,
         "final_model": final,
     }
-    create_table_artifact(
-        [{k: r.get(k) for k in METRIC_COLUMNS} for r in rows], key=f"{cfg.name}-metrics", description="logged steps"
-    )
+    create_table_artifact(metrics_table(cfg, rows), key=f"{cfg.name}-metrics", description="logged steps")
+    create_markdown_artifact(loss_chart_markdown(cfg, rows), key=f"{cfg.name}-loss-curve", description="loss curve")
     create_markdown_artifact(summary_markdown(cfg, s), key=f"{cfg.name}-summary", description="run summary")
     create_link_artifact(final, link_text="final model folder", key=f"{cfg.name}-final-model")
     run_logger().info(

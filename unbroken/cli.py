@@ -27,6 +27,15 @@ def _parser() -> argparse.ArgumentParser:
     wd.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
     wd.add_argument("--once", action="store_true", help="one pass, then exit (a scheduled deployment does this)")
     wd.add_argument("--interval", type=float, default=30.0, help="seconds between passes when looping (default 30)")
+    sv = sub.add_parser("serve", help="serve the deployments (finetune, stage-dataset, watchdog, dataset-sensor)")
+    sv.add_argument("--config", default="configs/demo.yaml", help="config the finetune/stage deployments run")
+    sv.add_argument("--storage", default=".unbroken/storage", help="storage root for runs and the watchdog")
+    sv.add_argument("--cron", default=None, help='finetune schedule, e.g. "0 3 * * *" (default: none)')
+    sv.add_argument("--watchdog-interval", type=float, default=60.0, help="seconds between watchdog runs")
+    sv.add_argument("--watch-source", default=None, help="location the dataset sensor watches (default: data.train)")
+    sv.add_argument("--sensor-interval", type=float, default=60.0, help="seconds between dataset sensor runs")
+    srv = sub.add_parser("server", help="start a local Prefect server (SQLite) with the UI on 127.0.0.1")
+    srv.add_argument("--port", type=int, default=4200)
     st = sub.add_parser("status", help="print a run's registry: state, attempts, incidents, heartbeat")
     st.add_argument("run", help="run name")
     st.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
@@ -101,8 +110,44 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
         time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not os.environ.get("PREFECT_API_URL"):
+        print("error: PREFECT_API_URL is not set: schedules and triggers need a running Prefect server "
+              "(start one with `unbroken server` or `make ui`, then export PREFECT_API_URL=http://127.0.0.1:4200/api)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    from deployments.serve import ServeOptions, serve
+
+    load_config(args.config, [])  # a bad config fails now, not at 3 a.m.
+    serve(ServeOptions(args.config, args.storage, args.cron, args.watchdog_interval, args.watch_source,
+                       args.sensor_interval))  # fmt: skip
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    """``prefect server start`` on 127.0.0.1 with its database under .unbroken/prefect (unless PREFECT_HOME is set);
+    the UI's API URL is set to match the port."""
+    home = os.environ.get("PREFECT_HOME") or os.path.abspath(".unbroken/prefect")
+    api = f"http://127.0.0.1:{args.port}/api"
+    env = dict(os.environ, PREFECT_HOME=home, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    print(f"Prefect UI: http://127.0.0.1:{args.port}   (clients: export PREFECT_API_URL={api})", flush=True)
+    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    os.execvpe(prefect, [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "server":
+        return cmd_server(args)
+    if args.command == "serve":
+        _quiet_defaults()
+        try:
+            return cmd_serve(args)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     if args.command == "status":
         return cmd_status(args)
     if args.command == "watchdog":

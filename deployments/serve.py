@@ -1,0 +1,101 @@
+"""The served deployments (``unbroken serve``): finetune, stage-dataset, watchdog and the dataset sensor.
+
+``build()`` is the single definition of what is served; ``prefect.yaml`` declares the same set for teams that deploy
+to a process work pool, and a test keeps the two in agreement.
+
+- ``finetune``: a cron schedule (optional), and a trigger on ``unbroken.dataset.updated`` whose payload's
+  ``dataset_uri`` becomes the run's ``data.train``. One active run per run name is enforced inside the flow (a
+  global concurrency limit named after the run), because a deployment-level limit cannot see run names.
+- ``stage-dataset``: on demand.
+- ``watchdog``: an interval schedule, and a trigger on any ``finetune`` flow run that ends FAILED (including
+  TimedOut) or CRASHED: the hand-over from the finetune flow is immediate.
+- ``dataset-sensor``: an interval schedule; fingerprints the source location and emits the event above on change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prefect.events import DeploymentEventTrigger
+
+from flows.finetune import finetune
+from flows.sensor import EVENT, dataset_sensor
+from flows.stage import stage_flow
+from flows.watchdog import watchdog
+
+
+@dataclass
+class ServeOptions:
+    config: str = "configs/demo.yaml"
+    storage: str = ".unbroken/storage"
+    cron: str | None = None  # finetune schedule, e.g. "0 3 * * *"; None = on demand and by trigger only
+    watchdog_interval_s: float = 60.0
+    sensor_source: str | None = None  # where new data lands (defaults to the config's data.train)
+    sensor_interval_s: float = 60.0
+
+
+def dataset_trigger(config: str) -> DeploymentEventTrigger:
+    return DeploymentEventTrigger(
+        name="retrain-on-dataset-update",
+        expect={EVENT},
+        match={"prefect.resource.id": "unbroken.dataset.*"},
+        parameters={"config_path": config, "dataset_uri": "{{ event.payload.dataset_uri }}"},
+    )
+
+
+def finetune_failed_trigger(storage: str) -> DeploymentEventTrigger:
+    # Match the state *type*: a run that times out ends FAILED with the state name TimedOut.
+    return DeploymentEventTrigger(
+        name="recover-failed-finetune",
+        expect={"prefect.flow-run.*"},
+        match={"prefect.resource.id": "prefect.flow-run.*", "prefect.state-type": ["FAILED", "CRASHED"]},
+        match_related={"prefect.resource.role": "flow", "prefect.resource.name": "finetune"},
+        parameters={"storage": storage},
+    )
+
+
+def build(opts: ServeOptions) -> list[Any]:
+    """The RunnerDeployments ``unbroken serve`` serves."""
+    from ray_jobs.config import absolute_url, load_config
+
+    config = str(absolute_url(opts.config))
+    storage = str(absolute_url(opts.storage))
+    source = opts.sensor_source or load_config(config, [f"storage={storage}"]).data.train
+    return [
+        finetune.to_deployment(
+            "finetune",
+            cron=opts.cron,
+            parameters={"config_path": config, "overrides": [f"storage={storage}"]},
+            triggers=[dataset_trigger(config)],
+            description="fine-tune from a config; retrains when the dataset sensor sees new data",
+            tags=["unbroken"],
+        ),
+        stage_flow.to_deployment(
+            "stage-dataset",
+            parameters={"config_path": config, "overrides": [f"storage={storage}"]},
+            tags=["unbroken"],
+        ),  # fmt: skip
+        watchdog.to_deployment(
+            "watchdog",
+            interval=opts.watchdog_interval_s,
+            parameters={"storage": storage},
+            triggers=[finetune_failed_trigger(storage)],
+            description="restart failed, hung and cluster-less runs from their newest valid checkpoint",
+            tags=["unbroken"],
+        ),
+        dataset_sensor.to_deployment(
+            "dataset-sensor",
+            interval=opts.sensor_interval_s,
+            parameters={"source": str(absolute_url(source)), "storage": storage},
+            description=f"emit {EVENT} when the source's files change",
+            tags=["unbroken"],
+        ),
+    ]
+
+
+def serve(opts: ServeOptions) -> None:
+    """Register the deployments with the Prefect server at ``PREFECT_API_URL`` and run their flow runs here."""
+    from prefect import serve as prefect_serve
+
+    prefect_serve(*build(opts), limit=4)

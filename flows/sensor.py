@@ -1,0 +1,86 @@
+"""The dataset sensor: fingerprint a source location; when it changes, emit ``unbroken.dataset.updated``.
+
+A scheduled deployment runs it (see deployments/serve.py); the finetune deployment's trigger turns the event into a
+retraining run with the event's ``dataset_uri``. So a new file landing in the bucket retrains without anyone
+clicking.
+
+The fingerprint is the sorted list of the source's data files (the files staging would read) with their size and
+ETag/modification time: cheap on a bucket of any size (one listing, no reads). The last fingerprint seen is kept on
+storage (``<storage>/sensors/<source-hash>.json``), so the sensor can run anywhere and any number of times; the
+first look at a location records it without an event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+from prefect import flow
+from prefect.events import emit_event
+
+from ray_jobs.config import absolute_url
+from ray_jobs.staging import list_sources
+from ray_jobs.storage import fs_and_path, join, read_json, write_json_atomic
+from tasks.logs import run_logger
+
+EVENT = "unbroken.dataset.updated"
+
+
+def fingerprint(source: str) -> dict[str, Any]:
+    """What the source holds now: each data file with size and version marker, and a hash over all of them."""
+    files = []
+    for url in list_sources(source, "source"):
+        fs, path = fs_and_path(url)
+        info = fs.info(path)
+        version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+        files.append({"file": url, "size": info.get("size"), "version": str(version)})
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+    return {"source": source, "fingerprint": digest, "files": files}
+
+
+def resource_id(source: str) -> str:
+    return "unbroken.dataset." + hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+def state_url(storage: str, source: str) -> str:
+    return join(storage, "sensors", resource_id(source).rsplit(".", 1)[1] + ".json")
+
+
+@flow(name="dataset-sensor", flow_run_name="dataset-sensor")
+def dataset_sensor(source: str, storage: str = ".unbroken/storage") -> dict[str, Any]:
+    """Look at ``source``; emit ``unbroken.dataset.updated`` (payload: ``dataset_uri``) if it changed since the
+    last look. Returns what was seen and whether an event went out."""
+    log = run_logger()
+    source, storage = absolute_url(source), absolute_url(storage)
+    now = fingerprint(source)
+    url = state_url(storage, source)
+    try:
+        before = read_json(url)
+    except FileNotFoundError:
+        before = None
+    changed = before is not None and before["fingerprint"] != now["fingerprint"]
+    if changed:
+        added = sorted({f["file"] for f in now["files"]} - {f["file"] for f in before["files"]})
+        emit_event(
+            event=EVENT,
+            resource={"prefect.resource.id": resource_id(source), "prefect.resource.name": source},
+            payload={
+                "dataset_uri": source,
+                "fingerprint": now["fingerprint"],
+                "previous": before["fingerprint"],
+                "files": len(now["files"]),
+                "added": added[:50],
+            },  # fmt: skip
+        )
+        log.info("%s changed (%s -> %s, %d new file(s)): emitted %s", source, before["fingerprint"],
+                 now["fingerprint"], len(added), EVENT)  # fmt: skip
+    elif before is None:
+        log.info("first look at %s: %d file(s), fingerprint %s (recorded; no event)", source, len(now["files"]),
+                 now["fingerprint"])  # fmt: skip
+    else:
+        log.info("%s unchanged (%s)", source, now["fingerprint"])
+    if before is None or changed:
+        write_json_atomic(url, now | {"seen_at": time.time()})
+    return {"source": source, "fingerprint": now["fingerprint"], "changed": changed, "first_look": before is None}

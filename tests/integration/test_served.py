@@ -1,0 +1,253 @@
+"""The deployments against a real ``prefect server start`` on loopback, served by a real ``unbroken serve``:
+event-triggered retraining, the watchdog triggered by a failed finetune run, cancellation, and the UI in Chromium.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ray_jobs.config import load_config
+from tasks.cluster import _reachable, jobs_client
+from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
+from tests.integration.conftest import read_registry
+
+pytestmark = pytest.mark.integration
+SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(what: str, predicate, timeout_s: float, every_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``prefect server start`` (SQLite, all services) on a free loopback port; yields its API URL."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    log = open(home / "server.log", "w")  # noqa: SIM115 (closed at teardown)
+    prefect = str(Path(sys.executable).parent / "prefect")
+    proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def healthy():
+        try:
+            return urllib.request.urlopen(f"{api}/health", timeout=2).read() == b"true"
+        except OSError:
+            return False
+
+    _wait("the Prefect server", healthy, 90)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}):  # this test process is a client of it too
+        yield api
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def served(server, tmp_path_factory):
+    """``unbroken serve`` with a tiny config; yields (config path, storage)."""
+    root = tmp_path_factory.mktemp("served")
+    storage = root / "storage"
+    cfg = load_config(ROOT / "configs" / "demo.yaml", tiny_overrides(storage, name="served"))
+    config = root / "served.yaml"
+    config.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False))
+    env = dict(os.environ, PREFECT_API_URL=server, PREFECT_RUNNER_POLL_FREQUENCY="2", PYTHONUNBUFFERED="1",
+               PREFECT_HOME=str(root / "prefect-client"))  # fmt: skip
+    log = open(root / "serve.log", "w")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "unbroken", "serve", "--config", str(config), "--storage", str(storage),
+           "--watchdog-interval", "3600", "--sensor-interval", "3600"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    _wait("the served deployments", lambda: len(_deployments()) >= 4, 120)
+    yield config, storage, root / "serve.log"
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _client_call(fn):
+    from prefect import get_client
+
+    async def go():
+        async with get_client() as c:
+            return await fn(c)
+
+    return asyncio.run(go())
+
+
+def _deployments() -> list:
+    try:
+        return _client_call(lambda c: c.read_deployments())
+    except Exception:
+        return []
+
+
+def _runs_of(deployment: str) -> list:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    return _client_call(
+        lambda c: c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment])))
+    )
+
+
+def _run(run_id):
+    return _client_call(lambda c: c.read_flow_run(run_id))
+
+
+def _final(run_id, timeout_s: float, log: Path):
+    try:
+        return _wait("the flow run to finish", lambda: (r := _run(run_id)).state.is_final() and r, timeout_s, 2)
+    except TimeoutError:
+        raise AssertionError(f"flow run {run_id} did not finish; serve log:\n{log.read_text()[-6000:]}") from None
+
+
+def test_a_dataset_event_retrains_with_the_payloads_dataset(served, tmp_path_factory) -> None:
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    config, storage, log = served
+    landing = tmp_path_factory.mktemp("landing") / "new-data.jsonl"
+    shutil.copy(SAMPLE_DATA, landing)
+    before = {r.id for r in _runs_of("finetune")}
+    emit_event(event="unbroken.dataset.updated", resource={"prefect.resource.id": "unbroken.dataset.test"},
+               payload={"dataset_uri": str(landing)})  # fmt: skip
+    EventsWorker.drain_all()
+
+    new = _wait("a finetune run from the trigger", lambda: [r for r in _runs_of("finetune") if r.id not in before], 60)
+    assert new[0].parameters["dataset_uri"] == str(landing)
+    run = _final(new[0].id, 400, log)
+    assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-6000:]}"
+    assert run.name == "finetune-served"
+    reg = read_registry(storage, "served")
+    assert reg["state"] == "succeeded" and reg["config"]["data"]["train"] == str(landing)
+
+    artifacts = _client_call(lambda c: c.read_artifacts(flow_run_filter=_by_id(run.id)))
+    keys = {a.key for a in artifacts}
+    assert {"served-progress", "served-metrics", "served-loss-curve", "served-summary", "served-ray-job",
+            "served-final-model"} <= keys, keys  # fmt: skip
+    progress = [a for a in artifacts if a.key == "served-progress"]
+    assert progress and progress[0].data == 100.0
+    curve = next(a for a in artifacts if a.key == "served-loss-curve")
+    assert "xychart-beta" in curve.data and "line [" in curve.data
+    _screenshot_of_artifacts(run.id, artifacts)
+
+
+def _by_id(run_id):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    return FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def _screenshot_of_artifacts(run_id, artifacts) -> None:
+    """Headless Chromium opens the run's Artifacts tab and the loss-curve artifact; the rendered pages must show
+    the artifacts and a drawn chart. Screenshots are kept in .unbroken/screenshots/ for people to look at."""
+    from prefect.settings import PREFECT_API_URL
+
+    browser = _chromium()
+    assert browser, "Chromium is needed for the UI check (Debian package `chromium`: `make browser`)"
+    ui = PREFECT_API_URL.value().removesuffix("/api")
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    curve = next(a for a in artifacts if a.key == "served-loss-curve")
+    pages = {
+        "finetune-run-artifacts": f"{ui}/v2/runs/flow-run/{run_id}?tab=Artifacts",
+        "finetune-loss-curve": f"{ui}/v2/artifacts/artifact/{curve.id}",
+    }
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--window-size=1400,1800", "--virtual-time-budget=20000"]  # fmt: skip
+    dom = {}
+    for name, url in pages.items():
+        dom[name] = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+        shot = SCREENSHOT_DIR / f"{name}.png"
+        subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
+        assert shot.exists() and shot.stat().st_size > 10_000, f"a real screenshot of {url}"
+    page = dom["finetune-run-artifacts"]
+    assert "finetune-served" in page, "the run page carries the run's name"
+    missing = [a.key for a in artifacts if a.key not in page]
+    assert not missing, f"not visible in the UI: {missing}; page text:\n{page[-3000:]}"
+    assert 'aria-roledescription="xychart"' in dom["finetune-loss-curve"], "mermaid drew the loss curve"
+
+
+def test_a_failed_finetune_run_triggers_the_watchdog(served) -> None:
+    from prefect.deployments import run_deployment
+
+    config, storage, log = served
+    before = {r.id for r in _runs_of("watchdog")}
+    bad = run_deployment("finetune/finetune", parameters={"config_path": str(config) + ".missing"}, timeout=0)
+    run = _final(bad.id, 120, log)
+    assert run.state.is_failed(), run.state
+    triggered = _wait("a watchdog run", lambda: [r for r in _runs_of("watchdog") if r.id not in before], 90)
+    assert triggered[0].parameters["storage"] == str(storage)
+    assert _final(triggered[0].id, 120, log).state.is_completed()
+
+
+def test_cancelling_a_finetune_run_leaves_no_ray_job_running(served) -> None:
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    config, storage, log = served
+    long = ["train.max_steps=200000", "name=cancel-me", f"storage={storage}"]
+    flow_run = run_deployment("finetune/finetune", parameters={"overrides": long}, timeout=0)
+
+    def training():
+        reg = read_registry(storage, "cancel-me") if (storage / "runs" / "cancel-me" / "run.json").exists() else {}
+        return reg.get("state") == "running"
+
+    _wait("the Ray job to run", training, 300, 2)
+    sid = read_registry(storage, "cancel-me")["attempts"][-1]["submission_id"]
+    _client_call(lambda c: c.set_flow_run_state(flow_run.id, Cancelling(message="test cancels")))
+    run = _final(flow_run.id, 120, log)
+    assert run.state.is_cancelled(), run.state
+
+    address = "http://127.0.0.1:8265"
+    if _reachable(address) is None:  # the head may still be up; then the job must have ended
+        assert jobs_client(address).get_job_status(sid).is_terminal()
+    reg = read_registry(storage, "cancel-me")
+    assert reg["state"] == "failed" and reg["attempts"][-1]["status"] in ("STOPPED", "FAILED"), reg
+    assert not _train_workers(), "no Ray Train worker may outlive the cancelled run"
+
+
+def _train_workers() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"RayTrainWorker" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
