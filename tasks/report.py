@@ -15,6 +15,8 @@ from tasks.logs import run_logger
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
 CHART_POINTS = 60  # mermaid renders a few dozen points legibly
+# A line colour that stands out on the UI's code-block background (mermaid's default is a pale yellow).
+CHART_THEME = '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "#ff6b35"}}}}%%'
 
 
 def metrics_table(cfg: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -33,7 +35,14 @@ def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:
     if len(train) > CHART_POINTS:  # evenly thinned, always keeping the last point
         every = -(-len(train) // CHART_POINTS)
         train = train[::every] + ([train[-1]] if (len(train) - 1) % every else [])
-    lines = [f"# Loss of {cfg.name}", "", "```mermaid", "xychart-beta", f'    title "{cfg.name}: loss by step"']
+    lines = [
+        f"# Loss of {cfg.name}",
+        "",
+        "```mermaid",
+        CHART_THEME,
+        "xychart-beta",
+        f'    title "{cfg.name}: loss by step"',
+    ]
     if train:
         top = max([r["loss"] for r in train] + [r["eval_loss"] for r in evals])
         lines += [
