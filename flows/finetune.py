@@ -23,20 +23,18 @@ from tasks.stage import Staged, stage_dataset
 from tasks.watchdog import failed_job_incident
 
 
-def run_options(config_path: str | None, overrides: list[str] | None, dataset_uri: str | None) -> list[str]:
-    """The overrides a flow run applies: its own, plus ``data.train`` from a dataset event's payload."""
-    return [*(overrides or []), *([f"data.train={dataset_uri}"] if dataset_uri else [])]
+def run_config(config_path: str | None, overrides: list[str] | None = None, dataset_uri: str | None = None) -> Config:
+    """The config a finetune flow run trains with: the file, its overrides, and ``data.train`` from a dataset
+    event's payload. Also what its run name and its cancellation hooks read (from the flow run's parameters)."""
+    return load_config(config_path, [*(overrides or []), *([f"data.train={dataset_uri}"] if dataset_uri else [])])
 
 
 def flow_run_name() -> str:
     """``finetune-<run name>``: the run is findable by name in the UI (the config names it)."""
     from prefect.runtime import flow_run
 
-    p = flow_run.parameters
     try:
-        cfg = load_config(
-            p.get("config_path"), run_options(p.get("config_path"), p.get("overrides"), p.get("dataset_uri"))
-        )
+        cfg = run_config(**flow_run.parameters)
     except (ConfigError, OSError):
         return "finetune-invalid-config"
     return f"finetune-{cfg.name}"
@@ -53,7 +51,7 @@ async def finetune(
 ) -> dict[str, Any]:
     """Fine-tune a causal LM on Ray Train from a YAML config (plus ``a.b=c`` overrides, and ``dataset_uri`` as
     ``data.train`` when a dataset event started the run); returns the summary."""
-    cfg = load_config(config_path, run_options(config_path, overrides, dataset_uri))
+    cfg = run_config(config_path, overrides, dataset_uri)
     async with one_run_per_name(cfg.name):
         return await _finetune(cfg)
 

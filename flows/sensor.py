@@ -40,12 +40,16 @@ def fingerprint(source: str) -> dict[str, Any]:
     return {"source": source, "fingerprint": digest, "files": files}
 
 
+def _key(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
 def resource_id(source: str) -> str:
-    return "unbroken.dataset." + hashlib.sha256(source.encode()).hexdigest()[:12]
+    return f"unbroken.dataset.{_key(source)}"
 
 
 def state_url(storage: str, source: str) -> str:
-    return join(storage, "sensors", resource_id(source).rsplit(".", 1)[1] + ".json")
+    return join(storage, "sensors", f"{_key(source)}.json")
 
 
 @flow(name="dataset-sensor", flow_run_name="dataset-sensor")

@@ -13,8 +13,9 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from ray_jobs.config import ConfigError, load_config
+from ray_jobs.config import ConfigError
 from tasks import registry
+from tasks.cluster import ClusterError
 from tasks.logs import run_logger
 
 SLOT_LEASE_S = 60  # a crashed holder's slot frees itself after this long
@@ -37,42 +38,38 @@ async def one_run_per_name(run: str) -> AsyncIterator[None]:
         yield
 
 
-def _config_of(flow_run):
-    from flows.finetune import run_options
+def _current_attempt(flow_run):
+    """(config, registry record, current attempt) of this flow run's training run, or None when it never got
+    as far as an attempt."""
+    from flows.finetune import run_config
 
-    p = flow_run.parameters or {}
-    return load_config(
-        p.get("config_path"), run_options(p.get("config_path"), p.get("overrides"), p.get("dataset_uri"))
-    )
+    try:
+        cfg = run_config(**(flow_run.parameters or {}))
+    except (ConfigError, OSError):
+        return None
+    reg = registry.load(cfg.storage, cfg.name)
+    if not reg or not reg.get("attempts"):
+        return None
+    return cfg, reg, registry.current_attempt(reg)
 
 
 def stop_ray_job(flow_run, why: str) -> str | None:
     """Stop the Ray job of this flow run's current attempt if it still runs; returns its submission id."""
-    from tasks.cluster import _reachable, jobs_client
+    from tasks.jobs import stop_and_wait
 
-    log = run_logger()
+    found = _current_attempt(flow_run)
+    if found is None:
+        return None
+    _, reg, attempt = found
+    sid = attempt["submission_id"]
     try:
-        cfg = _config_of(flow_run)
-    except (ConfigError, OSError):
-        return None  # it never got as far as a job
-    reg = registry.load(cfg.storage, cfg.name)
-    if not reg or not reg.get("attempts"):
+        stopped = stop_and_wait(reg["cluster"]["address"], sid, wait_s=30)
+    except ClusterError as e:
+        run_logger().warning("flow run %s %s: %s", flow_run.name, why, e)
+        return sid
+    if not stopped:
         return None
-    attempt = registry.current_attempt(reg)
-    sid, address = attempt["submission_id"], reg["cluster"]["address"]
-    if _reachable(address) is not None:
-        return None
-    client = jobs_client(address)
-    try:
-        if client.get_job_status(sid).is_terminal():
-            return None
-        client.stop_job(sid)
-    except RuntimeError:  # no such job
-        return None
-    deadline = time.monotonic() + 30
-    while not client.get_job_status(sid).is_terminal() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    log.warning("flow run %s %s: stopped Ray job %s", flow_run.name, why, sid)
+    run_logger().warning("flow run %s %s: stopped Ray job %s", flow_run.name, why, sid)
     return sid
 
 
@@ -80,24 +77,22 @@ def stop_on_cancel(flow, flow_run, state) -> None:
     """``on_cancellation``: stop the job; the run ends ``failed`` (cancelled), so no watchdog restarts it."""
     stop_ray_job(flow_run, "was cancelled")
     with contextlib.suppress(Exception):
-        cfg = _config_of(flow_run)
-        reg = registry.load(cfg.storage, cfg.name)
-        if reg and reg.get("attempts"):
-            attempt = registry.current_attempt(reg)["attempt"]
-            registry.end_attempt(cfg, attempt, "STOPPED", f"flow run {flow_run.name} was cancelled")
+        if found := _current_attempt(flow_run):
+            cfg, _, attempt = found
+            registry.end_attempt(cfg, attempt["attempt"], "STOPPED", f"flow run {flow_run.name} was cancelled")
 
 
 def stop_on_crash(flow, flow_run, state) -> None:
     """``on_crashed``: the flow's process died, so nothing watches the job any more. Stop it and hand the run to
     the watchdog (which the crash also triggers), which restarts it from the newest valid checkpoint."""
+    from tasks.watchdog import Verdict, current_heartbeat, new_incident
+
     sid = stop_ray_job(flow_run, "crashed")
     with contextlib.suppress(Exception):
-        cfg = _config_of(flow_run)
-        reg = registry.load(cfg.storage, cfg.name)
-        if reg and reg.get("attempts"):
-            entry = registry.current_attempt(reg)
-            incident = {"kind": "flow-crashed", "detected_by": "finetune-flow", "detected_at": time.time(),
-                        "attempt": entry["attempt"], "failed_step": None, "last_progress_at": entry["started_at"],
-                        "detail": f"flow run {flow_run.name} crashed: {state.message or ''}"[:300],
-                        "error": None, "stopped_job": sid}  # fmt: skip
-            registry.hand_over(cfg, entry["attempt"], incident["detail"], incident)
+        if found := _current_attempt(flow_run):
+            cfg, _, attempt = found
+            detail = f"flow run {flow_run.name} crashed: {state.message or ''}"
+            beat = current_heartbeat(cfg.storage, cfg.name, attempt["attempt"])
+            incident = new_incident(cfg, attempt, Verdict("flow-crashed", detail, heartbeat=beat), time.time(),
+                                    detected_by="finetune-flow") | {"stopped_job": sid}  # fmt: skip
+            registry.hand_over(cfg, attempt["attempt"], incident["detail"], incident)

@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout, read_bytes, write_json_atomic
 from tasks import registry
-from tasks.cluster import ClusterHandle, jobs_client
+from tasks.cluster import ClusterError, ClusterHandle, _reachable, jobs_client
 from tasks.logs import run_logger
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +39,26 @@ class ClusterLost(JobFailed):
 
 AGENT_WAIT_S = 60.0  # how long a submission retries "No available agent to submit job" (a head still starting)
 LOST_AFTER_ERRORS = 5  # consecutive failed status polls that mean the cluster is gone, not a blip
+
+
+def stop_and_wait(address: str, submission_id: str, wait_s: float = 60.0) -> bool:
+    """Stop a Ray job if the cluster still runs it and wait until Ray says it ended; False when there was nothing
+    to stop (cluster gone, no such job, already ended). ClusterError if it outlives ``wait_s``."""
+    if _reachable(address) is not None:
+        return False
+    client = jobs_client(address)
+    try:
+        if client.get_job_status(submission_id).is_terminal():
+            return False
+        client.stop_job(submission_id)
+    except RuntimeError:  # not found: nothing to stop
+        return False
+    deadline = time.monotonic() + wait_s
+    while not client.get_job_status(submission_id).is_terminal():
+        if time.monotonic() > deadline:
+            raise ClusterError(f"Ray job {submission_id} did not stop within {wait_s:.0f}s")
+        time.sleep(0.5)
+    return True
 
 
 def write_job_spec(cfg: Config, attempt: int, manifest_url: str, model_path: str, resume_from: str | None) -> str:

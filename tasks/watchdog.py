@@ -20,8 +20,8 @@ from ray_jobs.config import Config, from_json
 from ray_jobs.storage import Layout, exists, read_json
 from tasks import lease as leases
 from tasks import registry
-from tasks.cluster import ClusterError, _reachable, jobs_client, provision_cluster, stop_cluster
-from tasks.jobs import last_step, submit_job, write_job_spec
+from tasks.cluster import _reachable, jobs_client, provision_cluster, stop_cluster
+from tasks.jobs import last_step, stop_and_wait, submit_job, write_job_spec
 from tasks.logs import run_logger
 
 # Exceptions that say the code or the config is wrong: the same job would fail the same way again.
@@ -315,21 +315,8 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
 
 def _stop_leftovers(address: str, sid: str) -> None:
     """Stop the failed attempt's job if the cluster still runs it, and wait until Ray says it ended."""
-    if _reachable(address) is not None:
-        return
-    client = jobs_client(address)
-    try:
-        if client.get_job_status(sid).is_terminal():
-            return
-        client.stop_job(sid)
-    except RuntimeError:  # not found: nothing to stop
-        return
-    deadline = time.monotonic() + STOP_WAIT_S
-    while not client.get_job_status(sid).is_terminal():
-        if time.monotonic() > deadline:
-            raise ClusterError(f"Ray job {sid} did not stop within {STOP_WAIT_S:.0f}s")
-        time.sleep(0.5)
-    run_logger().info("stopped what was left of Ray job %s", sid)
+    if stop_and_wait(address, sid, STOP_WAIT_S):
+        run_logger().info("stopped what was left of Ray job %s", sid)
 
 
 def _note_progress(reg: dict[str, Any], beat: dict[str, Any] | None) -> None:

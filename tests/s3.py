@@ -12,6 +12,8 @@ from contextlib import contextmanager
 import fsspec
 from s3fs import S3FileSystem
 
+from tests.procs import free_port
+
 SECRET = "unbroken-test-secret-key-do-not-leak"
 ENV = {
     "AWS_ACCESS_KEY_ID": "unbroken-test-key-id",
@@ -20,16 +22,10 @@ ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def moto_server():
     """Start ``moto.server`` on 127.0.0.1, point the standard AWS variables at it, yield its URL."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

@@ -135,38 +135,23 @@ def cmd_server(args: argparse.Namespace) -> int:
     os.execvpe(prefect, [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], env)
 
 
+COMMANDS = {"run": cmd_run, "stage": cmd_stage, "watchdog": cmd_watchdog, "serve": cmd_serve}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "server":
         return cmd_server(args)
-    if args.command == "serve":
-        _quiet_defaults()
-        try:
-            return cmd_serve(args)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            return 130
     if args.command == "status":
         return cmd_status(args)
-    if args.command == "watchdog":
-        _quiet_defaults()
-        try:
-            return cmd_watchdog(args)
-        except KeyboardInterrupt:
-            return 130
-        except Exception as e:
-            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
     try:
-        load_config(args.config, args.overrides)
+        if args.command in ("run", "stage"):
+            load_config(args.config, args.overrides)  # before Prefect is imported
+        _quiet_defaults()
+        return COMMANDS[args.command](args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    _quiet_defaults()
-    try:
-        return {"run": cmd_run, "stage": cmd_stage}[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

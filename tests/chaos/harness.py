@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from ray_jobs.config import Config, load_config
@@ -19,6 +18,7 @@ from tasks.model import prepare_base_model
 from tasks.registry import submission_id
 from tasks.stage import stage_dataset
 from tests.conftest import ROOT, tiny_overrides
+from tests.procs import processes, train_worker_pids, wait_for  # noqa: F401 (the chaos tests import them from here)
 
 DEMO = ROOT / "configs" / "demo.yaml"
 REPORT: list[dict] = []  # one row per fault: what it cost (printed by conftest at the end of the session)
@@ -64,19 +64,10 @@ def start_run(handle: ClusterHandle, cfg: Config) -> str:
 def driver_pid(cfg: Config) -> int | None:
     """The Ray job driver (``python -m ray_jobs.job --spec .../runs/<run>/job-spec-NNN.json``) of this run."""
     needle = f"/runs/{cfg.name}/job-spec-".encode()
-    for pid, cmdline in _processes():
+    for pid, cmdline in processes():
         if b"-m ray_jobs.job" in cmdline and needle in cmdline and not cmdline.startswith(b"/bin/sh"):
             return pid
     return None
-
-
-def _processes():
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                yield int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
 
 
 def wait_job(handle: ClusterHandle, sid: str, timeout_s: float = 300) -> str:
@@ -95,16 +86,6 @@ def job_logs(handle: ClusterHandle, sid: str) -> str:
     return jobs_client(handle.address).get_job_logs(sid)
 
 
-def wait_for(what: str, predicate: Callable[[], object], timeout_s: float = 120, every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def heartbeat(cfg: Config) -> dict:
     try:
         return json.loads(Path(Layout(cfg.storage).heartbeat(cfg.name)).read_text())
@@ -119,11 +100,6 @@ def heartbeat_step(cfg: Config) -> int:
 def rank0_pid(cfg: Config) -> int:
     """The rank-0 train worker of this run (its heartbeat names it): never a worker of another job."""
     return heartbeat(cfg)["pid"]
-
-
-def train_worker_pids() -> list[int]:
-    """PIDs of live Ray Train worker processes (their process title names the actor)."""
-    return sorted(pid for pid, cmdline in _processes() if b"RayTrainWorker" in cmdline)
 
 
 def kill(pid: int, sig: signal.Signals) -> None:

@@ -9,10 +9,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -23,32 +21,17 @@ from ray_jobs.config import load_config
 from tasks.cluster import _reachable, jobs_client
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import read_registry
+from tests.procs import free_port, train_worker_pids, wait_for
 
 pytestmark = pytest.mark.integration
 SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(what: str, predicate, timeout_s: float, every_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``prefect server start`` (SQLite, all services) on a free loopback port; yields its API URL."""
     home = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
     log = open(home / "server.log", "w")  # noqa: SIM115 (closed at teardown)
@@ -62,7 +45,7 @@ def server(tmp_path_factory):
         except OSError:
             return False
 
-    _wait("the Prefect server", healthy, 90)
+    wait_for("the Prefect server", healthy, 90, 1.0)
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: api}):  # this test process is a client of it too
@@ -86,7 +69,7 @@ def served(server, tmp_path_factory):
     cmd = [sys.executable, "-m", "unbroken", "serve", "--config", str(config), "--storage", str(storage),
            "--watchdog-interval", "3600", "--sensor-interval", "3600"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    _wait("the served deployments", lambda: len(_deployments()) >= 4, 120)
+    wait_for("the served deployments", lambda: len(_deployments()) >= 4, 120, 1.0)
     yield config, storage, root / "serve.log"
     proc.send_signal(signal.SIGINT)
     try:
@@ -127,7 +110,7 @@ def _run(run_id):
 
 def _final(run_id, timeout_s: float, log: Path):
     try:
-        return _wait("the flow run to finish", lambda: (r := _run(run_id)).state.is_final() and r, timeout_s, 2)
+        return wait_for("the flow run to finish", lambda: (r := _run(run_id)).state.is_final() and r, timeout_s, 2)
     except TimeoutError:
         raise AssertionError(f"flow run {run_id} did not finish; serve log:\n{log.read_text()[-6000:]}") from None
 
@@ -144,7 +127,9 @@ def test_a_dataset_event_retrains_with_the_payloads_dataset(served, tmp_path_fac
                payload={"dataset_uri": str(landing)})  # fmt: skip
     EventsWorker.drain_all()
 
-    new = _wait("a finetune run from the trigger", lambda: [r for r in _runs_of("finetune") if r.id not in before], 60)
+    new = wait_for(
+        "a finetune run from the trigger", lambda: [r for r in _runs_of("finetune") if r.id not in before], 60, 1.0
+    )
     assert new[0].parameters["dataset_uri"] == str(landing)
     run = _final(new[0].id, 400, log)
     assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-6000:]}"
@@ -210,7 +195,7 @@ def test_a_failed_finetune_run_triggers_the_watchdog(served) -> None:
     bad = run_deployment("finetune/finetune", parameters={"config_path": str(config) + ".missing"}, timeout=0)
     run = _final(bad.id, 120, log)
     assert run.state.is_failed(), run.state
-    triggered = _wait("a watchdog run", lambda: [r for r in _runs_of("watchdog") if r.id not in before], 90)
+    triggered = wait_for("a watchdog run", lambda: [r for r in _runs_of("watchdog") if r.id not in before], 90, 1.0)
     assert triggered[0].parameters["storage"] == str(storage)
     assert _final(triggered[0].id, 120, log).state.is_completed()
 
@@ -227,7 +212,7 @@ def test_cancelling_a_finetune_run_leaves_no_ray_job_running(served) -> None:
         reg = read_registry(storage, "cancel-me") if (storage / "runs" / "cancel-me" / "run.json").exists() else {}
         return reg.get("state") == "running"
 
-    _wait("the Ray job to run", training, 300, 2)
+    wait_for("the Ray job to run", training, 300, 2)
     sid = read_registry(storage, "cancel-me")["attempts"][-1]["submission_id"]
     _client_call(lambda c: c.set_flow_run_state(flow_run.id, Cancelling(message="test cancels")))
     run = _final(flow_run.id, 120, log)
@@ -238,16 +223,4 @@ def test_cancelling_a_finetune_run_leaves_no_ray_job_running(served) -> None:
         assert jobs_client(address).get_job_status(sid).is_terminal()
     reg = read_registry(storage, "cancel-me")
     assert reg["state"] == "failed" and reg["attempts"][-1]["status"] in ("STOPPED", "FAILED"), reg
-    assert not _train_workers(), "no Ray Train worker may outlive the cancelled run"
-
-
-def _train_workers() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if b"RayTrainWorker" in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
+    assert not train_worker_pids(), "no Ray Train worker may outlive the cancelled run"

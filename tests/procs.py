@@ -1,0 +1,40 @@
+"""Small helpers for tests that run real processes: free ports, waiting for a condition, finding processes."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, predicate: Callable[[], object], timeout_s: float = 120, every_s: float = 0.05):
+    """Poll ``predicate`` until it returns something truthy (returned), or raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def processes() -> Iterator[tuple[int, bytes]]:
+    """(pid, command line) of every process on this machine."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                yield int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+
+
+def train_worker_pids() -> list[int]:
+    """PIDs of live Ray Train worker processes (their process title names the actor)."""
+    return sorted(pid for pid, cmdline in processes() if b"RayTrainWorker" in cmdline)
