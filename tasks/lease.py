@@ -99,27 +99,33 @@ def _url(storage: str, run: str, generation: int) -> str:
     return join(Layout(storage).lease_dir(run), f"lease-{generation:08d}.json")
 
 
-def holder(storage: str, run: str) -> dict | None:
-    """The current holder's record, or None when the run's lease is free."""
+def _newest(storage: str, run: str) -> tuple[int, dict | None]:
+    """The newest generation number (0 when none) and its record (None if it vanished meanwhile)."""
     gens = _generations(Layout(storage).lease_dir(run))
     if not gens:
-        return None
+        return 0, None
     try:
-        body = read_json(_url(storage, run, gens[-1]))
+        return gens[-1], read_json(_url(storage, run, gens[-1]))
     except FileNotFoundError:
-        return None
-    if body.get("released") or body["expires_at"] < time.time():
-        return None
-    return body
+        return gens[-1], None
+
+
+def _held(body: dict | None) -> bool:
+    return body is not None and not body.get("released") and body["expires_at"] >= time.time()
+
+
+def holder(storage: str, run: str) -> dict | None:
+    """The current holder's record, or None when the run's lease is free."""
+    _, body = _newest(storage, run)
+    return body if _held(body) else None
 
 
 def acquire(storage: str, run: str, owner: str | None = None, ttl_s: float = 300.0) -> Lease | None:
     """Take the run's lease, or return None when another watchdog holds it (or won the race for it)."""
-    owner = owner or owner_id()
-    gens = _generations(Layout(storage).lease_dir(run))
-    if gens and holder(storage, run) is not None:
+    generation, body = _newest(storage, run)
+    if _held(body):
         return None
-    lease = Lease(storage, run, owner, (gens[-1] if gens else 0) + 1, ttl_s)
+    lease = Lease(storage, run, owner or owner_id(), generation + 1, ttl_s)
     if not create_exclusive(lease.url, (json.dumps(lease._body()) + "\n").encode()):
         return None
     return lease

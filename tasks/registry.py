@@ -173,12 +173,18 @@ def mark_running(storage: str, run: str, attempt: int) -> None:
         return
     with lease:
         reg = load(storage, run)
-        if reg is None or len(reg["attempts"]) != attempt or reg["attempts"][-1]["status"] != "SUBMITTED":
-            return
-        reg["attempts"][-1]["status"] = "RUNNING"
-        if reg["state"] == "submitted":
-            reg["state"] = "running"
-        save(storage, run, reg)
+        if reg is not None and set_running(reg, attempt):
+            save(storage, run, reg)
+
+
+def set_running(reg: dict[str, Any], attempt: int) -> bool:
+    """In ``reg``: the current attempt ``attempt`` was SUBMITTED and now runs. False when that is not news."""
+    if len(reg["attempts"]) != attempt or reg["attempts"][-1]["status"] != "SUBMITTED":
+        return False
+    reg["attempts"][-1]["status"] = "RUNNING"
+    if reg["state"] == "submitted":
+        reg["state"] = "running"
+    return True
 
 
 def end_attempt(

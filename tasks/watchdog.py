@@ -183,12 +183,10 @@ def _check(storage: str, run: str, reg: dict[str, Any], lease: leases.Lease, now
     if incident is None:
         verdict = inspect(reg, cfg, now)
         if verdict.kind == "running":
-            before = json.dumps(reg, sort_keys=True)
-            _note_progress(reg, verdict.heartbeat)
-            if verdict.status == "RUNNING" and reg["state"] == "submitted":
-                reg["state"] = "running"
-                registry.current_attempt(reg)["status"] = "RUNNING"
-            if json.dumps(reg, sort_keys=True) != before:  # a healthy run costs no write per pass
+            changed = _note_progress(reg, verdict.heartbeat)
+            if verdict.status == "RUNNING":
+                changed |= registry.set_running(reg, registry.current_attempt(reg)["attempt"])
+            if changed:  # a healthy run costs no write per pass
                 registry.save(storage, run, reg)
             step = verdict.heartbeat["step"] if verdict.heartbeat else "-"
             return Outcome(run, "ok", f"{verdict.status}, step {step}")
@@ -319,17 +317,20 @@ def _stop_leftovers(address: str, sid: str) -> None:
         run_logger().info("stopped what was left of Ray job %s", sid)
 
 
-def _note_progress(reg: dict[str, Any], beat: dict[str, Any] | None) -> None:
-    """Complete the last restart's incident once its attempt has trained a step: the time to recover."""
+def _note_progress(reg: dict[str, Any], beat: dict[str, Any] | None) -> bool:
+    """Complete the last restart's incident once its attempt has trained a step: the time to recover.
+    True when the record changed."""
     if not beat or not beat.get("first_step_at"):
-        return
+        return False
     for inc in reversed(reg.get("incidents", [])):
         if inc.get("action") == "restarted" and inc.get("new_attempt") == beat.get("attempt"):
-            if inc.get("first_new_step_at") is None:
-                inc["first_new_step_at"] = beat["first_step_at"]
-                inc["time_to_recover_s"] = round(beat["first_step_at"] - inc["detected_at"], 3)
-                inc["downtime_s"] = round(beat["first_step_at"] - inc["last_progress_at"], 3)
-            return
+            if inc.get("first_new_step_at") is not None:
+                return False
+            inc["first_new_step_at"] = beat["first_step_at"]
+            inc["time_to_recover_s"] = round(beat["first_step_at"] - inc["detected_at"], 3)
+            inc["downtime_s"] = round(beat["first_step_at"] - inc["last_progress_at"], 3)
+            return True
+    return False
 
 
 def _finish(cfg: Config, reg: dict[str, Any], verdict: Verdict) -> Outcome:
