@@ -17,11 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ray_jobs.base_model import build_builtin, load_tokenizer
 from ray_jobs.config import load_config
-from ray_jobs.runtime import LocalRuntime
-from ray_jobs.staging import stage
-from ray_jobs.trainer import Trainer
+from ray_jobs.data.staging import stage
+from ray_jobs.model.builtin import build_builtin
+from ray_jobs.model.loading import load_tokenizer
+from ray_jobs.train.runtime import LocalRuntime
+from ray_jobs.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.staging_throughput import make_data  # noqa: E402
-from ray_jobs.base_model import train_char_tokenizer  # noqa: E402
 from ray_jobs.config import DataConfig  # noqa: E402
-from ray_jobs.data import ShardCache  # noqa: E402
-from ray_jobs.staging import stage  # noqa: E402
+from ray_jobs.data.reading import ShardCache  # noqa: E402
+from ray_jobs.data.staging import stage  # noqa: E402
+from ray_jobs.model.builtin import train_char_tokenizer  # noqa: E402
 from tests.s3 import make_bucket, moto_server  # noqa: E402
 
 

@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ray_jobs.base_model import train_char_tokenizer
 from ray_jobs.config import DataConfig
-from ray_jobs.staging import stage
+from ray_jobs.data.staging import stage
+from ray_jobs.model.builtin import train_char_tokenizer
 
 
 def make_data(path: Path, n: int) -> None:

@@ -21,7 +21,7 @@ from prefect import flow
 from prefect.events import emit_event
 
 from ray_jobs.config import absolute_url
-from ray_jobs.staging import list_sources
+from ray_jobs.data.staging import list_sources
 from ray_jobs.storage import fs_and_path, join, read_json, write_json_atomic
 from tasks.logs import run_logger
 

@@ -22,8 +22,8 @@ def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_jobs.preemption import torch_config
-    from ray_jobs.trainer import train_loop_per_worker
+    from ray_jobs.train.preemption import torch_config
+    from ray_jobs.train.trainer import train_loop_per_worker
 
     storage = Layout(cfg.storage).ray_storage()
     fs = pyarrow_filesystem(storage)

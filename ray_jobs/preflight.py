@@ -15,7 +15,7 @@ import json
 import sys
 
 from ray_jobs.config import from_json
-from ray_jobs.data import ShardCache
+from ray_jobs.data.cache import ShardCache
 from ray_jobs.storage import read_json
 
 

@@ -7,8 +7,8 @@ import tempfile
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ray_jobs.base_model import build_builtin, builtin_name, is_builtin
 from ray_jobs.config import Config
+from ray_jobs.model.builtin import build_builtin, builtin_name, is_builtin
 from ray_jobs.storage import Layout, exists, join, upload_dir
 from tasks.logs import run_logger
 

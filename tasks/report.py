@@ -69,7 +69,7 @@ def read_metrics(cfg: Config) -> list[dict[str, Any]]:
 
 def eval_examples(cfg: Config, limit: int) -> list[tuple[str, str]]:
     """Up to ``limit`` (prompt, target) pairs from the held-out eval split, in source order."""
-    from ray_jobs.staging import parse_records, read_sources, record_in_eval
+    from ray_jobs.data.staging import parse_records, read_sources, record_in_eval
 
     if cfg.data.eval:
         files, keep = read_sources(cfg.data.eval, "data.eval"), lambda r: True
@@ -93,7 +93,7 @@ def generate_samples(model_url: str, cfg: Config, n: int = 64) -> list[dict[str,
     if cfg.data.format != "pairs":
         return []
 
-    from ray_jobs.base_model import load_model, load_tokenizer
+    from ray_jobs.model.loading import load_model, load_tokenizer
 
     tok = load_tokenizer(model_url, cfg.data.cache_dir)
     model = load_model(model_url, cfg.data.cache_dir).eval()

@@ -8,9 +8,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ray_jobs.base_model import load_tokenizer
 from ray_jobs.config import Config
-from ray_jobs.staging import StagingError, stage
+from ray_jobs.data.staging import StagingError, stage
+from ray_jobs.model.loading import load_tokenizer
 from tasks.logs import run_logger
 
 

@@ -7,10 +7,11 @@ import json
 import fsspec
 import pytest
 
-from ray_jobs.base_model import build_builtin, load_tokenizer
 from ray_jobs.config import load_config
-from ray_jobs.data import ShardCache
-from ray_jobs.staging import stage
+from ray_jobs.data.cache import ShardCache
+from ray_jobs.data.staging import stage
+from ray_jobs.model.builtin import build_builtin
+from ray_jobs.model.loading import load_tokenizer
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import run_cli
 from tests.s3 import SECRET, make_bucket, moto_server

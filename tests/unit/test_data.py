@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_jobs.data import Cursor, RankSampler, ShardCache, ShardIntegrityError, rank_shards
+from ray_jobs.data.cache import ShardCache, ShardIntegrityError
+from ray_jobs.data.reading import Cursor, RankSampler, rank_shards
 
 
 def test_take_in_pieces_equals_take_at_once_across_epochs() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from ray_jobs.base_model import train_char_tokenizer
 from ray_jobs.config import DataConfig
-from ray_jobs.staging import IGNORE_INDEX, StagingError, pack, stage
+from ray_jobs.data.staging import IGNORE_INDEX, StagingError, pack, stage
+from ray_jobs.model.builtin import train_char_tokenizer
 from tests.conftest import SAMPLE_DATA
 
 
@@ -247,7 +247,7 @@ def test_a_saved_hf_dataset_folder_is_a_source(tmp_path: Path, tokenizer) -> Non
 
 
 def test_fast_backend_encoding_matches_the_transformers_call(tokenizer) -> None:
-    from ray_jobs.staging import _encode
+    from ray_jobs.data.staging import _encode
 
     texts = ["12+3=", "<s>[user] hi</s>\n", "é?", " ", "a" * 300]
     assert _encode(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from ray_jobs import checkpoint as ckpt
-from ray_jobs.base_model import build_builtin, load_tokenizer
 from ray_jobs.config import Config, load_config
-from ray_jobs.runtime import LocalRuntime
-from ray_jobs.staging import stage
+from ray_jobs.data.staging import stage
+from ray_jobs.model.builtin import build_builtin
+from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout
-from ray_jobs.trainer import Trainer
+from ray_jobs.train.runtime import LocalRuntime
+from ray_jobs.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_overrides
 
 

@@ -1,7 +1,7 @@
 """The per-worker training loop: resume or start, then train steps, eval, log, checkpoint; rank 0 exports.
 
 ``train_loop_per_worker`` is what Ray Train runs on each worker; :class:`Trainer` holds everything and talks
-to the cluster only through a :class:`~ray_jobs.runtime.Runtime`, so tests run the same loop in-process.
+to the cluster only through a :class:`~ray_jobs.train.runtime.Runtime`, so tests run the same loop in-process.
 
 Ranks must take the same decisions at the same step (checkpoint now, report a finished write, stop for a
 preemption), or their collectives would deadlock. Each step therefore ends with one small all-reduce of the loss,
@@ -13,23 +13,24 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import socket
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ray_jobs import checkpoint as ckpt
-from ray_jobs import preemption
-from ray_jobs.base_model import load_model, load_tokenizer
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.config import Config, from_json
-from ray_jobs.data import Cursor, RankSampler, ShardCache, load_rows, rank_shards
-from ray_jobs.runtime import Runtime
-from ray_jobs.storage import Layout, is_local, read_bytes, upload_dir, write_bytes_atomic, write_json_atomic
+from ray_jobs.data.cache import ShardCache
+from ray_jobs.data.reading import Cursor, RankSampler, load_rows, rank_shards
+from ray_jobs.model.loading import load_model, load_tokenizer
+from ray_jobs.storage import Layout, upload_dir
+from ray_jobs.train import preemption
+from ray_jobs.train.heartbeat import Heartbeat
+from ray_jobs.train.metrics import MetricsLog
+from ray_jobs.train.model import apply_lora, build_model
+from ray_jobs.train.runtime import Runtime
 
 log = logging.getLogger("unbroken.train")
 IGNORE_INDEX = -100
@@ -49,83 +50,6 @@ def setup_determinism(seed: int, threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
-class MetricsLog:
-    """``runs/<run>/metrics.jsonl``, written by rank 0: one JSON line per logged step.
-
-    After a resume, lines past the resumed step are dropped, so the file always describes one consistent run;
-    a fresh start (``resumed_step`` None) starts an empty file.
-    """
-
-    def __init__(self, url: str, resumed_step: int | None):
-        self.url = url
-        self.rows: list[dict[str, Any]] = []
-        if resumed_step is not None:
-            with contextlib.suppress(FileNotFoundError):
-                lines = read_bytes(url).decode().splitlines()
-                self.rows = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= resumed_step]
-        self._rewrite()
-
-    def append(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        if is_local(self.url):
-            with open(self.url, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        else:  # object stores cannot append: rewrite the whole (small) file
-            self._rewrite()
-
-    def _rewrite(self) -> None:
-        write_bytes_atomic(self.url, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
-
-
-class Heartbeat:
-    """Rank 0 refreshes ``runs/<run>/heartbeat.json`` every few seconds from a side thread.
-
-    ``time`` says the process is alive; ``step`` and ``last_step_at`` say whether training moves. A watcher tells a
-    hang (fresh ``time``, old ``last_step_at``) from slow progress (``step`` advancing) from a dead process (old
-    ``time``).
-    """
-
-    def __init__(self, url: str, every_s: float, trainer: Trainer):
-        self.url, self.every_s, self.trainer = url, every_s, trainer
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="unbroken-heartbeat", daemon=True)
-
-    def start(self) -> Heartbeat:
-        self.beat()
-        self._thread.start()
-        return self
-
-    def beat(self) -> None:
-        t = self.trainer
-        write_json_atomic(
-            self.url,
-            {
-                "run": t.cfg.name,
-                "step": t.loop.step,
-                "max_steps": t.cfg.train.max_steps,
-                "last_step_at": t.last_step_at,
-                "attempt": t.attempt,
-                "started_step": t.started_step,
-                "first_step_at": t.first_step_at,
-                "time": time.time(),
-                "tokens_per_s": t.tokens_per_s,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-            },
-        )
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            with contextlib.suppress(OSError):  # a storage hiccup must not kill training
-                self.beat()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        with contextlib.suppress(OSError):
-            self.beat()
-
-
 @dataclass
 class Agreed:
     """One step's outcome as every rank sees it (the result of the per-step all-reduce)."""
@@ -136,34 +60,6 @@ class Agreed:
     write_done: bool
     time_due: bool
     preempt: bool
-
-
-def build_model(cfg: Config, model_path: str, rt: Runtime):
-    model = load_model(model_path, cfg.data.cache_dir)
-    if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    if cfg.model.lora is not None:
-        model = apply_lora(model, cfg)
-    if cfg.train.parallelism == "fsdp":
-        return rt.shard_model(model)
-    return rt.prepare_model(model.to(rt.device()))
-
-
-def apply_lora(model, cfg: Config):
-    from peft import LoraConfig, get_peft_model
-
-    lc = cfg.model.lora
-    return get_peft_model(
-        model,
-        LoraConfig(
-            r=lc.r,
-            lora_alpha=lc.alpha,
-            lora_dropout=lc.dropout,
-            target_modules=lc.target_modules,
-            task_type="CAUSAL_LM",
-        ),
-    )
 
 
 class Trainer:
@@ -520,7 +416,7 @@ def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point Ray Train runs on every worker (and re-runs after a worker-group restart)."""
-    from ray_jobs.runtime import RayRuntime
+    from ray_jobs.train.runtime import RayRuntime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = from_json(loop_config["config"])

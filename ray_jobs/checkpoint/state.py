@@ -1,0 +1,157 @@
+"""What a checkpoint captures of a live run: loop state, per-rank cursors and RNG streams, model and optimizer state
+(DDP or FSDP), and how it is put back."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ray_jobs.checkpoint.format import CheckpointInvalid
+from ray_jobs.data.reading import Cursor
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0
+    best_eval_loss: float | None = None
+    world_size: int = 1
+    dataset_id: str = ""
+
+
+@dataclass
+class RankState:
+    """What differs between ranks: where each is in its data, and its RNG streams."""
+
+    cursor: dict[str, int]
+    rng: dict[str, Any]
+
+
+def unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+# -- RNG state, JSON-safe -------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    py = random.getstate()
+    np_state = np.random.get_state()
+    out = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state().tolist()
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def rank_state(cursor: Cursor) -> dict[str, Any]:
+    return asdict(RankState(cursor=asdict(cursor), rng=rng_state()))
+
+
+# -- model / optimizer state (DDP or FSDP) --------------------------------------------------------------------
+def trainable_names(model) -> set[str]:
+    return {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
+
+
+def model_state(model, fsdp: bool, trainable_only: bool) -> dict[str, Any]:
+    """A CPU copy of the weights (complete on rank 0; under FSDP a collective every rank must join)."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        sd = {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
+    if trainable_only:
+        keep = trainable_names(model)
+        sd = {k: v for k, v in sd.items() if k in keep}
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def optimizer_state(model, optimizer, fsdp: bool) -> dict[str, Any]:
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    return _cpu_copy(optimizer.state_dict())
+
+
+def _cpu_copy(obj):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def load_model_state(model, sd: dict[str, Any], fsdp: bool, trainable_only: bool) -> None:
+    expected = trainable_names(model) if trainable_only else None
+    if expected is not None and set(sd) != expected:
+        raise CheckpointInvalid(f"checkpoint weights {sorted(set(sd) ^ expected)[:5]} do not match the model")
+    if fsdp:
+        import torch
+
+        params = dict(model.named_parameters())
+        missing = set(params) - set(sd) if not trainable_only else set()
+        if missing:
+            raise CheckpointInvalid(f"checkpoint lacks weights {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for name, full in sd.items():
+                if name in params:
+                    params[name].copy_(_local_shard(full, params[name]))
+    else:
+        unwrap(model).load_state_dict(sd, strict=not trainable_only)
+
+
+def _local_shard(full, like):
+    """This rank's piece of a full tensor, cut locally (every rank holds the full tensor: no collective)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(device=like.device, dtype=like.dtype)
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full
+
+
+def load_optimizer_state(model, optimizer, osd: dict[str, Any], fsdp: bool) -> None:
+    if not fsdp:
+        optimizer.load_state_dict(osd)
+        return
+    # The FSDP optimizer state was saved keyed by parameter name with full tensors; rebuild the optimizer's own
+    # (index-keyed, sharded) form locally, moment by moment.
+    names = {id(p): n for n, p in model.named_parameters()}
+    state, groups = {}, []
+    index = 0
+    for group, saved_group in zip(optimizer.param_groups, osd["param_groups"], strict=True):
+        ids = []
+        for p in group["params"]:
+            saved = osd["state"].get(names[id(p)])
+            if saved is not None:
+                state[index] = {k: _local_shard(v, p) if k != "step" else v for k, v in saved.items()}
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

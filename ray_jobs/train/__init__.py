@@ -1,0 +1,1 @@
+"""Training: the per-worker loop, where it runs (Ray / in-process), heartbeat, metrics, preemption."""
