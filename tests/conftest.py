@@ -61,3 +61,11 @@ def asserting_events():
     yield AssertingEventsClient
     EventsWorker.drain_all()
     EventsWorker.set_client_override(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, a real pretrained chat model (fp32 HF folder; see tests/models.py)."""
+    from tests.models import smollm2 as build
+
+    return build()
