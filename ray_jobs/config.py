@@ -145,6 +145,9 @@ class TrainConfig(_Section):
     """Cap on eval micro-batches per worker; 0 = the whole eval split."""
     log_every_steps: int = Field(10, ge=1)
     """Write a metrics.jsonl line every N steps."""
+    sample_generations: int = Field(64, ge=0)
+    """Held-out prompts the run's summary answers greedily with the base model and the fine-tuned one (on the
+    flow's machine, CPU is fine for small models); 0 = none (set 0 for models too big to load there)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision: ``auto`` = bf16 autocast on GPU, fp32 on CPU. Weights and optimizer moments are always fp32
     (the base model is loaded in fp32 whatever dtype it was saved in)."""
