@@ -15,7 +15,8 @@ from pathlib import Path
 from ray_jobs.config import BUILTIN_PREFIX, ModelConfig
 
 # Bump when the builtin recipe changes, so a new recipe never reuses an old folder on storage.
-_BUILTIN_RECIPE = 1
+# 2: the tokenizer adds BOS itself (a post-processor), as real tokenizers do.
+_BUILTIN_RECIPE = 2
 _ALPHABET = string.printable  # digits, letters, punctuation, whitespace: what the sample tasks use
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
@@ -35,8 +36,11 @@ def builtin_name(model: ModelConfig, seed: int) -> str:
 
 
 def train_char_tokenizer():
-    """A character-level tokenizer trained on printable ASCII; unknown characters map to ``<unk>``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A character-level tokenizer trained on printable ASCII; unknown characters map to ``<unk>``.
+
+    Encoding adds BOS in front (``tok(text)`` gives ``<s>`` + characters), so staging and inference both get it from
+    the tokenizer, the way they do from a real model's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS["unk_token"]))
@@ -44,6 +48,8 @@ def train_char_tokenizer():
     tok.decoder = decoders.Fuse()
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS.values()), min_frequency=1)
     tok.train_from_iterator([_ALPHABET], trainer=trainer)
+    bos = SPECIAL_TOKENS["bos_token"]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 

@@ -62,6 +62,16 @@ def test_restaging_is_a_cache_hit_that_writes_nothing(tmp_path: Path, tokenizer)
     assert {p: p.stat().st_mtime_ns for p in ds.iterdir()} == before
 
 
+def test_same_inputs_stage_to_the_same_id_and_bytes(tmp_path: Path, tokenizer) -> None:
+    a, b = (stage(data_cfg(SAMPLE_DATA), tokenizer, "builtin", str(tmp_path / s)) for s in ("a", "b"))
+    assert a.dataset_id == b.dataset_id and not b.cache_hit
+    files = sorted(p.name for p in (tmp_path / "a" / "datasets" / a.dataset_id).iterdir())
+    for name in files:
+        assert (tmp_path / "a" / "datasets" / a.dataset_id / name).read_bytes() == (
+            tmp_path / "b" / "datasets" / b.dataset_id / name
+        ).read_bytes(), name
+
+
 def test_changing_one_record_changes_the_id(tmp_path: Path, tokenizer) -> None:
     a = write_jsonl(tmp_path / "a.jsonl", [good(i) for i in range(200)])
     id1 = stage(data_cfg(a), tokenizer, "builtin", str(tmp_path / "s")).dataset_id
@@ -126,9 +136,10 @@ def test_empty_and_missing_inputs_are_clear_errors(tmp_path: Path, tokenizer) ->
 
 
 def test_prompt_tokens_are_masked_and_examples_never_straddle_rows(tmp_path: Path, tokenizer) -> None:
-    ids, labels = pack([([1, 5, 6, 7, 2], [IGNORE_INDEX, IGNORE_INDEX, 6, 7, 2])] * 3, seq_len=8, pad_id=0)
-    assert ids == [[1, 5, 6, 7, 2, 0, 0, 0]] * 3
-    assert labels[0] == [IGNORE_INDEX, IGNORE_INDEX, 6, 7, 2] + [IGNORE_INDEX] * 3
+    rows = pack([([1, 5, 6, 7, 2], [IGNORE_INDEX, IGNORE_INDEX, 6, 7, 2])] * 3, seq_len=8, pad_id=0)
+    assert rows.ids == [[1, 5, 6, 7, 2, 0, 0, 0]] * 3
+    assert rows.labels[0] == [IGNORE_INDEX, IGNORE_INDEX, 6, 7, 2] + [IGNORE_INDEX] * 3
+    assert rows.positions[0] == [0, 1, 2, 3, 4, 0, 1, 2]
     src = write_jsonl(
         tmp_path / "d.jsonl", [json.dumps({"input": f"12+{i}=", "target": str(12 + i)}) for i in range(40)]
     )
@@ -177,7 +188,7 @@ def test_chat_format_without_a_chat_template_is_a_clear_error(tmp_path: Path, to
         stage(data_cfg(src, format="chat"), tokenizer, "my-model", str(tmp_path / "s"))
 
 
-def test_chat_format_renders_the_template_and_learns_only_the_final_reply(tmp_path: Path) -> None:
+def test_chat_format_renders_the_template_and_learns_only_the_replies(tmp_path: Path) -> None:
     tok = train_char_tokenizer()
     tok.chat_template = (
         "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -246,9 +257,14 @@ def test_a_saved_hf_dataset_folder_is_a_source(tmp_path: Path, tokenizer) -> Non
         stage(data_cfg(tmp_path / "dd"), tokenizer, "builtin", str(tmp_path / "s"))
 
 
-def test_fast_backend_encoding_matches_the_transformers_call(tokenizer) -> None:
-    from ray_jobs.data.staging import _encode
+@pytest.mark.parametrize("specials", [True, False])
+def test_fast_backend_encoding_matches_the_transformers_call(tokenizer, specials: bool) -> None:
+    from ray_jobs.data.tokenize import _encode
 
     texts = ["12+3=", "<s>[user] hi</s>\n", "é?", " ", "a" * 300]
-    assert _encode(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
-    assert _encode(tokenizer, []) == []
+    enc = tokenizer(texts, add_special_tokens=specials, return_offsets_mapping=True)
+    assert [ids for ids, _ in _encode(tokenizer, texts, specials)] == enc["input_ids"]
+    assert [list(map(tuple, o)) for _, o in _encode(tokenizer, texts, specials)] == [
+        list(map(tuple, o)) for o in enc["offset_mapping"]
+    ]
+    assert _encode(tokenizer, [], specials) == []

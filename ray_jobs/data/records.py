@@ -1,0 +1,187 @@
+"""Validating records: each line (or row) of a source becomes a :class:`Record` or a :class:`Reject`, none is lost.
+
+A Record carries the exact text that is tokenized and the character spans of it the model learns, so tokenizing is
+the same for every format: ``pairs`` is prompt + target as one text (the target learned), ``text`` is learned whole,
+``chat`` is the conversation rendered once by the tokenizer's chat template (the assistant turns learned).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_jobs.config import DataConfig
+from ray_jobs.data.sources import SourceFile, StagingError
+
+
+class RecordProblem(ValueError):
+    """Why one record cannot be staged (it becomes a Reject; the run goes on)."""
+
+
+@dataclass
+class Rendered:
+    """A conversation rendered by a chat template: its text, learned spans, and the prompt before the final reply."""
+
+    text: str
+    learn: list[tuple[int, int]]
+    prompt: str
+
+
+@dataclass
+class Record:
+    """One valid record. ``prompt``/``target`` are the question and the expected answer (for ``chat``: the rendered
+    conversation before the final reply, generation prompt included, and that reply's content); the eval split
+    hashes them and reports generate from ``prompt``. ``text`` is what is tokenized; ``learn`` its learned
+    [start, end) character spans. ``shown``: the question as a person reads it, where ``prompt`` is not that (a
+    chat's message before the final reply)."""
+
+    file: str
+    line: int
+    prompt: str
+    target: str
+    text: str = ""
+    learn: list[tuple[int, int]] = field(default_factory=list)
+    split: str = "train"
+    shown: str = ""
+
+
+@dataclass
+class Reject:
+    file: str
+    line: int  # 1-based line of a JSONL file, or row of a Parquet file (see ``unit``)
+    reason: str
+    text: str = ""
+    unit: str = "line"
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file}:row {self.line}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, self.unit: self.line, "reason": self.reason, "text": self.text}
+
+
+Renderer = Callable[[list[dict]], Rendered]
+
+
+def parse_records(
+    src: SourceFile, data: DataConfig, split: str = "train", render: Renderer | None = None
+) -> tuple[list[Record], list[Reject]]:
+    """Check every record of one source file; each becomes a Record or a Reject, none is lost.
+
+    ``render`` renders chat messages with the tokenizer's chat template; only ``chat`` needs it.
+    """
+    records: list[Record] = []
+    rejects: list[Reject] = []
+    for pos, obj, problem, preview in _objects(src):
+        try:
+            if problem:
+                raise RecordProblem(problem)
+            records.append(_record(obj, data, render, src.url, pos, split))
+        except RecordProblem as e:
+            rejects.append(Reject(src.url, pos, str(e), preview, src.unit))
+    return records, rejects
+
+
+def _objects(src: SourceFile) -> Iterator[tuple[int, Any, str | None, str]]:
+    """(position, object, problem, preview) for each record: JSONL lines (blank ones are not records) or Parquet rows."""
+    if src.unit == "row":
+        yield from _rows(src)
+        return
+    for lineno, raw in enumerate(src.data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        preview = raw[:200].decode("utf-8", errors="replace")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield lineno, None, f"invalid UTF-8 at byte {e.start}", preview
+            continue
+        try:
+            yield lineno, json.loads(text), None, preview
+        except json.JSONDecodeError as e:
+            yield lineno, None, f"invalid JSON: {e.msg} (column {e.colno})", preview
+
+
+def _rows(src: SourceFile) -> Iterator[tuple[int, Any, None, str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrow = src.url.endswith(".arrow")
+    try:
+        table = pa.ipc.open_stream(io.BytesIO(src.data)).read_all() if arrow else pq.read_table(io.BytesIO(src.data))
+        rows = table.to_pylist()
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise StagingError(f"{src.url}: not a readable {'Arrow' if arrow else 'Parquet'} file: {e}") from e
+    for i, row in enumerate(rows, start=1):
+        yield i, row, None, json.dumps(row, default=str)[:200]
+
+
+def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos: int, split: str) -> Record:
+    """The Record of one decoded object under ``data.format``; raises RecordProblem."""
+    if not isinstance(obj, dict):
+        raise RecordProblem(f"expected a JSON object, got {type(obj).__name__}")
+    if data.format == "chat":
+        msgs = _messages(obj, data.messages_field)
+        r = _render(render, msgs)
+        rec = Record(file, pos, r.prompt, msgs[-1]["content"], r.text, r.learn, split, shown=msgs[-2]["content"])
+    elif data.format == "pairs":
+        prompt, target = _string(obj, data.input_field), _string(obj, data.target_field)
+        rec = Record(file, pos, prompt, target, prompt + target, [(len(prompt), len(prompt) + len(target))], split)
+    else:
+        text = _string(obj, data.text_field)
+        rec = Record(file, pos, "", text, text, [(0, len(text))], split)
+    if len(rec.text) > data.max_record_chars:
+        raise RecordProblem(
+            f"record is {len(rec.text)} characters, over data.max_record_chars ({data.max_record_chars})"
+        )
+    return rec
+
+
+def _string(obj: dict, key: str) -> str:
+    if key not in obj:
+        raise RecordProblem(f"missing field {key!r}")
+    if not isinstance(obj[key], str):
+        raise RecordProblem(f"field {key!r} must be a string, got {type(obj[key]).__name__}")
+    if not obj[key].strip():
+        raise RecordProblem(f"field {key!r} is empty")
+    return obj[key]
+
+
+def _messages(obj: dict, key: str) -> list[dict]:
+    if key not in obj:
+        raise RecordProblem(f"missing field {key!r}")
+    msgs = obj[key]
+    if not isinstance(msgs, list) or not msgs:
+        raise RecordProblem(f"field {key!r} must be a non-empty list of messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RecordProblem(f"{key}[{i}] must be an object with string 'role' and 'content'")
+        if not m["content"].strip():
+            raise RecordProblem(f"{key}[{i}] has empty content")
+    if msgs[-1]["role"] != "assistant":
+        raise RecordProblem(f"the last message must be the assistant's (got {msgs[-1]['role']!r})")
+    if len(msgs) < 2:
+        raise RecordProblem("a conversation needs a message before the assistant's reply")
+    return msgs
+
+
+def _render(render: Renderer | None, msgs: list[dict]) -> Rendered:
+    if render is None:
+        raise ValueError("data.format=chat: parse_records needs the chat template renderer")
+    try:
+        return render(msgs)
+    except RecordProblem:
+        raise
+    except Exception as e:  # a template error names the record, not the whole run
+        raise RecordProblem(f"chat template failed: {e}") from e
+
+
+def record_in_eval(rec: Record, eval_fraction: float) -> bool:
+    """Hash split: a record's side depends only on its content, so adding records never reshuffles."""
+    h = hashlib.sha256(f"{rec.prompt}\0{rec.target}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < eval_fraction

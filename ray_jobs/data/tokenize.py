@@ -1,0 +1,136 @@
+"""Tokenizing records the way inference does, and choosing which tokens are learned.
+
+Each record is one text, encoded once by the tokenizer's own rules: ``pairs``/``text`` with its special tokens
+(what ``tokenizer(prompt + target)`` gives), ``chat`` without them (the template already wrote them; this is what
+``apply_chat_template(tokenize=True)`` does). Learned tokens come from character offsets, so no token boundary
+differs from what the model sees when it is asked the prompt alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from ray_jobs.data.records import Record, RecordProblem, Reject, Rendered
+from ray_jobs.data.sources import StagingError, position_unit
+
+IGNORE_INDEX = -100
+
+
+class Tokenized:
+    """Token ids and per-token labels (IGNORE_INDEX where not learned) of records; unfit records become rejects."""
+
+    def __init__(self, tokenizer, records: list[Record], seq_len: int, add_special_tokens: bool = True):
+        if tokenizer.eos_token_id is None:
+            raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
+        self.eos, self.eos_text, self.unk = tokenizer.eos_token_id, tokenizer.eos_token, tokenizer.unk_token_id
+        self.examples: list[tuple[list[int], list[int]]] = []
+        self.rejects: list[Reject] = []
+        encoded = _encode(tokenizer, [r.text for r in records], add_special_tokens)
+        for rec, (ids, offsets) in zip(records, encoded, strict=True):
+            ids, labels = self._example(rec, ids, offsets)
+            problem = self._problem(ids, seq_len)
+            if problem:
+                self.rejects.append(Reject(rec.file, rec.line, problem, rec.text[:200], position_unit(rec.file)))
+            else:
+                self.examples.append((ids, labels))
+
+    def _example(self, rec: Record, ids: list[int], offsets: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        learn = list(rec.learn)
+        eos = self._needs_eos(rec.text, ids)
+        if eos and learn and learn[-1][1] >= len(rec.text.rstrip()):
+            # the EOS we add ends the final reply, so whitespace the template left before it is part of the reply
+            learn[-1] = (learn[-1][0], len(rec.text))
+        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, learned_mask(offsets, learn), strict=True)]
+        if eos:  # the final reply is always learned, and so is the EOS that ends it
+            return ids + [self.eos], labels + [self.eos]
+        return list(ids), labels
+
+    def _needs_eos(self, text: str, ids: list[int]) -> bool:
+        """Whether the text still lacks an EOS: one the tokenizer added, or one the text (a template) wrote itself."""
+        return not (ids[-1:] == [self.eos] or text.rstrip().endswith(self.eos_text))
+
+    def _problem(self, ids: list[int], seq_len: int) -> str | None:
+        if self.unk is not None and self.unk in ids:
+            return "contains characters the tokenizer cannot represent (would become <unk>)"
+        if len(ids) > seq_len:
+            return f"record is {len(ids)} tokens, longer than data.seq_len ({seq_len})"
+        return None
+
+
+def learned_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Per token: whether its characters overlap a learned [start, end) span (a token straddling a boundary is
+    learned). A token with no characters (a special token the tokenizer inserts, like BOS) follows the one before it."""
+    out, prev = [], False
+    for s, e in offsets:
+        if s < e:
+            prev = any(e > a and s < b for a, b in spans)
+        out.append(prev)
+    return out
+
+
+def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """(ids, character offsets) per text, batched; a fast tokenizer's Rust backend is called directly (it parallelises
+    across cores, and skips transformers' per-record conversion into dicts). Same ids as ``tokenizer(texts)``."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    try:
+        enc = tokenizer(texts, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    except NotImplementedError as e:
+        raise StagingError("staging needs a fast tokenizer (one that reports character offsets)") from e
+    return list(zip(enc["input_ids"], enc["offset_mapping"], strict=True))
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Everything of the tokenizer that changes staged ids: its rules, special tokens and chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    specials = json.dumps({k: str(v) for k, v in tokenizer.special_tokens_map.items()}, sort_keys=True)
+    template = json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)
+    return hashlib.sha256((body + specials + template).encode()).hexdigest()
+
+
+def chat_renderer(tokenizer, name: str, train_on: str = "all_assistant"):
+    """A function rendering a conversation once with the chat template and finding its learned assistant turns."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise StagingError(
+            f"data.format=chat needs a tokenizer with a chat template; the tokenizer of {name} has none "
+            "(use data.format=pairs, or a model whose tokenizer_config.json has a chat_template)"
+        )
+
+    def template(msgs: list[dict], generation_prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def render(msgs: list[dict]) -> Rendered:
+        text = template(msgs)
+        # an assistant message that opens the conversation has no prompt to render: it is context, not learned
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > 0]
+        if train_on == "last_assistant":
+            turns = turns[-1:]
+        found = [_turn_span(template, msgs, i, text) for i in turns]
+        return Rendered(text, [span for _, span in found], found[-1][0])
+
+    return render
+
+
+def _turn_span(template, msgs: list[dict], i: int, text: str) -> tuple[str, tuple[int, int]]:
+    """(prompt, learned span) of assistant turn ``i`` in the whole rendering ``text``.
+
+    The turn is what rendering ``msgs[:i+1]`` adds to rendering ``msgs[:i]`` with the generation prompt; its learned
+    part ends at its last non-whitespace character (for ChatML: right after ``<|im_end|>``, not the newline after it).
+    """
+    prompt = template(msgs[:i], True)
+    full = text if i == len(msgs) - 1 else template(msgs[: i + 1])
+    if not full.startswith(prompt):
+        raise RecordProblem(
+            f"messages[{i}]: the chat template's rendering of this turn does not start with its generation prompt"
+        )
+    if not text.startswith(full):
+        raise RecordProblem(
+            f"messages[{i}]: the chat template renders this assistant turn differently once later turns follow, so it "
+            "cannot be learned as the model will see it; set data.train_on=last_assistant"
+        )
+    return prompt, (len(prompt), len(prompt) + len(full[len(prompt) :].rstrip()))
