@@ -26,16 +26,26 @@ def rank_shards(entries: list[dict[str, Any]], rank: int, world_size: int) -> li
     return entries[rank::world_size]
 
 
-def load_rows(cache: ShardCache, entries: list[dict[str, Any]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate the rows of some shards into (input_ids, labels) int64 arrays of shape [rows, seq_len]."""
+def load_rows(
+    cache: ShardCache, entries: list[dict[str, Any]], seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Concatenate the rows of some shards into (input_ids, labels, position_ids) int64 arrays [rows, seq_len].
+
+    Position ids restart at 0 for every packed example; passed to the model, they keep examples from attending
+    to each other. Shards from staging version 1 have none: every row then counts 0..seq_len-1, as it was trained.
+    """
     import pyarrow.parquet as pq
 
-    ids, labels = [], []
+    ids, labels, positions = [], [], []
     for e in entries:
         table = pq.read_table(cache.local_path(e), memory_map=True)
         ids.append(_column(table, "input_ids", seq_len))
         labels.append(_column(table, "labels", seq_len))
-    return np.concatenate(ids), np.concatenate(labels)
+        if "position_ids" in table.column_names:
+            positions.append(_column(table, "position_ids", seq_len))
+        else:
+            positions.append(np.broadcast_to(np.arange(seq_len, dtype=np.int64), ids[-1].shape).copy())
+    return np.concatenate(ids), np.concatenate(labels), np.concatenate(positions)
 
 
 def _column(table, name: str, seq_len: int) -> np.ndarray:

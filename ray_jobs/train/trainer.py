@@ -105,7 +105,8 @@ class Trainer:
     def _load_data(self) -> None:
         seq_len = self.manifest["seq_len"]
         mine = rank_shards(self.manifest["shards"]["train"], self.rt.rank, self.rt.world_size)
-        self.train_ids, self.train_labels = load_rows(self.cache, mine, seq_len)
+        # position ids restart per packed example: with them (and no KV cache) the model attends within examples only
+        self.train_ids, self.train_labels, self.train_pos = load_rows(self.cache, mine, seq_len)
         self.eval_all = load_rows(self.cache, self.manifest["shards"]["eval"], seq_len)
         self.sampler = RankSampler(len(self.train_ids), self.cfg.train.seed, self.rt.rank)
         self.pad_id = self.manifest["tokenizer"]["pad_token_id"]
@@ -194,8 +195,10 @@ class Trainer:
             self.rows_materialized += len(idx)
             ids = torch.from_numpy(self.train_ids[idx]).to(self.device)
             labels = torch.from_numpy(self.train_labels[idx]).to(self.device)
+            pos = torch.from_numpy(self.train_pos[idx]).to(self.device)
             with self._grad_sync(micro == t.grad_accum_steps - 1), self.autocast():
-                loss = self.model(input_ids=ids, labels=labels).loss
+                # use_cache=False: transformers ignores packed position_ids while it builds a KV cache
+                loss = self.model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
             (loss / t.grad_accum_steps).backward()
             loss_sum += loss.item() / t.grad_accum_steps
             tokens += int((ids != self.pad_id).sum())
@@ -333,9 +336,9 @@ class Trainer:
         """Mean loss per target token over the eval split; ranks take slices and run equally many batches."""
         import torch
 
-        ids_all, labels_all = self.eval_all
+        ids_all, labels_all, pos_all = self.eval_all
         mine = slice(self.rt.rank, None, self.rt.world_size)
-        ids, labels = ids_all[mine], labels_all[mine]
+        ids, labels, pos = ids_all[mine], labels_all[mine], pos_all[mine]
         mb = self.cfg.train.micro_batch_size
         per_rank = -(-len(ids_all) // self.rt.world_size)
         batches = -(-per_rank // mb)
@@ -350,7 +353,8 @@ class Trainer:
                 real = lo < len(ids)  # a rank out of rows runs a throwaway batch so collectives stay in step
                 x = torch.from_numpy(ids[lo : lo + mb] if real else ids_all[:mb]).to(self.device)
                 y = torch.from_numpy(labels[lo : lo + mb] if real else labels_all[:mb]).to(self.device)
-                loss = model(input_ids=x, labels=y).loss.item()
+                p = torch.from_numpy(pos[lo : lo + mb] if real else pos_all[:mb]).to(self.device)
+                loss = model(input_ids=x, labels=y, position_ids=p, use_cache=False).loss.item()
                 if real:
                     n = int((y[:, 1:] != IGNORE_INDEX).sum())
                     loss_sum, count = loss_sum + loss * n, count + n
