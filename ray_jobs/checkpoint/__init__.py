@@ -41,6 +41,7 @@ from ray_jobs.checkpoint.state import (
     rank_state,
     rng_state,
     set_rng_state,
+    tied_aliases,
     trainable_names,
     unwrap,
 )  # fmt: skip
@@ -50,5 +51,6 @@ __all__ = [
     "FORMAT", "MANIFEST_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_FILE", "AsyncWriter", "CheckpointInvalid",
     "LoopState", "RankState", "Snapshot", "checkpoint_name", "checkpoint_step", "decode", "encode",
     "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state", "model_state",
-    "optimizer_state", "rank_state", "read_verified", "rng_state", "set_rng_state", "trainable_names", "unwrap", "write",
+    "optimizer_state", "rank_state", "read_verified", "rng_state", "set_rng_state", "tied_aliases", "trainable_names", "unwrap",
+    "write",
 ]  # fmt: skip

@@ -71,17 +71,35 @@ def trainable_names(model) -> set[str]:
     return {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
+def tied_aliases(model) -> dict[str, str]:
+    """Names that share one tensor with an earlier name (tied embeddings: ``lm_head.weight`` ->
+    ``model.embed_tokens.weight``), as alias -> the name the checkpoint stores."""
+    from itertools import chain
+
+    m = unwrap(model)
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, t in chain(m.named_parameters(remove_duplicate=False), m.named_buffers(remove_duplicate=False)):
+        source = first.setdefault(id(t), name)
+        if source != name:
+            aliases[name] = source
+    return aliases
+
+
 def model_state(model, fsdp: bool, trainable_only: bool) -> dict[str, Any]:
-    """A CPU copy of the weights (complete on rank 0; under FSDP a collective every rank must join)."""
+    """A CPU copy of the weights (complete on rank 0; under FSDP a collective every rank must join). A tied tensor
+    is stored once (safetensors refuses shared tensors, and a copy each would double the embedding's size)."""
+    aliases = tied_aliases(model)
+    keep = trainable_names(model) if trainable_only else None
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
-        sd = {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
-    if trainable_only:
-        keep = trainable_names(model)
-        sd = {k: v for k, v in sd.items() if k in keep}
+        sd = unwrap(model).state_dict()
+    sd = {k: v for k, v in sd.items() if k not in aliases and (keep is None or k in keep)}
+    if not fsdp:  # FSDP's full state dict is already a host copy
+        sd = {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
     return {k: v.contiguous() for k, v in sd.items()}
 
 
@@ -108,6 +126,7 @@ def _cpu_copy(obj):
 
 
 def load_model_state(model, sd: dict[str, Any], fsdp: bool, trainable_only: bool) -> None:
+    """Put weights back; a tied alias takes its source's tensor, so strict loading still names missing weights."""
     expected = trainable_names(model) if trainable_only else None
     if expected is not None and set(sd) != expected:
         raise CheckpointInvalid(f"checkpoint weights {sorted(set(sd) ^ expected)[:5]} do not match the model")
@@ -123,6 +142,7 @@ def load_model_state(model, sd: dict[str, Any], fsdp: bool, trainable_only: bool
                 if name in params:
                     params[name].copy_(_local_shard(full, params[name]))
     else:
+        sd = sd | {a: sd[src] for a, src in tied_aliases(model).items() if src in sd and a not in sd}
         unwrap(model).load_state_dict(sd, strict=not trainable_only)
 
 

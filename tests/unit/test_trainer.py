@@ -225,3 +225,26 @@ def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
     assert run.checkpoint_config.checkpoint_score_attribute == "eval_loss"
     assert run.failure_config.max_failures == 5
     assert trainer.backend_config.preemption_grace_s == 12 and trainer.backend_config.backend == "gloo"
+
+
+def _tiny_tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_a_tied_embedding_is_stored_once_and_retied_on_load_while_missing_weights_still_fail() -> None:
+    import torch
+
+    src, dst = _tiny_tied_llama(), _tiny_tied_llama()
+    assert ckpt.tied_aliases(src) == {"lm_head.weight": "model.embed_tokens.weight"}
+    sd = ckpt.model_state(src, fsdp=False, trainable_only=False)
+    assert "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd
+    ckpt.load_model_state(dst, ckpt.decode(ckpt.encode(ckpt.Snapshot(1, sd, {}, {})))[0], False, False)
+    assert dst.lm_head.weight is dst.model.embed_tokens.weight, "loading keeps the tie"
+    assert torch.equal(dst.lm_head.weight, src.lm_head.weight)
+    sd.pop("model.embed_tokens.weight")
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*model\.embed_tokens\.weight"):
+        ckpt.load_model_state(dst, sd, fsdp=False, trainable_only=False)
