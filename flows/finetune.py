@@ -17,7 +17,7 @@ from tasks import registry
 from tasks.cancel import one_run_per_name, stop_on_cancel, stop_on_crash
 from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
 from tasks.jobs import JobFailed, prefetch_shards, submit_job, watch_job, write_job_spec
-from tasks.model import prepare_base_model
+from tasks.model import check_model_options, prepare_base_model
 from tasks.report import summarize
 from tasks.stage import Staged, stage_dataset
 from tasks.watchdog import failed_job_incident
@@ -58,6 +58,7 @@ async def finetune(
 
 async def _finetune(cfg: Config) -> dict[str, Any]:
     model_path = prepare_base_model(cfg)
+    check_model_options(cfg, model_path)  # a LoRA layer the model lacks fails here, before staging or a cluster
     staged = stage_dataset(cfg, model_path)
     registry.check_compatible(cfg, staged.dataset_id)  # before any cluster work
     handle = provision_cluster(cfg)

@@ -1,4 +1,5 @@
-"""Make the base model available on shared storage (building the built-in tiny model when asked for)."""
+"""Make the base model available on shared storage (building the built-in tiny model when asked for), and check
+the model options of a config against it before any cluster work."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def prepare_base_model(cfg: Config) -> str:
         upload_dir(d, url)
     log.info("built %s into %s", cfg.model.name_or_path, url)
     return url
+
+
+@task(name="check-model-options", cache_policy=NO_CACHE)
+def check_model_options(cfg: Config, model_path: str) -> None:
+    """Raise a ConfigError naming the field when ``model.lora`` does not fit the model's layers (only its config is
+    read: the module tree is built on the meta device, no weights)."""
+    if cfg.model.lora is None:
+        return
+    from ray_jobs.model.loading import meta_model
+    from ray_jobs.model.lora import check_lora
+
+    check_lora(meta_model(model_path), cfg.model.lora, cfg.model.name_or_path)
+    run_logger().info("model.lora fits %s", cfg.model.name_or_path)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from ray_jobs.storage import download_dir, is_local
+from ray_jobs.storage import download_dir, is_local, join, read_json
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def local_folder(name_or_path: str, cache_root: str | Path) -> str:
@@ -33,3 +36,38 @@ def load_model(name_or_path: str, cache_root: str | Path | None = None, **kwargs
 
     root = cache_root or tempfile.gettempdir()
     return AutoModelForCausalLM.from_pretrained(local_folder(name_or_path, root), **kwargs)
+
+
+def load_model_fp32(name_or_path: str, cache_root: str | Path | None = None):
+    """The base model with fp32 weights whatever dtype it was saved in: the master weights training updates
+    (transformers 5 defaults to ``dtype="auto"``, which would train a bf16 checkpoint as bf16 weights)."""
+    import torch
+
+    return load_model(name_or_path, cache_root, dtype=torch.float32)
+
+
+def config_dict(name_or_path: str) -> dict[str, Any]:
+    """The model's ``config.json`` as saved, without loading weights (or copying them off storage)."""
+    if _looks_like_url(name_or_path) and not is_local(name_or_path):
+        return read_json(join(name_or_path, "config.json"))
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig.get_config_dict(name_or_path.removeprefix("file://"))[0]
+
+
+def saved_dtype(config: dict[str, Any]) -> str:
+    """The dtype a model was saved in, from its config dict (``dtype`` since transformers 5, ``torch_dtype``
+    before); float32 when it is missing or not one we export."""
+    raw = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return raw if raw in EXPORT_DTYPES else "float32"
+
+
+def meta_model(name_or_path: str):
+    """The model's module tree on the meta device: its layer names and types, no weights read, no memory used."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = dict(config_dict(name_or_path))
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -24,30 +25,47 @@ from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.config import Config, from_json
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, RankSampler, load_rows, rank_shards
-from ray_jobs.model.loading import load_model, load_tokenizer
+from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout, upload_dir
 from ray_jobs.train import preemption
 from ray_jobs.train.heartbeat import Heartbeat
 from ray_jobs.train.metrics import MetricsLog
-from ray_jobs.train.model import apply_lora, build_model
+from ray_jobs.train.model import build_model, export_model
 from ray_jobs.train.runtime import Runtime
 
 log = logging.getLogger("unbroken.train")
 IGNORE_INDEX = -100
 
 
-def setup_determinism(seed: int, threads: int) -> None:
-    """Same seed + same world size = same weights: fixed seeds, deterministic kernels, fixed thread count."""
+def determinism_settings(deterministic: bool, device_type: str) -> dict[str, Any]:
+    """What :func:`setup_determinism` sets for ``train.deterministic`` on a ``device_type`` ("cuda" or "cpu")."""
+    out: dict[str, Any] = {"deterministic_algorithms": deterministic, "env": {}}
+    if device_type == "cuda":
+        # cuBLAS picks its reduction workspace per stream unless told a fixed one; read at its first call.
+        out["env"] = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if deterministic else {}
+        out["cudnn_deterministic"], out["cudnn_benchmark"] = deterministic, not deterministic
+    return out
+
+
+def setup_determinism(cfg: Config, device) -> None:
+    """Same seed + same world size = same weights: fixed seeds and thread count; with ``train.deterministic`` also
+    deterministic kernels (else the fastest ones: autotuned cuDNN). Runs before the model touches the device."""
     import random
 
     import numpy as np
     import torch
 
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(max(1, threads))
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
+    settings = determinism_settings(cfg.train.deterministic, device.type)
+    for key, value in settings["env"].items():
+        os.environ.setdefault(key, value)  # a value the user set (e.g. ":16:8", also deterministic) is kept
+    torch.use_deterministic_algorithms(settings["deterministic_algorithms"])
+    if "cudnn_benchmark" in settings:
+        torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
+        torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
 
 
 @dataclass
@@ -71,8 +89,8 @@ class Trainer:
         self.layout = Layout(cfg.storage)
         self.fsdp = cfg.train.parallelism == "fsdp"
         self.lora = cfg.model.lora is not None
-        setup_determinism(cfg.train.seed, int(cfg.cluster.cpus_per_worker))
         self.device = rt.device()
+        setup_determinism(cfg, self.device)
         self.model = build_model(cfg, model_path, rt)
         bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and self.device.type == "cuda")
         self.autocast = (
@@ -374,17 +392,12 @@ class Trainer:
 
     # -- the end --------------------------------------------------------------------------------------------
     def export_final(self) -> str | None:
-        """Rank 0 writes the final HF folder (merged weights, tokenizer, model card) to ``runs/<run>/final``."""
+        """Rank 0 writes the final HF folder (merged weights in ``train.export_dtype``, tokenizer, model card) to
+        ``runs/<run>/final``."""
         state = self._full_model_state()
         if self.rt.rank != 0:
             return None
-        model = load_model(self.model_path, self.cfg.data.cache_dir)
-        if self.lora:
-            model = apply_lora(model, self.cfg)
-            model.load_state_dict(state, strict=False)
-            model = model.merge_and_unload()
-        else:
-            model.load_state_dict(state)
+        model = export_model(self.cfg, self.model_path, state)
         url = self.layout.final_model(self.cfg.name)
         with tempfile.TemporaryDirectory(prefix="unbroken-final-") as d:
             model.save_pretrained(d)
