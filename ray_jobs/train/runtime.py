@@ -40,15 +40,28 @@ def shard_with_fsdp(model) -> Any:
     return model
 
 
+def bind_device(device):
+    """Make ``device`` this process's current CUDA device (a no-op on CPU): NCCL's object collectives
+    (``all_gather_object``) stage their bytes on ``torch.cuda.current_device()``, which would be GPU 0 on every
+    rank otherwise."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 class RayRuntime:
     """Ray Train V2: ranks from the train context, DDP/FSDP on its process group, reports to its controller."""
 
     def __init__(self):
         import ray.train
+        from ray.train.torch import get_device
 
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
+        self._device = bind_device(get_device())
 
     def prepare_model(self, model):
         from ray.train.torch import prepare_model
@@ -59,9 +72,7 @@ class RayRuntime:
         return shard_with_fsdp(model.to(self.device()))
 
     def device(self):
-        from ray.train.torch import get_device
-
-        return get_device()
+        return self._device
 
     def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
         import ray.train
@@ -82,7 +93,8 @@ class RayRuntime:
 
         if self.world_size == 1 or not dist.is_initialized():
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
+        # On the backend's device: NCCL reduces only CUDA tensors, gloo CPU ones (the device follows use_gpu).
+        t = torch.tensor(values, dtype=torch.float64, device=self.device())
         dist.all_reduce(t)
         return t.tolist()
 
