@@ -67,47 +67,76 @@ def read_metrics(cfg: Config) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def eval_examples(cfg: Config, limit: int) -> list[tuple[str, str]]:
-    """Up to ``limit`` (prompt, target) pairs from the held-out eval split, in source order."""
+def eval_examples(cfg: Config, limit: int, model_path: str) -> list[tuple[str, str, str]]:
+    """Up to ``limit`` (shown, prompt, target) triples from the held-out eval split, in source order: the prompt as
+    staging rendered it (a chat's conversation up to the final reply, template applied), what a person would read as
+    the question, and the expected completion."""
     from ray_jobs.data.staging import parse_records, read_sources, record_in_eval
 
     if cfg.data.eval:
         files, keep = read_sources(cfg.data.eval, "data.eval"), lambda r: True
     else:
         files, keep = read_sources(cfg.data.train, "data.train"), lambda r: record_in_eval(r, cfg.data.eval_fraction)
+    render = _chat_renderer(cfg, model_path) if cfg.data.format == "chat" else None
     out = []
     for f in files:
-        out += [(r.prompt, r.target) for r in parse_records(f, cfg.data)[0] if keep(r)]
+        out += [
+            (r.shown or r.prompt, r.prompt, r.target) for r in parse_records(f, cfg.data, render=render)[0] if keep(r)
+        ]
         if len(out) >= limit:
             break
     return out[:limit]
 
 
-def generate_samples(model_url: str, cfg: Config, n: int = 64) -> list[dict[str, Any]]:
-    """Greedy completions of held-out prompts by the final model (loaded with plain transformers).
+def _chat_renderer(cfg: Config, model_path: str):
+    from ray_jobs.data.staging import chat_renderer
+    from ray_jobs.model.loading import load_tokenizer
 
-    Only for ``pairs`` data, where a prompt and its expected completion are explicit.
-    """
+    return chat_renderer(load_tokenizer(model_path, cfg.data.cache_dir), model_path, cfg.data.train_on)
+
+
+def greedy(model_path: str, cfg: Config, prompts: list[str], targets: list[str]) -> list[str]:
+    """Greedy completions of ``prompts`` by the model at ``model_path`` (plain transformers, fp32, CPU), each a
+    little longer than its target. Prompts are encoded as staging encoded them: a chat's rendered text already
+    holds its special tokens; a plain prompt gets the tokenizer's own (e.g. BOS)."""
     import torch
-
-    if cfg.data.format != "pairs":
-        return []
 
     from ray_jobs.model.loading import load_model, load_tokenizer
 
-    tok = load_tokenizer(model_url, cfg.data.cache_dir)
-    model = load_model(model_url, cfg.data.cache_dir).eval()
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    samples = []
-    for prompt, target in eval_examples(cfg, n):
-        ids = torch.tensor([bos + tok(prompt, add_special_tokens=False)["input_ids"]])
+    tok = load_tokenizer(model_path, cfg.data.cache_dir)
+    model = load_model(model_path, cfg.data.cache_dir, dtype=torch.float32).eval()
+    specials = cfg.data.format != "chat"
+    outputs = []
+    for prompt, target in zip(prompts, targets, strict=True):
+        ids = torch.tensor([tok(prompt, add_special_tokens=specials)["input_ids"]])
+        budget = len(tok(target, add_special_tokens=False)["input_ids"]) + 8
         with torch.no_grad():
-            out = model.generate(
-                ids, max_new_tokens=len(tok(target)["input_ids"]) + 4, do_sample=False, pad_token_id=tok.pad_token_id
-            )
-        got = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        samples.append({"prompt": prompt, "target": target, "output": got, "exact": got.strip() == target.strip()})
-    return samples
+            out = model.generate(ids, max_new_tokens=budget, do_sample=False, pad_token_id=tok.pad_token_id)
+        outputs.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return outputs
+
+
+def generate_samples(base_path: str, final_url: str, cfg: Config) -> list[dict[str, Any]]:
+    """Held-out prompts answered by the base model (``before``) and the fine-tuned one (``output``).
+
+    For ``pairs`` and ``chat`` data, where a prompt and its expected completion are explicit; none when
+    ``train.sample_generations`` is 0.
+    """
+    if cfg.data.format == "text" or cfg.train.sample_generations == 0:
+        return []
+    examples = eval_examples(cfg, cfg.train.sample_generations, base_path)
+    prompts, targets = [p for _, p, _ in examples], [t for _, _, t in examples]
+    before = greedy(base_path, cfg, prompts, targets)
+    after = greedy(final_url, cfg, prompts, targets)
+    return [
+        {"prompt": shown, "target": target, "before": b, "output": a, "exact": _same(a, target)}
+        for (shown, _, target), b, a in zip(examples, before, after, strict=True)
+    ]
+
+
+def _same(output: str, target: str) -> bool:
+    """Exact match up to surrounding whitespace (special tokens such as an end-of-turn marker are not decoded)."""
+    return output.strip() == target.strip()
 
 
 def summary_markdown(cfg: Config, s: dict[str, Any]) -> str:
@@ -124,21 +153,27 @@ def summary_markdown(cfg: Config, s: dict[str, Any]) -> str:
         f"| dataset | `{s['dataset_id']}` |",
         f"| final model | `{s['final_model']}` |",
         "",
-        "| prompt | target | model output |",
-        "|---|---|---|",
+        "| prompt | target | base model | fine-tuned |",
+        "|---|---|---|---|",
     ]
-    lines += [f"| `{x['prompt']}` | `{x['target']}` | `{x['output']}` |" for x in s["samples"][:8]]
+    lines += [f"| `{_cell(x['prompt'])}` | `{_cell(x['target'])}` | `{_cell(x['before'])}` | `{_cell(x['output'])}` |"
+              for x in s["samples"][:8]]  # fmt: skip
     return "\n".join(lines)
 
 
+def _cell(text: str) -> str:
+    """Text for one markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ").strip()
+
+
 @task(name="summarize", cache_policy=NO_CACHE)
-def summarize(cfg: Config, dataset_id: str) -> dict[str, Any]:
+def summarize(cfg: Config, dataset_id: str, base_model: str) -> dict[str, Any]:
     """Metrics table, summary and final-model link as artifacts; returns the numbers the CLI prints."""
     rows = read_metrics(cfg)
     evals = [r for r in rows if "eval_loss" in r]
     losses = [r for r in rows if "loss" in r]
     final = Layout(cfg.storage).final_model(cfg.name)
-    samples = generate_samples(final, cfg)
+    samples = generate_samples(base_model, final, cfg)
     s = {
         "run": cfg.name,
         "dataset_id": dataset_id,

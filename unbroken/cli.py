@@ -55,7 +55,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"eval loss: {s['first_eval_loss']:.4f} at step 0 -> {s['final_eval_loss']:.4f} at step {s['steps']}")
     print(f"held-out exact match: {s['exact_match']}")
     for x in s["samples"][:5]:
-        print(f"  {x['prompt']}{x['output']!s:<8} (expected {x['target']})")
+        print(f"  {x['prompt']!r}  (expected {x['target']!r})")
+        print(f"    before: {x['before']!r}")
+        print(f"    after:  {x['output']!r}")
     print(f"final model: {s['final_model']}")
     return 0
 
