@@ -2,7 +2,7 @@
 
 One checkpoint is one folder ``<storage>/ray/<run>/checkpoint-step-<step>/`` written by rank 0 alone:
 
-    model.safetensors   model weights (full; only the trainable adapter weights for LoRA runs)
+    model.safetensors   model weights (full, a tied tensor once; only the trainable weights for LoRA runs)
     optim.pt            optimizer state (full, also under FSDP), loaded with ``torch.load(weights_only=True)``
     state.json          loop state, LR scheduler, every rank's data cursor and RNG states, the config used
     manifest.json       written last: format, step, sha256 + size of every file above

@@ -18,19 +18,19 @@ def build_model(cfg: Config, model_path: str, rt: Runtime):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.model.lora is not None:
-        model = apply_lora(model, cfg, model_path)
+        model = apply_lora(model, cfg)
     if cfg.train.parallelism == "fsdp":
         return rt.shard_model(model)
     return rt.prepare_model(model.to(rt.device()))
 
 
-def apply_lora(model, cfg: Config, model_path: str):
+def apply_lora(model, cfg: Config):
     """Wrap ``model`` in peft LoRA adapters; a config that does not fit the model is a ValueError naming the field
     (the flow checks this before any cluster work; this catches a job submitted without it)."""
     from peft import LoraConfig, get_peft_model
 
     lc = cfg.model.lora
-    check_lora(model, lc, model_path)
+    check_lora(model, lc, cfg.model.name_or_path)
     targets = lc.target_modules if isinstance(lc.target_modules, str) else list(lc.target_modules)
     return get_peft_model(
         model,
@@ -64,7 +64,7 @@ def export_model(cfg: Config, model_path: str, state: dict[str, Any]):
     model = load_model_fp32(model_path, cfg.data.cache_dir)
     tied = ties_embeddings(model)
     if cfg.model.lora is not None:
-        model = apply_lora(model, cfg, model_path)
+        model = apply_lora(model, cfg)
         ckpt.load_model_state(model, state, fsdp=False, trainable_only=True)
         model = model.merge_and_unload()
     else:

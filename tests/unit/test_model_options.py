@@ -80,7 +80,7 @@ def test_modules_to_save_lm_head_on_a_tied_model_trains_the_one_shared_matrix(re
 
 def test_all_linear_adapts_every_linear_layer_but_the_output_head(smollm2) -> None:
     cfg = real_config(Path("/tmp/unused"), str(smollm2), **{"model.lora.target_modules": "all-linear"})
-    peft_model = apply_lora(load_model_fp32(str(smollm2)), cfg, str(smollm2))
+    peft_model = apply_lora(load_model_fp32(str(smollm2)), cfg)
     adapted = {n.removeprefix("base_model.model.") for n in peft_model.base_model.targeted_module_names}
     assert adapted == set(all_linear_targets(meta_model(str(smollm2))))
     assert len(adapted) == 30 * 7 and "lm_head" not in adapted
