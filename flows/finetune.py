@@ -96,7 +96,7 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path:
             handed_over = True
             get_run_logger().error("training job failed; the run is left to the watchdog to recover: %s", e)
             raise
-        summary = summarize(cfg, staged.dataset_id)
+        summary = summarize(cfg, staged.dataset_id, model_path)
     except BaseException as e:
         if not handed_over:
             cancelled = isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)) or "Termination" in type(e).__name__
