@@ -4,11 +4,12 @@ the model options of a config against it before any cluster work."""
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ray_jobs.config import Config
+from ray_jobs.config import Config, ConfigError
 from ray_jobs.model.builtin import build_builtin, builtin_name, is_builtin
 from ray_jobs.storage import Layout, exists, join, upload_dir
 from tasks.logs import run_logger
@@ -18,6 +19,7 @@ from tasks.logs import run_logger
 def prepare_base_model(cfg: Config) -> str:
     """Return where the job loads the base model from: a hub id, a folder, or the built-in model on storage."""
     if not is_builtin(cfg.model):
+        check_local_folder(cfg.model.name_or_path)
         return cfg.model.name_or_path
     log = run_logger()
     url = Layout(cfg.storage).model_dir(builtin_name(cfg.model, cfg.train.seed))
@@ -29,6 +31,16 @@ def prepare_base_model(cfg: Config) -> str:
         upload_dir(d, url)
     log.info("built %s into %s", cfg.model.name_or_path, url)
     return url
+
+
+def check_local_folder(name_or_path: str) -> None:
+    """A path-like model (``/x``, ``./x``, ``~/x``, ``.unbroken/...``) must exist: otherwise transformers would take
+    it for a hub id and fail with a hub error that never names the field."""
+    if "://" in name_or_path or not name_or_path.startswith(("/", ".", "~")):
+        return  # a hub id (org/name) or a storage URL, checked where it is read
+    if not Path(name_or_path).expanduser().is_dir():
+        hint = " (run `make smollm2` to build it)" if "smollm2" in name_or_path else ""
+        raise ConfigError([f"model.name_or_path: no such model folder: {name_or_path}{hint}"])
 
 
 @task(name="check-model-options", cache_policy=NO_CACHE)

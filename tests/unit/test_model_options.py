@@ -161,3 +161,16 @@ def test_the_tiny_model_with_all_linear_and_modules_to_save_trains(tmp_path) -> 
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert "base_model.model.lm_head.modules_to_save.default.weight" in trainable, "untied head: trained as itself"
     assert any("mlp.down_proj.lora_A" in n for n in trainable)
+
+
+def test_a_missing_local_model_folder_is_a_config_error_naming_the_field(tmp_path) -> None:
+    from ray_jobs.config import ConfigError
+    from tasks.model import check_local_folder
+
+    with pytest.raises(
+        ConfigError, match=r"model.name_or_path: no such model folder: \./nope/smollm2 \(run `make smollm2`"
+    ):
+        check_local_folder("./nope/smollm2")
+    check_local_folder(str(tmp_path))  # an existing folder
+    check_local_folder("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id: not checked here
+    check_local_folder("s3://bucket/models/base")  # a storage URL: read where it is used
