@@ -181,3 +181,39 @@ def test_learned_mask_follows_offsets_and_special_tokens_follow_their_neighbour(
     offsets = [(0, 0), (0, 3), (3, 5), (5, 6), (6, 6), (6, 8)]
     assert learned_mask(offsets, [(4, 6)]) == [False, False, True, True, True, False]
     assert learned_mask(offsets, []) == [False] * 6
+
+
+def test_the_staged_real_chat_set_has_one_end_marker_per_reply_and_learns_every_reply(smol_tok, tmp_path) -> None:
+    """The recipe's data (configs/data/chat_json.jsonl) staged with SmolLM2's ChatML template, read back from the
+    Parquet shards: no reply ends in a doubled <|im_end|>, and every assistant turn (not only the last) is learned."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from tests.conftest import ROOT
+
+    source = ROOT / "configs" / "data" / "chat_json.jsonl"
+    data = DataConfig(train=str(source), format="chat", seq_len=256, min_shards=1)
+    result = stage(data, smol_tok, "smollm2", str(tmp_path / "storage"))
+    assert result.manifest["counts"]["rejects"] == 0
+    replies = [m["content"] for line in source.read_text().splitlines() for m in json.loads(line)["messages"]
+               if m["role"] == "assistant"]  # fmt: skip
+    learned_replies, end = [], smol_tok.convert_tokens_to_ids("<|im_end|>")
+    shards = Path(result.manifest_url).parent.glob("*.parquet")
+    for table in (pq.read_table(f) for f in shards):
+        columns = (table.column(c).to_pylist() for c in ("input_ids", "labels", "position_ids"))
+        for ids, labels, pos in zip(*columns, strict=True):
+            starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+            for a, b in zip(starts[:-1], starts[1:], strict=True):  # one packed example (or the padding run) at a time
+                if all(x == IGNORE_INDEX for x in labels[a:b]):
+                    continue  # the padding run
+                text = smol_tok.decode(ids[a:b])
+                assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n"), text
+                assert "<|im_end|><|im_end|>" not in text and "<|im_end|>\n<|im_end|>" not in text, text
+                lab = np.array(labels[a:b])
+                # learned runs: each is one reply followed by its single end marker
+                runs = np.split(lab, np.where(lab == IGNORE_INDEX)[0])
+                for run in (r[r != IGNORE_INDEX] for r in runs):
+                    if len(run):
+                        assert run[-1] == end and end not in run[:-1]
+                        learned_replies.append(smol_tok.decode(run[:-1]))
+    assert sorted(learned_replies) == sorted(replies), "every assistant turn of every conversation is learned once"
