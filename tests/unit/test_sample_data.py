@@ -1,16 +1,27 @@
-"""The shipped demo data is exactly what its generator makes (so it can be regenerated, and is not hand-edited)."""
+"""The shipped sample data is exactly what its generators make (so it can be regenerated, and is not hand-edited)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
-from tests.conftest import ROOT, SAMPLE_DATA
+import pytest
+
+from tests.conftest import ROOT
+
+DATA = ROOT / "configs" / "data"
 
 
-def test_committed_sample_data_matches_its_generator() -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "configs" / "data" / "make_addition.py")], capture_output=True, check=True
-    ).stdout
-    assert out == SAMPLE_DATA.read_bytes()
-    assert len(out.splitlines()) == 6000
+@pytest.mark.parametrize(("generator", "data", "records"), [("make_addition.py", "addition.jsonl", 6000),
+                                                           ("make_chat.py", "chat_json.jsonl", 600)])  # fmt: skip
+def test_committed_sample_data_matches_its_generator(generator: str, data: str, records: int) -> None:
+    out = subprocess.run([sys.executable, str(DATA / generator)], capture_output=True, check=True).stdout
+    assert out == (DATA / data).read_bytes()
+    assert len(out.splitlines()) == records
+
+
+def test_the_chat_set_has_multi_turn_conversations_ending_with_the_assistant() -> None:
+    convs = [json.loads(line)["messages"] for line in (DATA / "chat_json.jsonl").read_text().splitlines()]
+    assert all(c[-1]["role"] == "assistant" for c in convs)
+    assert sum(len(c) > 2 for c in convs) > len(convs) // 3, "enough multi-turn records to exercise all_assistant"
