@@ -100,6 +100,8 @@ def inspect(reg: dict[str, Any], cfg: Config, now: float) -> Verdict:
     try:
         info = client.get_job_info(sid)
     except RuntimeError as e:  # 404: a restarted cluster has no record of the job
+        if still_submitting(attempt, cfg, now):
+            return Verdict("running", status="SUBMITTING", heartbeat=beat)
         detail = f"the cluster at {address} has no job {sid} ({str(e).splitlines()[0]})"
         return Verdict("job-lost", detail, heartbeat=beat)
     status = str(info.status)
@@ -124,6 +126,14 @@ def inspect(reg: dict[str, Any], cfg: Config, now: float) -> Verdict:
             status=status,
         )
     return Verdict("running", status=status, heartbeat=beat)
+
+
+def still_submitting(attempt: dict[str, Any], cfg: Config, now: float) -> bool:
+    """Whether a job the cluster does not know may simply not be submitted yet. An attempt is recorded before its
+    job reaches the cluster (the flow writes the job spec and runs the preflight job first), so a 404 then is not a
+    lost job; it is one only when the attempt was never seen running and its submitter took longer than the stall
+    limit, the same wait a job gets before its first step."""
+    return attempt["status"] == "SUBMITTED" and now - attempt["started_at"] < cfg.fault_tolerance.stall_timeout_s
 
 
 # -- decide -------------------------------------------------------------------------------------------------

@@ -40,7 +40,9 @@ pytestmark = pytest.mark.chaos
 
 WATCHED = {
     "fault_tolerance.max_failures": 0,  # no in-job restarts: the watchdog must do it
-    "fault_tolerance.stall_timeout_s": 25,
+    # Above a job's start-up (submission -> first heartbeat: 18-21 s measured on an idle 2-core machine, more with
+    # two watchdogs polling every second), which counts against the stall limit until the heartbeat has phases.
+    "fault_tolerance.stall_timeout_s": 40,
     "fault_tolerance.restart_backoff_s": 1,
     "fault_tolerance.preemption_grace_s": 5,
 }
@@ -61,7 +63,13 @@ def watchdogs(ray_cluster, watched, tmp_path_factory):
         log = open(home / "watchdog.log", "w")  # noqa: SIM115 (closed with the process)
         cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(watched), "--interval", "1"]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, home))
-    yield [home / "watchdog.log" for _, _, home in procs]
+    logs = [home / "watchdog.log" for _, _, home in procs]
+    # Ready once each has finished a pass: booting two Prefect servers takes both cores for ~15 s, which would
+    # otherwise land on the first scenario's job start and read as a stall before its first step.
+    for path in logs:
+        wait_for(f"a first pass of {path.parent.name}", lambda p=path: "Finished in state Completed" in p.read_text(),
+                 timeout_s=180, every_s=0.5)  # fmt: skip
+    yield logs
     for p, log, _ in procs:
         p.terminate()
         try:

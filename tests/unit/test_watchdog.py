@@ -12,7 +12,7 @@ from ray_jobs.config import load_config
 from ray_jobs.storage import create_exclusive
 from tasks import lease as leases
 from tasks import registry
-from tasks.watchdog import backoff_s, give_up_reason
+from tasks.watchdog import backoff_s, give_up_reason, still_submitting
 from tests.conftest import ROOT
 
 
@@ -161,3 +161,19 @@ def test_recoveries_and_give_ups_are_prefect_events_named_by_run(asserting_event
         ("unbroken.run.gave-up", "unbroken.run.r3", "r3"),
     ]
     assert events[0].payload["incident"] == {"kind": "stalled", "lost_steps": 3}
+
+
+@pytest.mark.parametrize(
+    ("status", "age_s", "submitting"),
+    [
+        ("SUBMITTED", 5, True),  # recorded, the flow still writing the spec or running the preflight job
+        ("SUBMITTED", 70, False),  # its submitter took longer than the stall limit: lost
+        ("RUNNING", 5, False),  # seen running once: a 404 now means the cluster forgot it
+    ],
+)
+def test_a_job_the_cluster_does_not_know_is_lost_only_once_it_should_have_been_submitted(
+    tmp_path: Path, status: str, age_s: float, submitting: bool
+) -> None:
+    c = cfg(tmp_path, "fault_tolerance.stall_timeout_s=60")
+    attempt = {"attempt": 1, "status": status, "started_at": 1000.0}
+    assert still_submitting(attempt, c, now=1000.0 + age_s) is submitting
