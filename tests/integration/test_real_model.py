@@ -134,7 +134,8 @@ def test_kill_9_of_a_worker_on_the_real_model_ends_bit_identical(cluster, smollm
     cfg = load_config(RECIPE, overrides(tmp_path / "storage", "lora-kill9", smollm2, cluster))
     sid = start_training(cluster, cfg)
     ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
-    wait_for("the first checkpoint", lambda: ckpt.list_checkpoints(ckpts), timeout_s=300, every_s=0.2)
+    # A valid one (manifest written): a kill during the first write would leave nothing to resume from.
+    wait_for("the first valid checkpoint", lambda: ckpt.find_latest_valid(ckpts), timeout_s=300, every_s=0.2)
     victim, at_kill, killed_at = rank0_pid(cfg), heartbeat_step(cfg), time.time()
     kill(victim, signal.SIGKILL)
 
