@@ -67,6 +67,9 @@ class DataConfig(_Section):
     """Node-local folder where each node keeps the shards its ranks read (the same path on every node)."""
     cache_max_gb: float = Field(100.0, gt=0)
     """Size cap of ``cache_dir`` per node, in GB; other datasets' shards are evicted (least recently used first)."""
+    allowed_sources: list[str] = []
+    """URL or path prefixes a dataset event's ``dataset_uri`` may name (a served deployment trains on whatever an
+    event says, so this is its allow-list); empty = the folder holding ``data.train``. Anything else is refused."""
 
 
 class TinyModelConfig(_Section):
@@ -191,6 +194,13 @@ class ClusterConfig(_Section):
     """Dashboard / Jobs API port of a local head started by unbroken (bound to 127.0.0.1)."""
     keep_running: bool = False
     """Leave a local head that unbroken started running after the flow ends."""
+    env_passthrough: list[str] = [
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
+        "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+    ]  # fmt: skip
+    """Variables of the flow's environment a local head (and so every job on it) gets, besides what a process
+    needs to run (PATH, HOME, locale, ``RAY_*``). Default: the S3 storage credentials. Add ``HF_TOKEN`` here if
+    jobs load gated hub models; ``PREFECT_API_KEY`` and the like never reach jobs unless listed."""
 
     @field_validator("address")
     @classmethod
@@ -199,6 +209,19 @@ class ClusterConfig(_Section):
         if v and not re.match(r"^https?://[^/\s]+", v):
             raise ValueError(f"must be the Jobs API URL, like http://head-node:8265 (got {v!r})")
         return v.rstrip("/")
+
+
+class PhaseStallConfig(_Section):
+    starting: float = Field(1800.0, gt=0)
+    """Seconds from submitting a job to its first heartbeat (Ray schedules workers, ships the code)."""
+    loading: float = Field(1800.0, gt=0)
+    """Seconds for loading the model, the data and a checkpoint."""
+    evaluating: float = Field(1800.0, gt=0)
+    """Seconds one eval pass may take."""
+    checkpointing: float = Field(1800.0, gt=0)
+    """Seconds a synchronous checkpoint (the last step's, a preemption's) may take."""
+    exporting: float = Field(3600.0, gt=0)
+    """Seconds writing the final model folder may take (merging LoRA, multi-GB uploads)."""
 
 
 class FaultToleranceConfig(_Section):
@@ -211,7 +234,17 @@ class FaultToleranceConfig(_Section):
     restart_backoff_max_s: float = Field(600.0, ge=0)
     """Cap on that wait."""
     stall_timeout_s: float = Field(600.0, gt=0)
-    """A running job whose heartbeat shows no new step for this long is treated as hung."""
+    """A training job whose heartbeat shows no new step for this long is treated as hung (the ``training`` phase;
+    other phases have their own limits in ``phase_stall_s``)."""
+    phase_stall_s: PhaseStallConfig = PhaseStallConfig()
+    """How long a job may stay in each non-training phase before it counts as hung."""
+    confirm_s: float = Field(30.0, ge=0)
+    """An ambiguous sign of trouble (the Jobs API unreachable, a 5xx or 401, a job the cluster suddenly does not
+    know) is acted on only when it held this long, over several observations. A definitive one (the job FAILED,
+    a phase over its limit) is acted on at once."""
+    progress_resets_budget_steps: int = Field(100, ge=0)
+    """An attempt that trained at least this many new steps before it failed resets the restart count: a long run
+    on flaky nodes is not given up on for failures spread over days. 0 = never reset."""
     heartbeat_every_s: float = Field(5.0, gt=0)
     """How often rank 0 refreshes ``runs/<run>/heartbeat.json`` while training."""
     preemption_grace_s: float = Field(30.0, gt=0)
