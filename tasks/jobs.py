@@ -17,8 +17,8 @@ from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout, read_bytes, write_json_atomic
-from tasks import registry
-from tasks.cluster import ClusterError, ClusterHandle, _reachable, jobs_client
+from tasks import jobsapi, registry
+from tasks.cluster import ClusterError, ClusterHandle, jobs_client
 from tasks.logs import run_logger
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -41,22 +41,24 @@ AGENT_WAIT_S = 60.0  # how long a submission retries "No available agent to subm
 LOST_AFTER_ERRORS = 5  # consecutive failed status polls that mean the cluster is gone, not a blip
 
 
+class StopUnverified(ClusterError):
+    """The cluster could not say whether the job still runs, so it cannot be known to have stopped."""
+
+
 def stop_and_wait(address: str, submission_id: str, wait_s: float = 60.0) -> bool:
-    """Stop a Ray job if the cluster still runs it and wait until Ray says it ended; False when there was nothing
-    to stop (cluster gone, no such job, already ended). ClusterError if it outlives ``wait_s``."""
-    if _reachable(address) is not None:
+    """Stop a Ray job if the cluster still runs it and wait until Ray says it ended. False when there was nothing
+    to stop (the cluster answers: no such job, or it already ended). StopUnverified when the cluster does not
+    answer (the job may still run), ClusterError when it outlives ``wait_s``."""
+    view = jobsapi.read_job(address, submission_id)
+    if view.api == "unknown":
+        raise StopUnverified(f"cannot tell whether Ray job {submission_id} still runs: {view.why}")
+    if view.api == "missing" or view.terminal:
         return False
-    client = jobs_client(address)
-    try:
-        if client.get_job_status(submission_id).is_terminal():
-            return False
-        client.stop_job(submission_id)
-    except RuntimeError:  # not found: nothing to stop
-        return False
+    jobsapi.stop_job(address, submission_id)
     deadline = time.monotonic() + wait_s
-    while not client.get_job_status(submission_id).is_terminal():
+    while not ((view := jobsapi.read_job(address, submission_id)).terminal or view.api == "missing"):
         if time.monotonic() > deadline:
-            raise ClusterError(f"Ray job {submission_id} did not stop within {wait_s:.0f}s")
+            raise ClusterError(f"Ray job {submission_id} did not stop within {wait_s:.0f}s ({view.status or view.why})")
         time.sleep(0.5)
     return True
 
@@ -75,8 +77,11 @@ def write_job_spec(cfg: Config, attempt: int, manifest_url: str, model_path: str
     return url
 
 
-def submit(handle: ClusterHandle, submission_id: str, module: str, spec_url: str) -> str:
-    """Submit ``python -m <module> --spec <url>``; a job already submitted under this id is not submitted twice."""
+def submit(
+    handle: ClusterHandle, submission_id: str, module: str, spec_url: str, env: dict[str, str] | None = None
+) -> str:
+    """Submit ``python -m <module> --spec <url>``; a job already submitted under this id is not submitted twice.
+    ``env``: extra variables for the job's processes (its runtime_env)."""
     log = run_logger()
     client = jobs_client(handle.address)
     if any(j.submission_id == submission_id for j in client.list_jobs()):
@@ -88,7 +93,8 @@ def submit(handle: ClusterHandle, submission_id: str, module: str, spec_url: str
             client.submit_job(
                 entrypoint=f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
                 submission_id=submission_id,
-                runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES},
+                runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES}
+                | ({"env_vars": dict(env)} if env else {}),
                 entrypoint_num_cpus=0,
             )
             break
@@ -113,58 +119,114 @@ def last_step(metrics_url: str) -> int:
         lines = read_bytes(metrics_url).decode().strip().splitlines()
     except FileNotFoundError:
         return 0
-    return json.loads(lines[-1])["step"] if lines else 0
+    for line in reversed(lines):  # the newest line may be half-written (a writer mid-append on some stores)
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return int(json.loads(line)["step"])
+    return 0
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+WARN_EVERY_S = 60.0  # a persisting plumbing error is logged once a minute, not once a poll
 
 
-async def _forward_logs(client, submission_id: str, log) -> None:
-    async for chunk in client.tail_job_logs(submission_id):
-        for line in _ANSI.sub("", chunk).splitlines():
-            if line.strip():
-                log.info("[ray] %s", line.rstrip())
+def cancelled(e: BaseException) -> bool:
+    """A cancel or termination of the flow run (the user's wish to stop), as opposed to an error in it."""
+    return isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)) or "Termination" in type(e).__name__
 
 
-async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, on_poll=None) -> str:
-    """Poll the job until it ends, forwarding its log; stop the job if the watch itself is interrupted."""
-    from ray.job_submission import JobStatus
+async def _forward_logs(address: str, submission_id: str, log) -> None:
+    """Follow the job's log into the flow's log; a broken stream (a proxy's reset, a restarting dashboard) is
+    re-opened, skipping the lines already forwarded."""
+    forwarded = 0
+    while True:
+        try:
+            client = await asyncio.wait_for(asyncio.to_thread(jobs_client, address), jobsapi.TIMEOUT_S)
+            seen = 0
+            async for chunk in client.tail_job_logs(submission_id):
+                for line in _ANSI.sub("", chunk).splitlines():
+                    seen += 1
+                    if seen > forwarded and line.strip():
+                        log.info("[ray] %s", line.rstrip())
+                forwarded = max(forwarded, seen)
+            return
+        except Exception:  # the tail is a convenience: never fatal, retried
+            await asyncio.sleep(2.0)
 
+
+class _Watch:
+    """The state of one watch: consecutive unanswered polls since when, and rate-limited plumbing warnings."""
+
+    def __init__(self, address: str, submission_id: str, confirm_s: float, log):
+        self.address, self.sid, self.confirm_s, self.log = address, submission_id, confirm_s, log
+        self.unknown_since: float | None = None
+        self.unknown_polls = 0
+        self.warned_at: dict[str, float] = {}
+
+    def observe(self, view: jobsapi.JobView) -> None:
+        """A poll that told nothing about the job: ClusterLost once that held for ``confirm_s`` over at least
+        LOST_AFTER_ERRORS polls (before, it may be a blip: a 502, a restarting dashboard)."""
+        if view.api == "ok":
+            if self.unknown_since is not None:
+                self.log.info("the Jobs API answers again after %.0fs", time.monotonic() - self.unknown_since)
+            self.unknown_since, self.unknown_polls = None, 0
+            return
+        self.unknown_since = self.unknown_since or time.monotonic()
+        self.unknown_polls += 1
+        held = time.monotonic() - self.unknown_since
+        self.warn("poll", f"Ray job {self.sid}: {view.why} (for {held:.0f}s; not acted on before {self.confirm_s:g}s)")
+        if held >= self.confirm_s and self.unknown_polls >= LOST_AFTER_ERRORS:
+            what = "has no record of" if view.api == "missing" else "stopped answering about"
+            raise ClusterLost(f"the Ray cluster at {self.address} {what} job {self.sid} for {held:.0f}s: {view.why}")
+
+    def warn(self, key: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self.warned_at.get(key, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self.warned_at[key] = now
+            self.log.warning(message)
+
+
+async def watch(
+    handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, on_poll=None, confirm_s: float = 30.0
+) -> str:
+    """Poll the job until it ends, forwarding its log. Errors of the watch's own plumbing (``on_poll``: progress
+    artifacts, the registry) are logged and retried, never fatal to the job; an unanswered poll is a blip until it
+    held for ``confirm_s``. Only a cancel of the flow run stops the job: if the flow itself fails, the job trains
+    on and the watchdog adopts it."""
     log = run_logger()
-    client = jobs_client(handle.address)
-    tail = asyncio.create_task(_forward_logs(client, submission_id, log))
-    status = None
-    errors = 0
+    state = _Watch(handle.address, submission_id, confirm_s, log)
+    tail = asyncio.create_task(_forward_logs(handle.address, submission_id, log))
+    view = jobsapi.JobView("unknown")
     try:
         while True:
-            try:
-                status = await asyncio.to_thread(client.get_job_status, submission_id)
-                errors = 0
-            except Exception as e:  # connection refused, timeouts: the head may be gone
-                errors += 1
-                if errors >= LOST_AFTER_ERRORS:
-                    raise ClusterLost(f"the Ray cluster at {handle.address} stopped answering: {e}") from e
-                await asyncio.sleep(poll_s)
-                continue
-            if on_poll is not None:
-                await on_poll(status)
-            if status.is_terminal():
+            view = await asyncio.to_thread(jobsapi.read_job, handle.address, submission_id)
+            state.observe(view)
+            if view.api == "ok" and on_poll is not None:
+                try:
+                    await on_poll(view.status)
+                except Exception as e:  # plumbing: retried next poll
+                    state.warn("on_poll", f"watch: {type(e).__name__}: {e} (training goes on; retried)")
+            if view.terminal:
                 break
             await asyncio.sleep(poll_s)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(tail), timeout=15)  # let the last log lines arrive
+    except BaseException as e:
+        if cancelled(e):
+            _stop_for_cancel(handle.address, submission_id, log)
+        raise
     finally:
         tail.cancel()
-        if status is None or not status.is_terminal():
-            try:
-                client.stop_job(submission_id)
-                log.warning("watch interrupted: stopped Ray job %s", submission_id)
-            except Exception as e:
-                log.warning("watch interrupted; could not stop Ray job %s: %s", submission_id, e)
-    if status != JobStatus.SUCCEEDED:
-        info = client.get_job_info(submission_id)
-        raise JobFailed(f"Ray job {submission_id} ended {status}: {info.message}")
-    return str(status)
+    if view.status != "SUCCEEDED":
+        raise JobFailed(f"Ray job {submission_id} ended {view.status}: {view.message}")
+    return view.status
+
+
+def _stop_for_cancel(address: str, submission_id: str, log) -> None:
+    try:
+        if stop_and_wait(address, submission_id, wait_s=30):
+            log.warning("flow run cancelled: stopped Ray job %s", submission_id)
+    except Exception as e:
+        log.warning("flow run cancelled; could not stop Ray job %s: %s", submission_id, e)
 
 
 @task(name="watch-job", cache_policy=NO_CACHE)
@@ -172,17 +234,22 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
     """Watch the training job: log tail into Prefect, a progress artifact (step / max_steps) while it runs, the
     registry's ``running`` state once Ray runs it."""
     metrics_url = Layout(cfg.storage).metrics(cfg.name)
-    progress_id = await acreate_progress_artifact(
-        0.0, key=f"{cfg.name}-progress", description=f"training steps of {cfg.name}"
-    )
+    progress_id = None
 
-    async def update_progress(status) -> None:
-        if str(status) == "RUNNING":
+    async def update_progress(status: str) -> None:
+        nonlocal progress_id
+        if status == "RUNNING":
             await asyncio.to_thread(registry.mark_running, cfg.storage, cfg.name, attempt)
         step = await asyncio.to_thread(last_step, metrics_url)
-        await aupdate_progress_artifact(progress_id, progress=min(100.0, 100.0 * step / cfg.train.max_steps))
+        progress = min(100.0, 100.0 * step / cfg.train.max_steps)
+        if progress_id is None:  # created on the first poll that can: an API outage at the start is no failure
+            progress_id = await acreate_progress_artifact(
+                progress, key=f"{cfg.name}-progress", description=f"training steps of {cfg.name}"
+            )
+        else:
+            await aupdate_progress_artifact(progress_id, progress=progress)
 
-    return await watch(handle, submission_id, poll_s, on_poll=update_progress)
+    return await watch(handle, submission_id, poll_s, on_poll=update_progress, confirm_s=cfg.fault_tolerance.confirm_s)
 
 
 @task(name="prefetch-shards", cache_policy=NO_CACHE)

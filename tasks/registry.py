@@ -95,6 +95,11 @@ class RunConflict(ValueError):
     """The run name exists on storage with settings its checkpoints cannot be resumed under."""
 
 
+class RunBusy(RuntimeError):
+    """The run already has an attempt in flight (a flow run or the watchdog looks after it): a second training job
+    would write into the same checkpoints."""
+
+
 def _pick(tree: dict[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         tree = tree.get(part, {}) if isinstance(tree, dict) else {}
@@ -122,6 +127,12 @@ def check_compatible(cfg: Config, dataset_id: str) -> None:
         )
 
 
+def next_attempt(cfg: Config) -> int:
+    """The number the run's next attempt will get (what its preflight job and job spec are named by)."""
+    reg = load(cfg.storage, cfg.name)
+    return len(reg["attempts"]) + 1 if reg else 1
+
+
 def begin_attempt(
     cfg: Config,
     cluster: dict[str, Any],
@@ -130,15 +141,37 @@ def begin_attempt(
     resume_from: str | None = None,
     started_by: str = "finetune-flow",
     extra: dict[str, Any] | None = None,
+    expect: int | None = None,
+    lease: leases.Lease | None = None,
 ) -> int:
     """Record a new attempt (state ``submitted``) and return its number (1-based).
 
-    ``extra`` is what the watchdog needs to resubmit without the flow: manifest URL and base-model path.
+    ``extra`` is what the watchdog needs to resubmit without the flow: manifest URL and base-model path. A flow
+    (``lease`` None) takes the run's lease for this write and is refused with RunBusy while another attempt is in
+    flight; ``expect`` is the number it prepared (job spec, preflight) and must still be next. A watchdog passes
+    the lease it holds.
     """
+    if lease is not None:
+        return _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect)
+    with leases.acquire_wait(cfg.storage, cfg.name):
+        return _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect)
+
+
+def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> int:
     reg = load(cfg.storage, cfg.name) or {
         "name": cfg.name, "created_at": time.time(), "attempts": [], "incidents": [], "restarts": 0,
     }  # fmt: skip
+    if started_by != "watchdog":
+        _refuse_if_busy(cfg, reg)
     attempt = len(reg["attempts"]) + 1
+    if expect is not None and attempt != expect:
+        raise RunBusy(
+            f"run {cfg.name!r}: attempt {expect} was prepared but attempt {attempt - 1} was started meanwhile"
+        )
+    superseded = open_incident(reg) if started_by != "watchdog" else None
+    if superseded is not None:  # a new flow run takes over a run the watchdog was about to restart
+        superseded.update(action="superseded", reason=f"a new flow run started attempt {attempt}")
+    reg.pop("suspect", None)
     reg.update(
         state="submitted",
         config=json.loads(cfg.model_dump_json()),
@@ -163,6 +196,33 @@ def begin_attempt(
     )
     save(cfg.storage, cfg.name, reg)
     return attempt
+
+
+def _refuse_if_busy(cfg: Config, reg: dict[str, Any]) -> None:
+    """RunBusy when an attempt of the run may still train (submitted or running, not ended)."""
+    if not reg.get("attempts") or reg.get("state") not in ("submitted", "running"):
+        return
+    current = current_attempt(reg)
+    if current["status"] in ("SUBMITTED", "RUNNING"):
+        raise RunBusy(
+            f"run {cfg.name!r} is {reg['state']}: attempt {current['attempt']} (Ray job {current['submission_id']}) "
+            "is in flight and the watchdog looks after it; wait for it to end, or give this run another name"
+        )
+
+
+def adopt(cfg: Config, attempt: int, message: str) -> dict[str, Any] | None:
+    """The flow that watched ``attempt`` is gone while its job may still train: the watchdog looks after it from
+    now on (and closes what the flow would have, like a local head)."""
+    with leases.acquire_wait(cfg.storage, cfg.name):
+        reg = load(cfg.storage, cfg.name)
+        if reg is None or len(reg["attempts"]) != attempt:
+            return None
+        entry = reg["attempts"][-1]
+        if entry["status"] not in ("SUBMITTED", "RUNNING"):
+            return None
+        entry.update(adopted_by="watchdog", adopted_at=time.time(), adopted_because=message)
+        save(cfg.storage, cfg.name, reg)
+        return reg
 
 
 def mark_running(storage: str, run: str, attempt: int) -> None:

@@ -10,6 +10,7 @@ Every action on a run happens under the run's storage lease (tasks/lease.py): tw
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -18,10 +19,10 @@ from typing import Any
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, from_json
 from ray_jobs.storage import Layout, exists, read_json
+from tasks import jobsapi, registry
 from tasks import lease as leases
-from tasks import registry
-from tasks.cluster import _reachable, jobs_client, provision_cluster, stop_cluster
-from tasks.jobs import last_step, stop_and_wait, submit_job, write_job_spec
+from tasks.cluster import ClusterError, provision_cluster, stop_cluster
+from tasks.jobs import StopUnverified, last_step, stop_and_wait, submit_job, write_job_spec
 from tasks.logs import run_logger
 
 # Exceptions that say the code or the config is wrong: the same job would fail the same way again.
@@ -47,6 +48,11 @@ class Verdict:
     error: dict[str, str] | None = None  # root cause the job printed (type, message)
     heartbeat: dict[str, Any] | None = None  # the current attempt's heartbeat, if it wrote one
     status: str = ""
+    phase: str = ""  # the job's phase as its heartbeat reports it (``starting`` before the first one)
+
+    @property
+    def definitive(self) -> bool:
+        return self.kind in DEFINITIVE
 
     @property
     def trouble(self) -> bool:
@@ -66,6 +72,14 @@ class Outcome:
 
 
 # -- look ---------------------------------------------------------------------------------------------------
+# Kinds of trouble that are facts (the Jobs API said so; the job's own heartbeat says it is stuck): acted on at once.
+DEFINITIVE = ("job-failed", "stalled")
+# Kinds that may be a blip of the observer's path (a proxy's 502, a restarting dashboard, an auth hiccup): acted on
+# only once they held for fault_tolerance.confirm_s over at least CONFIRM_OBSERVATIONS looks.
+AMBIGUOUS = ("cluster-unreachable", "job-lost")
+CONFIRM_OBSERVATIONS = 2
+
+
 def current_heartbeat(storage: str, run: str, attempt: int) -> dict[str, Any] | None:
     """The heartbeat file if the given attempt wrote it (an older attempt's says nothing about this one)."""
     try:
@@ -75,78 +89,163 @@ def current_heartbeat(storage: str, run: str, attempt: int) -> dict[str, Any] | 
     return beat if beat.get("attempt") == attempt else None
 
 
-def job_failure(client, sid: str) -> dict[str, str] | None:
+def job_failure(address: str, sid: str) -> dict[str, Any] | None:
     """The root cause ``ray_jobs.job`` printed when training raised (None when the driver died without a word)."""
-    try:
-        logs = client.get_job_logs(sid)
-    except Exception:
-        return None
+    logs = jobsapi.job_logs(address, sid) or ""
     lines = [ln for ln in logs.splitlines() if ln.startswith("UNBROKEN_FAILURE ")]
     return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
 
 
 def inspect(reg: dict[str, Any], cfg: Config, now: float) -> Verdict:
-    """Classify the current attempt: healthy, done, or which kind of trouble."""
-    from ray.job_submission import JobStatus
-
+    """Look at the current attempt once: what the Jobs API says about its job, and its heartbeat."""
     address = reg["cluster"]["address"]
     attempt = registry.current_attempt(reg)
     sid = attempt["submission_id"]
     beat = current_heartbeat(cfg.storage, cfg.name, attempt["attempt"])  # storage outlives the cluster
-    why = _reachable(address)
-    if why is not None:
-        return Verdict("cluster-unreachable", f"the Jobs API at {address} does not answer: {why}", heartbeat=beat)
-    client = jobs_client(address)
-    try:
-        info = client.get_job_info(sid)
-    except RuntimeError as e:  # 404: a restarted cluster has no record of the job
+    view = jobsapi.read_job(address, sid)
+    error = job_failure(address, sid) if view.api == "ok" and view.status in ("FAILED", "STOPPED") else None
+    return classify(view, attempt, beat, cfg, now, address, error)
+
+
+def classify(
+    view: jobsapi.JobView,
+    attempt: dict[str, Any],
+    beat: dict[str, Any] | None,
+    cfg: Config,
+    now: float,
+    address: str = "",
+    error: dict[str, Any] | None = None,
+) -> Verdict:
+    """One observation -> a verdict (pure: unit-tested with tables of cases)."""
+    sid = attempt["submission_id"]
+    if view.api == "unknown":
+        return Verdict("cluster-unreachable", f"the Jobs API at {address} gave no answer: {view.why}", heartbeat=beat)
+    if view.api == "missing":
         if still_submitting(attempt, cfg, now):
             return Verdict("running", status="SUBMITTING", heartbeat=beat)
-        detail = f"the cluster at {address} has no job {sid} ({str(e).splitlines()[0]})"
-        return Verdict("job-lost", detail, heartbeat=beat)
-    status = str(info.status)
-    if info.status == JobStatus.SUCCEEDED:
-        return Verdict("succeeded", status=status, heartbeat=beat)
-    if info.status in (JobStatus.FAILED, JobStatus.STOPPED):
-        error = job_failure(client, sid)
-        detail = f"Ray job {sid} ended {status}: {info.message or ''}".strip()
+        return Verdict("job-lost", view.why, heartbeat=beat)
+    if view.status == "SUCCEEDED":
+        return Verdict("succeeded", status=view.status, heartbeat=beat)
+    if view.status in ("FAILED", "STOPPED"):
+        detail = f"Ray job {sid} ended {view.status}: {view.message or ''}".strip()
         if error:
             detail += f" [{error['type']}: {error['message']}]"
-        return Verdict("job-failed", detail, error=error, heartbeat=beat, status=status)
-    # PENDING or RUNNING: moving, or hung? Before its first heartbeat an attempt is measured from its submission.
-    since = max(attempt["started_at"], beat["last_step_at"] if beat else 0.0)
+        return Verdict("job-failed", detail, error=error, heartbeat=beat, status=view.status)
+    return _stall_verdict(view.status, attempt, beat, cfg, now)
+
+
+def _stall_verdict(
+    status: str, attempt: dict[str, Any], beat: dict[str, Any] | None, cfg: Config, now: float
+) -> Verdict:
+    """PENDING or RUNNING: moving, or hung in its phase? Each phase has its own limit (a multi-GB export is not a
+    training step); a heartbeat that stopped refreshing means a frozen or dead process whatever the phase."""
+    phase, since, limit, field = phase_clock(attempt, beat, cfg)
     quiet = now - since
-    if quiet > cfg.fault_tolerance.stall_timeout_s:
-        at = f"at step {beat['step']}" if beat else "before its first step"
-        return Verdict(
-            "stalled",
-            f"Ray job {sid} is {status} but made no step for {quiet:.0f}s {at} "
-            f"(fault_tolerance.stall_timeout_s={cfg.fault_tolerance.stall_timeout_s:g})",
-            heartbeat=beat,
-            status=status,
-        )
-    return Verdict("running", status=status, heartbeat=beat)
+    if beat is not None and phase != "training":
+        silent = now - beat.get("time", since)
+        if silent > cfg.fault_tolerance.stall_timeout_s:  # frozen (SIGSTOP, a dead host) in a long phase
+            phase, quiet, limit, field = phase, silent, cfg.fault_tolerance.stall_timeout_s, "stall_timeout_s"
+    if quiet <= limit:
+        return Verdict("running", status=status, heartbeat=beat, phase=phase)
+    at = f"at step {beat['step']}" if beat else "before its first heartbeat"
+    what = "made no step" if phase == "training" else f"was in phase {phase!r}"
+    return Verdict(
+        "stalled",
+        f"Ray job {attempt['submission_id']} is {status} but {what} for {quiet:.0f}s {at} "
+        f"(fault_tolerance.{field}={limit:g})",
+        heartbeat=beat,
+        status=status,
+        phase=phase,
+    )
+
+
+def phase_clock(attempt: dict[str, Any], beat: dict[str, Any] | None, cfg: Config) -> tuple[str, float, float, str]:
+    """(phase, since when, limit in seconds, config field) of the attempt as its heartbeat reports it. No heartbeat
+    yet: ``starting``, from the submission. ``training``: from the last step. Older heartbeats have no phase."""
+    ft = cfg.fault_tolerance
+    if beat is None:
+        return "starting", attempt["started_at"], ft.phase_stall_s.starting, "phase_stall_s.starting"
+    phase = beat.get("phase", "training")
+    if phase == "training":
+        since = max(beat["last_step_at"], beat.get("phase_started_at") or 0.0)
+        return phase, since, ft.stall_timeout_s, "stall_timeout_s"
+    key = "exporting" if phase == "done" else phase  # done: the driver still has to exit
+    limit = getattr(ft.phase_stall_s, key, ft.stall_timeout_s)
+    return phase, beat.get("phase_started_at") or beat["last_step_at"], limit, f"phase_stall_s.{key}"
 
 
 def still_submitting(attempt: dict[str, Any], cfg: Config, now: float) -> bool:
-    """Whether a job the cluster does not know may simply not be submitted yet. An attempt is recorded before its
-    job reaches the cluster (the flow writes the job spec and runs the preflight job first), so a 404 then is not a
-    lost job; it is one only when the attempt was never seen running and its submitter took longer than the stall
-    limit, the same wait a job gets before its first step."""
+    """Whether a job the cluster does not know may simply not be submitted yet (recorded, never seen running, and
+    younger than the stall limit). The flow records an attempt only after its preflight job, right before it
+    submits, so this window covers the submit call itself."""
     return attempt["status"] == "SUBMITTED" and now - attempt["started_at"] < cfg.fault_tolerance.stall_timeout_s
 
 
 # -- decide -------------------------------------------------------------------------------------------------
+def confirm(reg: dict[str, Any], verdict: Verdict, cfg: Config, now: float) -> str:
+    """What this look means given the earlier ones: ``healthy``, ``suspect`` (an ambiguous sign, not confirmed yet)
+    or ``trouble`` (act). Keeps the open suspicion in ``reg["suspect"]``; pure apart from that."""
+    if not verdict.trouble:
+        return "healthy"
+    if verdict.definitive:
+        return "trouble"
+    attempt = registry.current_attempt(reg)["attempt"]
+    suspect = reg.get("suspect")
+    if not suspect or suspect.get("kind") != verdict.kind or suspect.get("attempt") != attempt:
+        suspect = reg["suspect"] = {"kind": verdict.kind, "attempt": attempt, "first_at": now, "observations": 0}
+    suspect.update(last_at=now, observations=suspect["observations"] + 1, detail=_first_line(verdict.detail))
+    held_s = now - suspect["first_at"]
+    if held_s >= cfg.fault_tolerance.confirm_s and suspect["observations"] >= CONFIRM_OBSERVATIONS:
+        return "trouble"
+    return "trouble" if cfg.fault_tolerance.confirm_s == 0 else "suspect"
+
+
+def cleared(reg: dict[str, Any], now: float, why: str) -> dict[str, Any] | None:
+    """End an open suspicion that did not hold: it goes into the incident log as observed, not acted on."""
+    suspect = reg.pop("suspect", None)
+    if not suspect:
+        return None
+    entry = {"kind": suspect["kind"], "detected_by": "watchdog", "detected_at": suspect["first_at"],
+             "attempt": suspect["attempt"], "action": "observed", "observations": suspect["observations"],
+             "cleared_at": now, "held_s": round(now - suspect["first_at"], 3),
+             "detail": f"{suspect.get('detail', '')} -- {why}"}  # fmt: skip
+    reg.setdefault("incidents", []).append(entry)
+    return entry
+
+
 def backoff_s(cfg: Config, restarts_done: int) -> float:
     """Wait before restart number ``restarts_done + 1``: base, 2x base, 4x base ... capped."""
     ft = cfg.fault_tolerance
     return min(ft.restart_backoff_s * 2**restarts_done, ft.restart_backoff_max_s)
 
 
-def give_up_reason(reg: dict[str, Any], cfg: Config, incident: dict[str, Any]) -> str | None:
-    """Why restarting again would be pointless or not allowed; None when a restart is in order."""
-    done, budget = reg.get("restarts", 0), cfg.fault_tolerance.max_restarts
+def preempted(incident: dict[str, Any]) -> bool:
+    """A preemption (SIGTERM, a drained node) is the platform's doing, never a failure of the run."""
     error = incident.get("error") or {}
+    return bool(error.get("preempted")) or error.get("type") == "Preempted" or incident.get("kind") == "preempted"
+
+
+def budget_used(reg: dict[str, Any], cfg: Config, current: dict[str, Any]) -> int:
+    """Restarts counted against ``max_restarts``: those since the last attempt that trained at least
+    ``progress_resets_budget_steps`` new steps before it failed, preemptions left out."""
+    window = cfg.fault_tolerance.progress_resets_budget_steps
+    if window and current.get("progress_steps", 0) >= window:
+        return 0
+    used = 0
+    for inc in reg.get("incidents", []):
+        if inc is current or inc.get("action") != "restarted":
+            continue
+        if window and inc.get("progress_steps", 0) >= window:
+            used = 0
+        used += not preempted(inc)
+    return used
+
+
+def give_up_reason(reg: dict[str, Any], cfg: Config, incident: dict[str, Any]) -> str | None:
+    """Why restarting again would be pointless or not allowed (naming the rule); None when a restart is in order."""
+    error = incident.get("error") or {}
+    if preempted(incident):
+        return None
     if USER_ERRORS.intersection(error.get("kinds") or [error.get("type")]):
         return (
             f"the job raised {error['type']}: {error.get('message', '')} -- an error in the code, data or config, "
@@ -159,8 +258,14 @@ def give_up_reason(reg: dict[str, Any], cfg: Config, incident: dict[str, Any]) -
             f"deterministic failure: {SAME_FAILURE_LIMIT} attempts in a row failed at step {incident['failed_step']} "
             f"({incident['kind']}{': ' + error['type'] if error else ''}); a restart would fail the same way"
         )
-    if done >= budget:
-        return f"restart budget exhausted: {done} of fault_tolerance.max_restarts={budget} restarts used"
+    used, budget = budget_used(reg, cfg, incident), cfg.fault_tolerance.max_restarts
+    if used >= budget:
+        window = cfg.fault_tolerance.progress_resets_budget_steps
+        since = f" since the last attempt that trained {window}+ steps" if window else ""
+        return (
+            f"restart budget exhausted: {used} of fault_tolerance.max_restarts={budget} restarts used{since} "
+            "(preemptions not counted; fault_tolerance.progress_resets_budget_steps resets the count)"
+        )
     return None
 
 
@@ -187,28 +292,25 @@ def check_run(storage: str, run: str, now: float | None = None) -> Outcome:
 
 
 def _check(storage: str, run: str, reg: dict[str, Any], lease: leases.Lease, now: float) -> Outcome:
-    log = run_logger()
     cfg = from_json(json.dumps(reg["config"]))
     incident = registry.open_incident(reg)
     if incident is None:
         verdict = inspect(reg, cfg, now)
-        if verdict.kind == "running":
-            changed = _note_progress(reg, verdict.heartbeat)
-            if verdict.status == "RUNNING":
-                changed |= registry.set_running(reg, registry.current_attempt(reg)["attempt"])
-            if changed:  # a healthy run costs no write per pass
-                registry.save(storage, run, reg)
-            step = verdict.heartbeat["step"] if verdict.heartbeat else "-"
-            return Outcome(run, "ok", f"{verdict.status}, step {step}")
-        if verdict.kind == "succeeded":
-            return _finish(cfg, reg, verdict)
+        seen = confirm(reg, verdict, cfg, now)
+        if seen == "healthy":
+            return _healthy(cfg, reg, verdict, now)
+        if seen == "suspect":
+            registry.save(storage, run, reg)
+            s = reg["suspect"]
+            return Outcome(run, "observing", f"{verdict.kind} seen {s['observations']}x over "
+                           f"{now - s['first_at']:.0f}s, not acted on yet: {_first_line(verdict.detail)}")  # fmt: skip
         incident = _open(cfg, reg, verdict, now)
         registry.save(storage, run, reg)
-        log.warning("run %s: %s detected: %s", run, incident["kind"], verdict.detail)
+        run_logger().warning("run %s: %s detected: %s", run, incident["kind"], verdict.detail)
     reason = give_up_reason(reg, cfg, incident)
     if reason is not None:
         return _give_up(cfg, reg, incident, reason)
-    due = incident["detected_at"] + backoff_s(cfg, reg.get("restarts", 0))
+    due = incident["detected_at"] + backoff_s(cfg, budget_used(reg, cfg, incident))
     if now < due:
         incident.update(action="waiting", next_restart_at=due)
         registry.save(storage, run, reg)
@@ -216,14 +318,27 @@ def _check(storage: str, run: str, reg: dict[str, Any], lease: leases.Lease, now
     return _restart(cfg, reg, incident, lease)
 
 
+def _healthy(cfg: Config, reg: dict[str, Any], verdict: Verdict, now: float) -> Outcome:
+    """Nothing to do but keep the record current (a healthy run costs no write per pass)."""
+    changed = cleared(reg, now, f"healthy again ({verdict.status or verdict.kind})") is not None
+    if verdict.kind == "succeeded":
+        return _finish(cfg, reg, verdict)
+    changed |= _note_progress(reg, verdict.heartbeat)
+    if verdict.status == "RUNNING":
+        changed |= registry.set_running(reg, registry.current_attempt(reg)["attempt"])
+    if changed:
+        registry.save(cfg.storage, cfg.name, reg)
+    step = verdict.heartbeat["step"] if verdict.heartbeat else "-"
+    return Outcome(cfg.name, "ok", f"{verdict.status}, step {step}, phase {verdict.phase or '-'}")
+
+
 def new_incident(
     cfg: Config, attempt: dict[str, Any], verdict: Verdict, now: float, detected_by: str = "watchdog"
 ) -> dict[str, Any]:
     """An incident record for trouble with ``attempt``: what, when, and how far the attempt had got."""
     beat = verdict.heartbeat
-    failed_step = max(
-        beat["step"] if beat else _resumed_step(attempt), last_step(Layout(cfg.storage).metrics(cfg.name))
-    )
+    started_step = beat.get("started_step", _resumed_step(attempt)) if beat else _resumed_step(attempt)
+    failed_step = max(beat["step"] if beat else started_step, last_step(Layout(cfg.storage).metrics(cfg.name)))
     last_progress = beat["last_step_at"] if beat else attempt["started_at"]
     return {
         "kind": verdict.kind,
@@ -231,6 +346,8 @@ def new_incident(
         "detected_at": now,
         "attempt": attempt["attempt"],
         "failed_step": failed_step,
+        "progress_steps": max(0, failed_step - started_step),  # what this attempt trained: resets the budget
+        "phase": verdict.phase or None,
         "last_progress_at": last_progress,
         "silent_s": round(now - last_progress, 3),
         "detail": _first_line(verdict.detail),
@@ -242,6 +359,9 @@ def _open(cfg: Config, reg: dict[str, Any], verdict: Verdict, now: float) -> dic
     """Record the incident and end the current attempt; the run is ``recovering`` from here."""
     attempt = registry.current_attempt(reg)
     incident = new_incident(cfg, attempt, verdict, now)
+    suspect = reg.pop("suspect", None)
+    if suspect and suspect["kind"] == verdict.kind:  # confirmed: detected when first seen, acted on now
+        incident.update(detected_at=suspect["first_at"], confirmed_at=now, observations=suspect["observations"])
     attempt.update(status={"job-failed": "FAILED", "stalled": "STALLED"}.get(verdict.kind, "LOST"),
                    ended_at=now, message=incident["detail"])  # fmt: skip
     reg.setdefault("incidents", []).append(incident)
@@ -257,7 +377,7 @@ def failed_job_incident(cfg: Config, attempt: int, address: str, failure: Except
     reg = registry.load(cfg.storage, cfg.name)
     entry = reg["attempts"][attempt - 1]
     lost = isinstance(failure, ClusterLost)
-    error = None if lost else job_failure(jobs_client(address), entry["submission_id"])
+    error = None if lost else job_failure(address, entry["submission_id"])
     beat = current_heartbeat(cfg.storage, cfg.name, attempt)
     verdict = Verdict("cluster-unreachable" if lost else "job-failed", str(failure), error, beat)
     return new_incident(cfg, entry, verdict, time.time(), "finetune-flow")
@@ -277,7 +397,10 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
     log = run_logger()
     run, storage = cfg.name, cfg.storage
     old = registry.current_attempt(reg)
-    _stop_leftovers(reg["cluster"]["address"], old["submission_id"])
+    again = inspect(reg, cfg, time.time())  # decided earlier (maybe a backoff ago): look once more before acting
+    if not again.trouble:
+        return _stand_down(cfg, reg, incident, again)
+    _stop_leftovers(reg, old["submission_id"])  # verified, or this raises and nothing is submitted
     lease.renew()
     handle = provision_cluster(cfg)  # the finetune flow's task: starts a local head again if it is gone
     lease.renew()
@@ -298,6 +421,7 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
         resume_from=resume_from,
         started_by="watchdog",
         extra={"manifest_url": reg["manifest_url"], "model_path": reg["model_path"]},
+        lease=lease,
     )
     spec = write_job_spec(cfg, attempt, reg["manifest_url"], reg["model_path"], resume_from)
     sid = submit_job(handle, registry.submission_id(run, attempt), spec)
@@ -321,10 +445,45 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
     return Outcome(run, "restarted", f"attempt {attempt} from {where}", incident)
 
 
-def _stop_leftovers(address: str, sid: str) -> None:
-    """Stop the failed attempt's job if the cluster still runs it, and wait until Ray says it ended."""
-    if stop_and_wait(address, sid, STOP_WAIT_S):
-        run_logger().info("stopped what was left of Ray job %s", sid)
+def _stand_down(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], verdict: Verdict) -> Outcome:
+    """The trouble is gone when looked at again right before the restart: the attempt carries on, the incident
+    stays in the log as observed."""
+    now = time.time()
+    incident.update(action="observed", cleared_at=now, detail=f"{incident.get('detail', '')} -- healthy again "
+                    f"({verdict.status or verdict.kind}) when re-checked before the restart")  # fmt: skip
+    attempt = registry.current_attempt(reg)
+    attempt.pop("ended_at", None)
+    attempt.update(status="RUNNING" if verdict.status == "RUNNING" else "SUBMITTED", message="")
+    if incident.get("detected_by") != "watchdog":  # the flow that handed it over has ended: the watchdog adopts it
+        attempt.update(adopted_by="watchdog", adopted_at=now)
+    reg["state"] = "running" if attempt["status"] == "RUNNING" else "submitted"
+    registry.save(cfg.storage, cfg.name, reg)
+    run_logger().warning("run %s: %s no longer holds; not restarting", cfg.name, incident["kind"])
+    if verdict.kind == "succeeded":
+        return _finish(cfg, reg, verdict)
+    return Outcome(cfg.name, "ok", f"{incident['kind']} cleared on re-check: {verdict.status}", incident)
+
+
+def _stop_leftovers(reg: dict[str, Any], sid: str) -> None:
+    """Make sure the failed attempt's job no longer runs before another is submitted: stop it and wait until Ray
+    says it ended. When the cluster cannot tell (unreachable), a local head of ours is stopped outright (its
+    processes, nothing else on the machine), which ends the job for certain; any other cluster: StopUnverified,
+    and no new attempt -- two jobs must never train into the same checkpoints."""
+    address = reg["cluster"]["address"]
+    try:
+        if stop_and_wait(address, sid, STOP_WAIT_S):
+            run_logger().info("stopped what was left of Ray job %s", sid)
+    except StopUnverified:
+        if reg["cluster"].get("mode") != "local":
+            raise
+        run_logger().warning("the local Ray head at %s does not answer: stopping its processes", address)
+        _stop_head_processes(address)
+
+
+def _stop_head_processes(address: str) -> None:
+    from tasks.cluster import ClusterHandle, stop_local_head
+
+    stop_local_head(ClusterHandle(address, address, True, ""))
 
 
 def _note_progress(reg: dict[str, Any], beat: dict[str, Any] | None) -> bool:
@@ -353,18 +512,27 @@ def _finish(cfg: Config, reg: dict[str, Any], verdict: Verdict) -> Outcome:
     if exists(final):
         reg["final_model"] = final
     registry.save(cfg.storage, cfg.name, reg)
-    cluster = reg["cluster"]
-    if attempt.get("started_by") == "watchdog" and cluster.get("started_here") and not cfg.cluster.keep_running:
-        from tasks.cluster import ClusterHandle
-
-        stop_cluster(ClusterHandle(cluster["address"], cluster["address"], True, ""))
+    if attempt.get("started_by") == "watchdog" or attempt.get("adopted_by") == "watchdog":
+        _release_head(cfg, reg)  # no flow is left to stop it
     return Outcome(cfg.name, "succeeded", f"final model: {reg.get('final_model', '-')}")
 
 
+def _release_head(cfg: Config, reg: dict[str, Any]) -> None:
+    """The run is over: its use of a local head unbroken started ends (the head stops when no other run uses it)."""
+    cluster = reg["cluster"]
+    if cluster.get("started_here") and not cfg.cluster.keep_running:
+        from tasks.cluster import ClusterHandle
+
+        with contextlib.suppress(ClusterError):
+            stop_cluster(ClusterHandle(cluster["address"], cluster["address"], True, ""), run=cfg.name)
+
+
 def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason: str) -> Outcome:
-    _stop_leftovers(reg["cluster"]["address"], registry.current_attempt(reg)["submission_id"])
+    with contextlib.suppress(ClusterError):  # giving up must not hinge on reaching the cluster
+        _stop_leftovers(reg, registry.current_attempt(reg)["submission_id"])
     incident.update(action="gave-up", reason=reason, gave_up_at=time.time())
     reg.update(state="failed", reason=reason)
     registry.save(cfg.storage, cfg.name, reg)
     run_logger().error("run %s: giving up: %s", cfg.name, reason)
+    _release_head(cfg, reg)
     return Outcome(cfg.name, "gave-up", reason, incident)

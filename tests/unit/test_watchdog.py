@@ -12,7 +12,17 @@ from ray_jobs.config import load_config
 from ray_jobs.storage import create_exclusive
 from tasks import lease as leases
 from tasks import registry
-from tasks.watchdog import backoff_s, give_up_reason, still_submitting
+from tasks.jobsapi import JobView
+from tasks.watchdog import (
+    Verdict,
+    backoff_s,
+    budget_used,
+    classify,
+    cleared,
+    confirm,
+    give_up_reason,
+    still_submitting,
+)
 from tests.conftest import ROOT
 
 
@@ -89,7 +99,7 @@ def test_an_infrastructure_failure_is_restarted_within_the_budget(tmp_path: Path
     assert give_up_reason({"restarts": 0, "incidents": [now]}, c, now) is None
     past = [incident(40, action="restarted"), incident(80, action="restarted")]
     reason = give_up_reason({"restarts": 2, "incidents": [*past, now]}, c, now)
-    assert reason == "restart budget exhausted: 2 of fault_tolerance.max_restarts=2 restarts used"
+    assert reason.startswith("restart budget exhausted: 2 of fault_tolerance.max_restarts=2 restarts used")
 
 
 def test_a_user_error_is_not_retried_even_as_a_subclass(tmp_path: Path) -> None:
@@ -177,3 +187,133 @@ def test_a_job_the_cluster_does_not_know_is_lost_only_once_it_should_have_been_s
     c = cfg(tmp_path, "fault_tolerance.stall_timeout_s=60")
     attempt = {"attempt": 1, "status": status, "started_at": 1000.0}
     assert still_submitting(attempt, c, now=1000.0 + age_s) is submitting
+
+
+# -- observe: one look -> a verdict --------------------------------------------------------------------------
+NOW = 10_000.0
+ATTEMPT = {"attempt": 2, "submission_id": "unbroken-r-train-002", "started_at": NOW - 500, "status": "RUNNING"}
+
+
+def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed_ago_s: float = 1.0) -> dict:
+    b = {"attempt": 2, "step": 40, "last_step_at": NOW - last_step_ago_s, "time": NOW - refreshed_ago_s}
+    if phase is not None:
+        b |= {"phase": phase, "phase_started_at": NOW - in_phase_s}
+    return b
+
+
+@pytest.mark.parametrize(
+    ("view", "heartbeat", "kind", "definitive"),
+    [
+        (JobView("ok", "RUNNING"), beat("training", 100, 5), "running", False),
+        (JobView("ok", "SUCCEEDED"), None, "succeeded", False),
+        (JobView("ok", "FAILED", "worker died"), None, "job-failed", True),  # the API said so: act at once
+        (JobView("ok", "STOPPED"), None, "job-failed", True),
+        (JobView("unknown", why="HTTP 502 from the Jobs API"), None, "cluster-unreachable", False),  # a blip?
+        (JobView("unknown", why="HTTP 401 from the Jobs API"), None, "cluster-unreachable", False),
+        (JobView("unknown", why="ReadTimeout"), None, "cluster-unreachable", False),
+        (JobView("missing", why="no such job"), None, "job-lost", False),  # seen running, now unknown: confirm
+        (JobView("ok", "RUNNING"), beat("training", 100, 61), "stalled", True),  # no step for > stall limit
+        (JobView("ok", "RUNNING"), beat("exporting", 300, 400), "running", False),  # a long export is no stall
+        (JobView("ok", "RUNNING"), beat("evaluating", 200, 250), "running", False),
+        (JobView("ok", "RUNNING"), beat("exporting", 100, 150, refreshed_ago_s=70), "stalled", True),  # frozen
+        (JobView("ok", "RUNNING"), beat("loading", 1801, 1801), "stalled", True),  # over the loading limit
+        (JobView("ok", "RUNNING"), beat(None, 0, 61), "stalled", True),  # an older job's heartbeat: no phases
+        (JobView("ok", "PENDING"), None, "running", False),  # starting: 500 s < phase_stall_s.starting
+    ],
+)
+def test_one_look_is_classified_by_what_the_api_and_the_heartbeat_say(
+    tmp_path: Path, view, heartbeat, kind: str, definitive: bool
+) -> None:
+    c = cfg(tmp_path, "fault_tolerance.stall_timeout_s=60")
+    verdict = classify(view, ATTEMPT, heartbeat, c, NOW)
+    assert (verdict.kind, verdict.definitive) == (kind, definitive), verdict.detail
+
+
+def test_a_stall_names_the_phase_and_the_limit_that_fired(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "fault_tolerance.phase_stall_s.exporting=120")
+    verdict = classify(JobView("ok", "RUNNING"), ATTEMPT, beat("exporting", 130, 140), c, NOW)
+    assert verdict.kind == "stalled" and verdict.phase == "exporting"
+    assert "was in phase 'exporting' for 130s" in verdict.detail and "phase_stall_s.exporting=120" in verdict.detail
+    starting = classify(JobView("ok", "PENDING"), ATTEMPT | {"started_at": NOW - 2000}, None, c, NOW)
+    assert starting.kind == "stalled" and "phase_stall_s.starting" in starting.detail
+
+
+# -- decide: ambiguous signs are confirmed over time ---------------------------------------------------------
+def a_run() -> dict:
+    return {"attempts": [dict(ATTEMPT)], "incidents": [], "state": "running"}
+
+
+def test_an_ambiguous_sign_is_acted_on_only_once_it_held_for_the_confirmation_window(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "fault_tolerance.confirm_s=30")
+    reg, blip = a_run(), Verdict("cluster-unreachable", "HTTP 502")
+    assert [confirm(reg, blip, c, NOW + t) for t in (0, 10, 29)] == ["suspect"] * 3
+    assert confirm(reg, blip, c, NOW + 31) == "trouble"
+    assert reg["suspect"]["observations"] == 4 and reg["suspect"]["first_at"] == NOW
+
+
+def test_one_look_is_not_enough_however_long_ago_the_first_was(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "fault_tolerance.confirm_s=30")
+    reg = a_run()
+    reg["suspect"] = {"kind": "job-lost", "attempt": 2, "first_at": NOW - 100, "observations": 0}
+    assert confirm(reg, Verdict("job-lost", "404"), c, NOW) == "suspect"  # the first real look
+    assert confirm(reg, Verdict("job-lost", "404"), c, NOW + 1) == "trouble"
+
+
+def test_a_definitive_sign_is_acted_on_at_once(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "fault_tolerance.confirm_s=30")
+    reg = a_run()
+    assert confirm(reg, Verdict("job-failed", "FAILED"), c, NOW) == "trouble"
+    assert confirm(reg, Verdict("stalled", "no step"), c, NOW) == "trouble"
+
+
+def test_a_blip_that_heals_is_logged_as_observed_not_acted_on(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "fault_tolerance.confirm_s=30")
+    reg = a_run()
+    for t in (0, 5, 10):
+        confirm(reg, Verdict("cluster-unreachable", "HTTP 502 from the Jobs API"), c, NOW + t)
+    assert confirm(reg, Verdict("running", status="RUNNING"), c, NOW + 20) == "healthy"
+    entry = cleared(reg, NOW + 20, "healthy again (RUNNING)")
+    assert "suspect" not in reg and reg["incidents"] == [entry]
+    assert entry["action"] == "observed" and entry["observations"] == 3 and entry["held_s"] == 20
+    assert registry.open_incident(reg) is None  # nothing for the watchdog to act on
+
+
+def test_a_different_sign_starts_its_own_window(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "fault_tolerance.confirm_s=30")
+    reg = a_run()
+    confirm(reg, Verdict("cluster-unreachable", "502"), c, NOW)
+    confirm(reg, Verdict("job-lost", "404"), c, NOW + 40)
+    assert reg["suspect"]["kind"] == "job-lost" and reg["suspect"]["first_at"] == NOW + 40
+
+
+# -- budgets -------------------------------------------------------------------------------------------------
+def restarted(progress: int, **extra) -> dict:
+    return {"kind": "job-failed", "action": "restarted", "progress_steps": progress, "failed_step": None} | extra
+
+
+@pytest.mark.parametrize(
+    ("history", "progress_now", "used"),
+    [
+        ([restarted(5), restarted(5)], 5, 2),  # no progress: every restart counts
+        ([restarted(5), restarted(150), restarted(5)], 5, 2),  # the 150-step attempt reset the count
+        ([restarted(5), restarted(5)], 120, 0),  # this attempt itself trained 100+ steps
+        ([restarted(5, error={"type": "Preempted", "preempted": True}), restarted(5)], 5, 1),  # not counted
+        ([restarted(5, kind="preempted")] * 3, 5, 0),
+    ],
+)
+def test_restarts_are_counted_per_window_of_progress_without_preemptions(
+    tmp_path: Path, history: list, progress_now: int, used: int
+) -> None:
+    c = cfg(tmp_path, "fault_tolerance.progress_resets_budget_steps=100")
+    now = {"kind": "job-failed", "progress_steps": progress_now, "failed_step": None}
+    assert budget_used({"incidents": [*history, now]}, c, now) == used
+
+
+def test_a_week_of_preemptions_with_progress_never_gives_up(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "fault_tolerance.max_restarts=2", "fault_tolerance.progress_resets_budget_steps=50")
+    history = [restarted(60, failed_step=60 * (i + 1)) for i in range(20)]
+    now = {"kind": "job-failed", "progress_steps": 60, "failed_step": 60 * 21, "error": None}
+    assert give_up_reason({"restarts": 20, "incidents": [*history, now]}, c, now) is None
+    preempt = {"kind": "job-failed", "progress_steps": 0, "failed_step": 5, "error": {"type": "Preempted"}}
+    stuck = [restarted(0, failed_step=5, error={"type": "Preempted"})] * 5
+    assert give_up_reason({"incidents": [*stuck, preempt]}, c, preempt) is None

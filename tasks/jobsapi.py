@@ -1,0 +1,97 @@
+"""What the watchers (the finetune flow's watch, the watchdog) read from Ray's Jobs API, as observations that keep
+"the job is dead" apart from "I could not tell".
+
+Why not ``JobSubmissionClient`` alone: its requests have no timeout (a stopped dashboard hangs a watcher for good),
+its constructor makes a request of its own, and every failure is the same ``RuntimeError`` -- a 404 for a job the
+cluster does not know looks like a 502 from a proxy or a 401 from an auth hiccup. A watcher that cannot tell them
+apart restarts healthy jobs. Here each read has a timeout and says which it was: ``ok`` (the API answered with the
+job), ``missing`` (the API answered, and has no such job), ``unknown`` (transport error, timeout, 5xx, 401/403:
+nothing can be concluded about the job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from tasks.cluster import enable_token_auth
+
+TIMEOUT_S = 10.0
+
+
+@dataclass
+class JobView:
+    """One read of one job: ``api`` is ok | missing | unknown; status/message only when ok."""
+
+    api: str
+    status: str = ""
+    message: str = ""
+    why: str = ""  # what went wrong when api != ok
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def _headers() -> dict[str, str]:
+    enable_token_auth()
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+    return get_auth_headers_if_auth_enabled({})
+
+
+def _get(address: str, path: str, timeout_s: float):
+    """(response, None) or (None, why) when there was no HTTP answer at all."""
+    import requests
+
+    try:
+        return requests.get(address.rstrip("/") + path, headers=_headers(), timeout=timeout_s), None
+    except requests.RequestException as e:
+        return None, f"{type(e).__name__}: {_first_line(str(e))}"
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:200]
+
+
+def read_job(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> JobView:
+    """The job's status as the Jobs API reports it, or why that could not be read."""
+    r, why = _get(address, f"/api/jobs/{submission_id}", timeout_s)
+    if r is None:
+        return JobView("unknown", why=why)
+    if r.status_code == 200:
+        try:
+            body = r.json()
+            return JobView("ok", str(body.get("status", "")), body.get("message") or "")
+        except ValueError:
+            return JobView("unknown", why="the Jobs API answered 200 with a body that is not JSON")
+    if r.status_code == 404 and api_answers(address, timeout_s):
+        return JobView("missing", why=f"the cluster at {address} has no job {submission_id}")
+    return JobView("unknown", why=f"HTTP {r.status_code} from the Jobs API: {_first_line(r.text)}")
+
+
+def api_answers(address: str, timeout_s: float = TIMEOUT_S) -> bool:
+    """Whether the Jobs API answers an authenticated request properly (a 404 for a job means something only
+    then: a proxy or a half-started dashboard also answers 404)."""
+    r, _ = _get(address, "/api/jobs/", timeout_s)
+    return r is not None and r.status_code == 200
+
+
+def job_logs(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> str | None:
+    """The job's log, or None when it cannot be read now."""
+    r, _ = _get(address, f"/api/jobs/{submission_id}/logs", timeout_s)
+    if r is None or r.status_code != 200:
+        return None
+    try:
+        return r.json().get("logs", "")
+    except ValueError:
+        return None
+
+
+def stop_job(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> None:
+    """Ask Ray to stop the job; the caller verifies with :func:`read_job` that it ended."""
+    import requests
+
+    url = f"{address.rstrip('/')}/api/jobs/{submission_id}/stop"
+    with contextlib.suppress(requests.RequestException):  # whether it worked is read back, not assumed
+        requests.post(url, headers=_headers(), timeout=timeout_s)
