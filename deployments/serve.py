@@ -58,10 +58,13 @@ def finetune_failed_trigger(storage: str) -> DeploymentEventTrigger:
 def build(opts: ServeOptions) -> list[Any]:
     """The RunnerDeployments ``unbroken serve`` serves."""
     from ray_jobs.config import absolute_url, load_config
+    from tasks.sources import check_allowed_source
 
     config = str(absolute_url(opts.config))
     storage = str(absolute_url(opts.storage))
-    source = opts.sensor_source or load_config(config, [f"storage={storage}"]).data.train
+    cfg = load_config(config, [f"storage={storage}"])
+    source = opts.sensor_source or cfg.data.train
+    check_allowed_source(cfg, str(absolute_url(source)))  # what the sensor announces, the finetune flow must accept
     return [
         finetune.to_deployment(
             "finetune",

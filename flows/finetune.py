@@ -6,27 +6,22 @@ config fails here without touching storage or a cluster.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_link_artifact
+from tasks.sources import SourceRefused, rejected_event
 
 from ray_jobs.config import Config, ConfigError, load_config
 from tasks import registry
 from tasks.cancel import one_run_per_name, stop_on_cancel, stop_on_crash
 from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
-from tasks.jobs import JobFailed, prefetch_shards, submit_job, watch_job, write_job_spec
+from tasks.jobs import JobFailed, cancelled, prefetch_shards, stop_and_wait, submit_job, watch_job, write_job_spec
 from tasks.model import check_model_options, prepare_base_model
+from tasks.params import run_config
 from tasks.report import summarize
 from tasks.stage import Staged, stage_dataset
 from tasks.watchdog import failed_job_incident
-
-
-def run_config(config_path: str | None, overrides: list[str] | None = None, dataset_uri: str | None = None) -> Config:
-    """The config a finetune flow run trains with: the file, its overrides, and ``data.train`` from a dataset
-    event's payload. Also what its run name and its cancellation hooks read (from the flow run's parameters)."""
-    return load_config(config_path, [*(overrides or []), *([f"data.train={dataset_uri}"] if dataset_uri else [])])
 
 
 def flow_run_name() -> str:
@@ -35,7 +30,7 @@ def flow_run_name() -> str:
 
     try:
         cfg = run_config(**flow_run.parameters)
-    except (ConfigError, OSError):
+    except (ConfigError, SourceRefused, OSError):
         return "finetune-invalid-config"
     return f"finetune-{cfg.name}"
 
@@ -51,7 +46,11 @@ async def finetune(
 ) -> dict[str, Any]:
     """Fine-tune a causal LM on Ray Train from a YAML config (plus ``a.b=c`` overrides, and ``dataset_uri`` as
     ``data.train`` when a dataset event started the run); returns the summary."""
-    cfg = run_config(config_path, overrides, dataset_uri)
+    try:
+        cfg = run_config(config_path, overrides, dataset_uri)
+    except SourceRefused as e:  # before anything is read from it
+        rejected_event(load_config(config_path, overrides), dataset_uri, str(e))
+        raise
     async with one_run_per_name(cfg.name):
         return await _finetune(cfg)
 
@@ -65,25 +64,38 @@ async def _finetune(cfg: Config) -> dict[str, Any]:
     try:
         return await _train(cfg, handle, staged, model_path)
     finally:
-        if cfg.cluster.keep_running:
-            get_run_logger().info("leaving the Ray cluster running (cluster.keep_running): %s", handle.dashboard_url)
-        else:
-            stop_cluster(handle)
+        _release_cluster(cfg, handle)
+
+
+def _release_cluster(cfg: Config, handle: ClusterHandle) -> None:
+    """Stop the local head this run used, unless kept, or unless the run still needs it: a job the watchdog now
+    looks after (a failed job it will restart, an adopted one) -- it stops the head when it closes the run."""
+    log = get_run_logger()
+    reg = registry.load(cfg.storage, cfg.name)
+    if cfg.cluster.keep_running:
+        log.info("leaving the Ray cluster running (cluster.keep_running): %s", handle.dashboard_url)
+    elif reg is not None and reg.get("state") in registry.ACTIVE:
+        log.info("leaving the Ray cluster running for the watchdog (run %s is %s)", cfg.name, reg["state"])
+    else:
+        stop_cluster(handle, run=cfg.name)
 
 
 async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path: str) -> dict[str, Any]:
-    """One attempt: preflight, submit, watch, summarize; the registry records how it ended, whatever happens.
+    """One attempt: preflight, then record the attempt and submit, watch, summarize.
 
-    When the training job itself fails, this flow does not retry: it records the incident, leaves the run
-    ``recovering`` and fails, so the watchdog (triggered by this failure, or on its schedule) restarts it from the
-    newest valid checkpoint. Anything else (preflight finds the cluster too small, a cancel) ends the run.
+    The attempt is recorded only once the preflight job passed (a watchdog pass meanwhile sees nothing to do),
+    under the run's lease, and refused while another attempt of the run is in flight. When the training job fails,
+    this flow does not retry: it records the incident, leaves the run ``recovering`` and fails, so the watchdog
+    restarts it from the newest valid checkpoint. If this flow dies, the job trains on and the watchdog adopts it.
     """
+    attempt = registry.next_attempt(cfg)
+    spec_url = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from=None)
+    await prefetch_shards(handle, registry.submission_id(cfg.name, attempt, "preflight"), spec_url)
+    stop_superseded_job(cfg)
     extra = {"manifest_url": staged.manifest_url, "model_path": model_path}
-    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra)
+    registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra, expect=attempt)
     handed_over = False
     try:
-        spec_url = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from=None)
-        await prefetch_shards(handle, registry.submission_id(cfg.name, attempt, "preflight"), spec_url)
         submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
         await acreate_link_artifact(
             f"{handle.dashboard_url}/#/jobs/{submission}", link_text=f"Ray job {submission}",
@@ -99,9 +111,26 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path:
         summary = summarize(cfg, staged.dataset_id, model_path)
     except BaseException as e:
         if not handed_over:
-            cancelled = isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)) or "Termination" in type(e).__name__
-            why = f"cancelled ({type(e).__name__})" if cancelled else f"{type(e).__name__}: {e}"
-            registry.end_attempt(cfg, attempt, "STOPPED" if cancelled else "FAILED", why)
+            _end_unless_training(cfg, attempt, e)
         raise
     registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=summary["final_model"])
     return summary
+
+
+def _end_unless_training(cfg: Config, attempt: int, e: BaseException) -> None:
+    """A cancel ends the run (its job was stopped); an error of this flow's own (not of the job) leaves the
+    attempt to the watchdog, whose job may be training fine."""
+    if cancelled(e):
+        registry.end_attempt(cfg, attempt, "STOPPED", f"cancelled ({type(e).__name__})")
+    else:
+        registry.adopt(cfg, attempt, f"the finetune flow failed: {type(e).__name__}: {e}")
+
+
+def stop_superseded_job(cfg: Config) -> None:
+    """Before a new attempt of a run that was recovering: make sure its last job no longer runs (a stall or a
+    lost cluster is recorded without the job being known to have ended). StopUnverified stops this flow."""
+    reg = registry.load(cfg.storage, cfg.name)
+    if reg and reg.get("attempts") and reg.get("state") == "recovering":
+        last = registry.current_attempt(reg)
+        if stop_and_wait(reg["cluster"]["address"], last["submission_id"]):
+            get_run_logger().warning("stopped Ray job %s of the recovering attempt", last["submission_id"])

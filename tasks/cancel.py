@@ -1,22 +1,22 @@
 """What keeps a finetune flow run and its Ray job in step: one active run per run name, and no Ray job left
 running after its flow run was cancelled or crashed.
 
-Prefect delivers a cancel of a served run by SIGTERM to the run's process (the flow's ``finally`` blocks run, as
-does the watch task's, which stops the job) and then runs ``on_cancellation`` hooks in the serving process; a crash
-(the run's process died) only reaches the hooks. Hooks are best-effort, so both paths stop the job, and stopping
-twice is harmless.
+Prefect delivers a cancel of a served run by SIGTERM to the run's process (the watch task sees the termination and
+stops the job) and then runs ``on_cancellation`` hooks in the serving process, which stop it too (hooks are
+best-effort; stopping twice is harmless). A crash (the run's process died) is not a wish to stop: the job trains on
+and the watchdog adopts it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 from ray_jobs.config import ConfigError
 from tasks import registry
 from tasks.cluster import ClusterError
 from tasks.logs import run_logger
+from tasks.params import run_config
 
 SLOT_LEASE_S = 60  # a crashed holder's slot frees itself after this long
 
@@ -34,15 +34,23 @@ async def one_run_per_name(run: str) -> AsyncIterator[None]:
         with contextlib.suppress(ObjectAlreadyExists):  # two first runs racing to create it
             await client.upsert_global_concurrency_limit_by_name(name, 1)
     run_logger().info("waiting for concurrency slot %s (one active run per run name)", name)
-    async with concurrency(name, occupy=1, strict=True, lease_duration=SLOT_LEASE_S):
+    # The slot only queues flow runs; what guarantees one training job per run is the registry (an active attempt
+    # refuses a second one, under the run's storage lease). So a Prefect API outage that stops the slot's lease
+    # renewals must not cancel a flow whose job trains fine: renewal failures are logged, not raised.
+    slot = concurrency(name, occupy=1, strict=True, lease_duration=SLOT_LEASE_S, raise_on_lease_renewal_failure=False)
+    await slot.__aenter__()
+    try:
         yield
+    finally:
+        try:
+            await slot.__aexit__(None, None, None)
+        except Exception as e:  # the server may be away; the slot's lease then runs out by itself
+            run_logger().warning("could not release concurrency slot %s: %s", name, e)
 
 
 def _current_attempt(flow_run):
     """(config, registry record, current attempt) of this flow run's training run, or None when it never got
     as far as an attempt."""
-    from flows.finetune import run_config
-
     try:
         cfg = run_config(**(flow_run.parameters or {}))
     except (ConfigError, OSError):
@@ -83,16 +91,13 @@ def stop_on_cancel(flow, flow_run, state) -> None:
 
 
 def stop_on_crash(flow, flow_run, state) -> None:
-    """``on_crashed``: the flow's process died, so nothing watches the job any more. Stop it and hand the run to
-    the watchdog (which the crash also triggers), which restarts it from the newest valid checkpoint."""
-    from tasks.watchdog import Verdict, current_heartbeat, new_incident
-
-    sid = stop_ray_job(flow_run, "crashed")
+    """``on_crashed``: the flow's process died, so nothing in it watches the job any more. The job itself is fine:
+    it trains on, and the watchdog (triggered by this crash, or on its schedule) adopts it -- the attempt belongs
+    to the run's registry, not to a flow process. Recorded so the watchdog also closes what the flow would have
+    (the run's local head)."""
     with contextlib.suppress(Exception):
         if found := _current_attempt(flow_run):
             cfg, _, attempt = found
-            detail = f"flow run {flow_run.name} crashed: {state.message or ''}"
-            beat = current_heartbeat(cfg.storage, cfg.name, attempt["attempt"])
-            incident = new_incident(cfg, attempt, Verdict("flow-crashed", detail, heartbeat=beat), time.time(),
-                                    detected_by="finetune-flow") | {"stopped_job": sid}  # fmt: skip
-            registry.hand_over(cfg, attempt["attempt"], incident["detail"], incident)
+            registry.adopt(cfg, attempt["attempt"], f"flow run {flow_run.name} crashed: {state.message or ''}")
+            run_logger().warning("flow run %s crashed; its Ray job %s is left to the watchdog", flow_run.name,
+                                 attempt["submission_id"])  # fmt: skip

@@ -1,0 +1,156 @@
+"""The flow's side of the control plane, without a cluster: what its watch does with blips, plumbing errors and
+cancels; that an attempt is recorded only after preflight; that a run never gets a second job in flight."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from ray_jobs.config import load_config
+from tasks import jobs, registry
+from tasks.cluster import ClusterHandle
+from tasks.jobsapi import JobView
+from tests.conftest import ROOT, tiny_overrides
+
+HANDLE = ClusterHandle("http://127.0.0.1:1", "http://127.0.0.1:1", False, "python")
+
+
+def cfg(storage: Path, **extra):
+    return load_config(ROOT / "configs" / "demo.yaml", tiny_overrides(storage, name="r", **extra))
+
+
+@pytest.fixture
+def api(monkeypatch):
+    """The Jobs API as a script of views, one per poll (the last one repeats); no log tail."""
+    script: list[JobView] = []
+
+    def read_job(address, sid, timeout_s=10.0):
+        return script.pop(0) if len(script) > 1 else script[0]
+
+    async def no_tail(*a):
+        return None
+
+    monkeypatch.setattr(jobs.jobsapi, "read_job", read_job)
+    monkeypatch.setattr(jobs, "_forward_logs", no_tail)
+    return script
+
+
+def watch(**kw):
+    return asyncio.run(jobs.watch(HANDLE, "unbroken-r-train-001", poll_s=0.01, **kw))
+
+
+def test_a_blip_shorter_than_the_confirmation_window_does_not_end_the_watch(api) -> None:
+    api += [JobView("unknown", why="HTTP 502")] * 20 + [JobView("ok", "RUNNING"), JobView("ok", "SUCCEEDED")]
+    assert watch(confirm_s=30) == "SUCCEEDED"
+
+
+def test_a_cluster_silent_for_the_whole_window_is_lost(api) -> None:
+    api += [JobView("unknown", why="ConnectionError: refused")]
+    with pytest.raises(jobs.ClusterLost, match="stopped answering"):
+        watch(confirm_s=0.2)
+
+
+def test_errors_of_the_watchs_own_plumbing_never_end_it(api) -> None:
+    api += [JobView("ok", "RUNNING")] * 5 + [JobView("ok", "SUCCEEDED")]
+    calls = []
+
+    async def broken_progress(status):
+        calls.append(status)
+        raise OSError("artifact API: 503")
+
+    assert watch(on_poll=broken_progress) == "SUCCEEDED"
+    assert len(calls) == 6
+
+
+def test_only_a_cancel_stops_the_job(api, monkeypatch) -> None:
+    api += [JobView("ok", "RUNNING")]
+    stopped = []
+    monkeypatch.setattr(jobs, "stop_and_wait", lambda address, sid, wait_s=60: stopped.append(sid) or True)
+
+    async def boom(status):
+        raise KeyboardInterrupt  # what a cancel/termination looks like in the flow's process
+
+    with pytest.raises(KeyboardInterrupt):
+        watch(on_poll=boom)
+    assert stopped == ["unbroken-r-train-001"]
+
+    async def crash(status):
+        raise MemoryError  # the flow's own failure: the job trains on, the watchdog adopts it
+
+    stopped.clear()
+    api[:] = [JobView("ok", "RUNNING")]
+    monkeypatch.setattr(jobs, "_Watch", _RaisingWatch)
+    with pytest.raises(MemoryError):
+        asyncio.run(jobs.watch(HANDLE, "unbroken-r-train-001", poll_s=0.01, on_poll=crash))
+    assert stopped == []
+
+
+class _RaisingWatch(jobs._Watch):
+    def warn(self, key, message):  # let the on_poll error through, as an unexpected failure of the watch would be
+        raise MemoryError
+
+
+def test_a_stop_that_cannot_be_verified_is_not_taken_for_one(monkeypatch) -> None:
+    monkeypatch.setattr(jobs.jobsapi, "read_job", lambda *a, **k: JobView("unknown", why="ReadTimeout"))
+    with pytest.raises(jobs.StopUnverified, match="cannot tell whether Ray job x still runs"):
+        jobs.stop_and_wait("http://127.0.0.1:1", "x")
+    monkeypatch.setattr(jobs.jobsapi, "read_job", lambda *a, **k: JobView("missing", why="no such job"))
+    assert jobs.stop_and_wait("http://127.0.0.1:1", "x") is False
+
+
+def test_a_second_attempt_is_refused_while_one_is_in_flight(tmp_path: Path) -> None:
+    c = cfg(tmp_path / "storage")
+    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
+    with pytest.raises(registry.RunBusy, match="attempt 1 .* is in flight"):
+        registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
+    registry.end_attempt(c, 1, "FAILED", "boom")
+    assert registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1") == 2
+
+
+def test_a_prepared_attempt_number_taken_meanwhile_is_refused(tmp_path: Path) -> None:
+    c = cfg(tmp_path / "storage")
+    prepared = registry.next_attempt(c)
+    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")  # someone else got there first
+    registry.end_attempt(c, 1, "FAILED", "boom")
+    with pytest.raises(registry.RunBusy, match="attempt 1 was prepared"):
+        registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", expect=prepared)
+
+
+def test_a_watchdog_pass_during_preflight_finds_nothing_to_do(tmp_path: Path, monkeypatch) -> None:
+    import flows.finetune as flow
+    from tasks.stage import Staged
+    from tasks.watchdog import check_run
+
+    c = cfg(tmp_path / "storage")
+    seen = {}
+
+    async def preflight(handle, sid, spec_url):
+        seen["active"] = registry.active_runs(c.storage)
+        seen["outcome"] = check_run(c.storage, c.name)
+        raise RuntimeError("preflight failed: not enough CPUs")
+
+    monkeypatch.setattr(flow, "prefetch_shards", preflight)
+    staged = Staged(dataset_id="ds-1", manifest_url=str(tmp_path / "m.json"), cache_hit=False, counts={})
+    with pytest.raises(RuntimeError, match="not enough CPUs"):
+        asyncio.run(flow._train(c, HANDLE, staged, "builtin"))
+    assert seen["active"] == [] and seen["outcome"].action == "inactive"
+    assert registry.load(c.storage, c.name) is None  # a failed preflight leaves no attempt behind
+
+
+def test_a_dataset_event_naming_a_secret_file_is_refused_before_anything_is_read(
+    tmp_path: Path, asserting_events
+) -> None:
+    from prefect.events.worker import EventsWorker
+
+    from flows.finetune import finetune
+    from tasks.sources import SourceRefused
+
+    overrides = tiny_overrides(tmp_path / "storage", name="served")
+    with pytest.raises(SourceRefused, match="data.allowed_sources"):
+        asyncio.run(finetune.fn(str(ROOT / "configs" / "demo.yaml"), overrides, "file:///etc/passwd"))
+    EventsWorker.drain_all()
+    events = [e for c in asserting_events.all for e in c.events]
+    assert [e.event for e in events] == ["unbroken.dataset.rejected"]
+    assert not (tmp_path / "storage").exists(), "nothing staged, nothing written"
