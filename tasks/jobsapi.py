@@ -73,8 +73,15 @@ def read_job(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> 
 def api_answers(address: str, timeout_s: float = TIMEOUT_S) -> bool:
     """Whether the Jobs API answers an authenticated request properly (a 404 for a job means something only
     then: a proxy or a half-started dashboard also answers 404)."""
-    r, _ = _get(address, "/api/jobs/", timeout_s)
-    return r is not None and r.status_code == 200
+    return unanswered(address, timeout_s) is None
+
+
+def unanswered(address: str, timeout_s: float = TIMEOUT_S) -> str | None:
+    """None when the Jobs API answers an authenticated request properly, else why not."""
+    r, why = _get(address, "/api/jobs/", timeout_s)
+    if r is None:
+        return why
+    return None if r.status_code == 200 else f"HTTP {r.status_code} from the Jobs API: {_first_line(r.text)}"
 
 
 def job_logs(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> str | None:

@@ -483,7 +483,7 @@ def _stop_leftovers(reg: dict[str, Any], sid: str) -> None:
 def _stop_head_processes(address: str) -> None:
     from tasks.cluster import ClusterHandle, stop_local_head
 
-    stop_local_head(ClusterHandle(address, address, True, ""))
+    stop_local_head(ClusterHandle(address, address, True, "", local=True))
 
 
 def _note_progress(reg: dict[str, Any], beat: dict[str, Any] | None) -> bool:
@@ -520,11 +520,11 @@ def _finish(cfg: Config, reg: dict[str, Any], verdict: Verdict) -> Outcome:
 def _release_head(cfg: Config, reg: dict[str, Any]) -> None:
     """The run is over: its use of a local head unbroken started ends (the head stops when no other run uses it)."""
     cluster = reg["cluster"]
-    if cluster.get("started_here") and not cfg.cluster.keep_running:
+    if cluster.get("mode") == "local" and not cfg.cluster.keep_running:
         from tasks.cluster import ClusterHandle
 
         with contextlib.suppress(ClusterError):
-            stop_cluster(ClusterHandle(cluster["address"], cluster["address"], True, ""), run=cfg.name)
+            stop_cluster(ClusterHandle(cluster["address"], cluster["address"], False, "", local=True), run=cfg.name)
 
 
 def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason: str) -> Outcome:

@@ -17,7 +17,7 @@ def ray_cluster(tmp_path_factory) -> ClusterHandle:
     handle = start_local_head(cfg)
     assert handle.started_here, "another Ray cluster is already running on this machine"
     yield handle
-    stop_local_head()
+    stop_local_head(handle)
 
 
 @pytest.fixture(scope="package")

@@ -23,7 +23,7 @@ def cluster(tmp_path_factory) -> str:
     handle = start_local_head(cfg)
     assert handle.started_here, "another Ray cluster is already running on this machine"
     yield handle.address
-    stop_local_head()
+    stop_local_head(handle)
 
 
 def sets(storage: Path, **extra: object) -> list[str]:

@@ -45,7 +45,7 @@ def cluster(tmp_path_factory) -> ClusterHandle:
     handle = start_local_head(cfg)
     assert handle.started_here, "another Ray cluster is already running on this machine"
     yield handle
-    stop_local_head()
+    stop_local_head(handle)
 
 
 def overrides(storage: Path, name: str, model: Path, cluster: ClusterHandle, **extra: object) -> list[str]:

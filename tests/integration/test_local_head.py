@@ -1,0 +1,169 @@
+"""A local head started by unbroken is ours alone: stopped by its own processes (never a machine-wide ``ray stop``),
+shared heads stopped by their last user, an allow-listed environment, every port on loopback, no secret in errors."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_jobs.config import load_config
+from tasks.cluster import (
+    ClusterError,
+    _reachable,
+    _run,
+    head_pids,
+    jobs_client,
+    start_local_head,
+    stop_cluster,
+    stop_local_head,
+)
+from tests.conftest import ROOT, tiny_overrides
+from tests.procs import wait_for
+
+pytestmark = pytest.mark.integration
+DEMO = ROOT / "configs" / "demo.yaml"
+A = {"cluster.dashboard_port": 8401, "cluster.head_port": 6501}  # this module's heads, nobody else's
+B = {"cluster.dashboard_port": 8402, "cluster.head_port": 6502}
+SECRET = "unbroken-flow-only-secret-value"
+
+
+def config(tmp_path: Path, name: str, ports: dict, **extra):
+    return load_config(DEMO, tiny_overrides(tmp_path / name, name=name, **ports, **extra))
+
+
+@pytest.fixture(scope="module")
+def two_heads(tmp_path_factory):
+    """Two local heads at once, started with a secret and a passed-through variable in the flow's environment."""
+    tmp = tmp_path_factory.mktemp("heads")
+    os.environ.update(UNBROKEN_TEST_SECRET=SECRET, UNBROKEN_TEST_SHARED="visible")
+    passthrough = "[AWS_ACCESS_KEY_ID, UNBROKEN_TEST_SHARED]"
+    handles = []
+    try:
+        for name, ports in (("a", A), ("b", B)):
+            cfg = config(tmp, name, ports, **{"cluster.env_passthrough": passthrough})
+            handles.append(start_local_head(cfg))
+            assert handles[-1].started_here, f"a Ray head already answers on {ports}"
+        yield handles
+    finally:
+        for h in handles:
+            stop_local_head(h)
+        for k in ("UNBROKEN_TEST_SECRET", "UNBROKEN_TEST_SHARED"):
+            os.environ.pop(k, None)
+
+
+def job_output(address: str, code: str) -> str:
+    client = jobs_client(address)
+    sid = client.submit_job(entrypoint=f"python -c {code!r}")
+    wait_for("the job", lambda: client.get_job_status(sid).is_terminal(), timeout_s=120, every_s=0.5)
+    return client.get_job_logs(sid)
+
+
+def test_a_job_sees_only_allow_listed_variables_of_the_flows_environment(two_heads) -> None:
+    out = job_output(two_heads[0].address, "import os; print(os.environ.get('UNBROKEN_TEST_SECRET'), "
+                     "os.environ.get('UNBROKEN_TEST_SHARED'), os.environ.get('PREFECT_HOME'))")  # fmt: skip
+    assert "None visible None" in out, out
+    assert SECRET not in out
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str]]:
+    """(pid, local address) of every listening TCP socket the processes hold (from /proc, both IPv4 and IPv6)."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes[target[8:-1]] = pid
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                found.append((inodes[cols[9]], _address(cols[1])))
+    return found
+
+
+def _address(hex_addr: str) -> str:
+    host, port = hex_addr.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        return f"{'.'.join(str(b) for b in reversed(raw))}:{int(port, 16)}"
+    words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]  # IPv6: four little-endian words
+    flat = b"".join(words)
+    if flat[:12] == b"\0" * 10 + b"\xff\xff":
+        return f"{'.'.join(str(b) for b in flat[12:])}:{int(port, 16)}"  # v4-mapped
+    return f"[{flat.hex()}]:{int(port, 16)}"
+
+
+def test_every_port_of_a_local_head_listens_on_loopback_only(two_heads) -> None:
+    pids = head_pids(A["cluster.dashboard_port"])
+    sockets = listening_sockets(pids)
+    assert len(sockets) >= 6, f"GCS, raylet, dashboard, agents: expected several listeners, got {sockets}"
+    exposed = [(pid, a) for pid, a in sockets if not (a.startswith("127.") or a.startswith(f"[{'0' * 31}1]"))]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_stopping_one_head_leaves_the_other_running(two_heads, tmp_path) -> None:
+    a, b = two_heads
+    extra = config(tmp_path, "extra", {"cluster.dashboard_port": 8403, "cluster.head_port": 6503})
+    c = start_local_head(extra)
+    victims = head_pids(8403)
+    assert victims and _reachable(c.address) is None
+    stopped = stop_local_head(c)
+    assert sorted(stopped) == sorted(victims)
+    assert not [p for p in victims if Path(f"/proc/{p}").exists() and "Z" not in _state(p)], "all its processes end"
+    assert _reachable(c.address) is not None
+    assert _reachable(a.address) is None and _reachable(b.address) is None, "the other heads are untouched"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_shared_head_is_stopped_by_its_last_user(tmp_path) -> None:
+    ports = {"cluster.dashboard_port": 8404, "cluster.head_port": 6504}
+    first, second = config(tmp_path, "first", ports), config(tmp_path, "second", ports)
+    h1 = start_local_head(first)
+    try:
+        h2 = start_local_head(second)
+        assert h1.started_here and not h2.started_here
+        stop_cluster.fn(h1, run="first")  # the run that started it ends first
+        assert _reachable(h1.address) is None, "the second run still uses it"
+        # A user whose process is gone and whose run is not active no longer holds the head up.
+        users = Path(f"/tmp/unbroken-ray/{ports['cluster.dashboard_port']}/users")
+        assert [p.stem for p in users.glob("*.json")] == ["second"]
+        stop_cluster.fn(h2, run="second")
+        wait_for("the head to stop", lambda: _reachable(h1.address) is not None, timeout_s=30)
+    finally:
+        stop_local_head(h1)
+
+
+def test_errors_never_carry_the_ray_token_or_a_secret(monkeypatch) -> None:
+    token = "rAyToKeN-0123456789abcdef0123456789"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    monkeypatch.setenv("HF_TOKEN", "hf_secretsecretsecret")
+    with pytest.raises(ClusterError) as e:
+        _run(["sh", "-c", f"echo token is {token}; echo hf_secretsecretsecret >&2; exit 3"], dict(os.environ), "x")
+    assert token not in str(e.value) and "hf_secretsecretsecret" not in str(e.value)
+    assert "token is ***" in str(e.value)
+
+
+def test_a_kept_head_is_not_stopped_by_a_run(tmp_path) -> None:
+    ports = {"cluster.dashboard_port": 8405, "cluster.head_port": 6505}
+    cfg = config(tmp_path, "kept", ports, **{"cluster.keep_running": True})
+    h = start_local_head(cfg)
+    try:
+        stop_cluster.fn(h, run="kept")
+        time.sleep(1)
+        assert _reachable(h.address) is None
+    finally:
+        stop_local_head(h)
+    assert _reachable(h.address) is not None
