@@ -173,6 +173,13 @@ class DistRuntime:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast_object(self, obj, src: int = 0):
+        import torch.distributed as dist
+
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
 
 def loop_worker(rank: int, cfg_json: str, manifest: dict, model_path: str, warmup: int, port: int, out) -> None:
     """unbroken's Trainer on a plain process group: the loop's own cost, without Ray."""

@@ -66,7 +66,10 @@ def root_cause(e: BaseException) -> dict[str, str]:
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
     # The class chain too: a policy that refuses to retry ValueError must see peft's NoMatchingPeftModuleError.
     kinds = [c.__name__ for c in type(e).__mro__ if c not in (object, BaseException)]
-    return {"type": name, "message": (lines[0] if lines else "")[:500], "kinds": kinds}
+    # A preemption Ray Train could not absorb (the just-in-time checkpoint is saved): the platform's doing, which
+    # the watchdog keeps out of the run's failure budget.
+    preempted = "Preempted" in (name, *kinds)
+    return {"type": name, "message": (lines[0] if lines else "")[:500], "kinds": kinds, "preempted": preempted}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Rank 0's heartbeat file: liveness and progress, for watchers outside the job."""
+"""Rank 0's heartbeat file: liveness, progress and phase, for watchers outside the job."""
 
 from __future__ import annotations
 
@@ -11,51 +11,83 @@ from typing import Any
 
 from ray_jobs.storage import write_json_atomic
 
+# What a job does, in order. ``starting`` (submitted, no heartbeat yet) is what a watcher infers; the job never
+# writes it. ``training`` is judged by steps; every other phase by the time spent in it.
+PHASES = ("loading", "evaluating", "training", "checkpointing", "exporting", "done")
+
 
 class Heartbeat:
-    """Rank 0 refreshes ``runs/<run>/heartbeat.json`` every few seconds from a side thread.
+    """Rank 0 refreshes ``runs/<run>/heartbeat.json`` every few seconds from a side thread, and at once on every
+    phase change.
 
-    ``time`` says the process is alive; ``step`` and ``last_step_at`` say whether training moves. A watcher tells a
-    hang (fresh ``time``, old ``last_step_at``) from slow progress (``step`` advancing) from a dead process (old
-    ``time``).
+    ``time`` says the process is alive; ``step`` and ``last_step_at`` say whether training moves; ``phase`` and
+    ``phase_started_at`` say what it is doing otherwise (a multi-GB export is not a hang). A watcher tells a hang
+    (fresh ``time``, nothing moving for the phase's limit) from slow progress from a dead or frozen process (old
+    ``time``). It starts before the model is loaded, so loading shows as ``loading``, not as silence.
     """
 
-    def __init__(self, url: str, every_s: float, trainer: Any):
-        self.url, self.every_s, self.trainer = url, every_s, trainer
+    def __init__(self, url: str, every_s: float, run: str, max_steps: int, attempt: int):
+        self.url, self.every_s, self.run, self.max_steps, self.attempt = url, every_s, run, max_steps, attempt
+        self.trainer: Any = None  # what it reports on, once built (attach)
+        self.started_at = time.time()
+        self.phase, self.phase_started_at = "loading", self.started_at
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="unbroken-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        self.beat()
+        self._safe_beat()
         self._thread.start()
         return self
 
-    def beat(self) -> None:
+    def attach(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def enter(self, phase: str) -> None:
+        """The job moves to ``phase``: written now, not at the next periodic beat."""
+        if phase == self.phase:
+            return
+        self.phase, self.phase_started_at = phase, time.time()
+        self._safe_beat()
+
+    def state(self) -> dict[str, Any]:
         t = self.trainer
-        write_json_atomic(
-            self.url,
-            {
-                "run": t.cfg.name,
-                "step": t.loop.step,
-                "max_steps": t.cfg.train.max_steps,
-                "last_step_at": t.last_step_at,
-                "attempt": t.attempt,
-                "started_step": t.started_step,
-                "first_step_at": t.first_step_at,
-                "time": time.time(),
-                "tokens_per_s": t.tokens_per_s,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-            },
-        )
+        return {
+            "run": self.run,
+            "step": t.loop.step if t else 0,
+            "max_steps": self.max_steps,
+            "last_step_at": t.last_step_at if t else self.started_at,
+            "attempt": self.attempt,
+            "started_step": t.started_step if t else 0,
+            "first_step_at": t.first_step_at if t else None,
+            "phase": self.phase,
+            "phase_started_at": self.phase_started_at,
+            "time": time.time(),
+            "tokens_per_s": t.tokens_per_s if t else 0.0,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+
+    def beat(self) -> None:
+        with self._lock:  # the side thread and a phase change may beat at once
+            write_json_atomic(self.url, self.state())
+
+    def _safe_beat(self) -> None:
+        with contextlib.suppress(Exception):  # a storage hiccup (or an S3 timeout) must not kill training
+            self.beat()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            with contextlib.suppress(OSError):  # a storage hiccup must not kill training
-                self.beat()
+            self._safe_beat()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
-        with contextlib.suppress(OSError):
-            self.beat()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._safe_beat()
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

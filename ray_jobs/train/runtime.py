@@ -25,6 +25,8 @@ class Runtime(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
 
 def shard_with_fsdp(model) -> Any:
     """FSDP2: shard every decoder block (HF ``_no_split_modules``), then the root."""
@@ -107,6 +109,16 @@ class RayRuntime:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (what a decision made once looks like everywhere)."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)  # NCCL: on the current device (set in bind_device)
+        return box[0]
+
 
 class LocalRuntime:
     """One process, rank 0 of 1. ``reports`` records what the loop reported (metrics, checkpoint url)."""
@@ -135,3 +147,6 @@ class LocalRuntime:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj

@@ -27,7 +27,7 @@ from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, RankSampler, load_rows, rank_shards
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout, upload_dir
-from ray_jobs.train import preemption
+from ray_jobs.train import faults, preemption
 from ray_jobs.train.heartbeat import Heartbeat
 from ray_jobs.train.metrics import MetricsLog
 from ray_jobs.train.model import build_model, export_model
@@ -81,11 +81,14 @@ class Agreed:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, manifest: dict[str, Any], model_path: str, rt: Runtime):
+    def __init__(
+        self, cfg: Config, manifest: dict[str, Any], model_path: str, rt: Runtime, heartbeat: Heartbeat | None = None
+    ):
         import torch
         from transformers import get_scheduler
 
         self.cfg, self.rt, self.manifest, self.model_path = cfg, rt, manifest, model_path
+        self.heartbeat = heartbeat  # rank 0's, started before this (it reports `loading` while the model loads)
         self.layout = Layout(cfg.storage)
         self.fsdp = cfg.train.parallelism == "fsdp"
         self.lora = cfg.model.lora is not None
@@ -119,6 +122,8 @@ class Trainer:
         self.started_step = 0  # where this process's training began; with first_step_at: time to first new step
         self.first_step_at: float | None = None
         self._window = (time.monotonic(), 0)
+        if self.heartbeat is not None:
+            self.heartbeat.attach(self)
 
     def _load_data(self) -> None:
         seq_len = self.manifest["seq_len"]
@@ -131,19 +136,31 @@ class Trainer:
 
     # -- resume ---------------------------------------------------------------------------------------------
     def resume_or_start(self, explicit_checkpoint: str | None = None) -> None:
-        """Load the newest valid checkpoint (or the one named explicitly), else start fresh. Safe to run twice."""
-        if explicit_checkpoint:
-            found = (explicit_checkpoint, ckpt.read_verified(explicit_checkpoint))  # an explicit choice must be valid
-        else:
-            found = ckpt.find_latest_valid(self.layout.checkpoints_dir(self.cfg.name))
+        """Resume from the checkpoint rank 0 picks (see :func:`choose_resume`), else start fresh. Safe to run twice.
+
+        One decision per start, made once and broadcast: if each rank picked its own "newest valid", one slow or
+        throttled read could send one rank to an older checkpoint, and the ranks would diverge or deadlock."""
+        self._phase("loading")
+        choice: tuple[str | None, str] = (None, "")
+        files = None
+        if self.rt.rank == 0:
+            try:
+                url, reason, files = choose_resume(self.layout.checkpoints_dir(self.cfg.name), explicit_checkpoint)
+                choice = (url, reason)
+            except ckpt.CheckpointInvalid as e:
+                choice = (None, f"error: {e}")
+        url, reason = self.rt.broadcast_object(choice)
+        if reason.startswith("error: "):
+            raise ckpt.CheckpointInvalid(reason.removeprefix("error: "))
         resumed_step = None
-        if found is None:
+        if url is None:
             log.info("rank %d: no valid checkpoint, starting fresh", self.rt.rank)
         else:
-            self.resumed_from, files = found
-            self._restore(files)
+            self.resumed_from = url
+            self._restore(files if files is not None else ckpt.read_verified(url))
             resumed_step = self.last_checkpoint_step = self.loop.step
-            log.info("rank %d: resumed from %s at step %d (%s)", self.rt.rank, found[0], self.loop.step, self.cursor)
+            log.info("rank %d: resumed from %s at step %d (%s; %s)", self.rt.rank, url, self.loop.step, reason,
+                     self.cursor)  # fmt: skip
         if self.rt.rank == 0:
             self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed_step)
 
@@ -170,14 +187,16 @@ class Trainer:
         end = self.cfg.train.max_steps if stop_at is None else min(stop_at, self.cfg.train.max_steps)
         first = self.loop.step + 1
         self.started_step, self.first_step_at = self.loop.step, None
+        own_heartbeat = self._start_heartbeat()  # only when nobody started one (tests, benchmarks)
         if self.loop.step == 0:
             self.last_eval = self.evaluate()
             self._log({"step": 0, "eval_loss": self.last_eval})
-        heartbeat = self._start_heartbeat()
+        self._phase("training")
         self._window = (time.monotonic(), self.loop.tokens_seen)
         preemption.training(True)
         try:
             while self.loop.step < end:
+                faults.on_step()
                 started = time.monotonic()
                 agreed = self._agree(*self.train_step())
                 self.loop.step += 1
@@ -192,8 +211,9 @@ class Trainer:
                 self.writer.close()
         finally:
             preemption.training(False)
-            if heartbeat:
-                heartbeat.stop()
+            if own_heartbeat:
+                own_heartbeat.stop()
+                self.heartbeat = None
         if self.rt.rank == 0:
             if self.loop.step >= first:
                 log.info("this attempt trained steps %d..%d", first, self.loop.step)
@@ -260,6 +280,7 @@ class Trainer:
             row |= self._throughput()
         if step % t.eval_every_steps == 0 or last:
             row["eval_loss"] = self.last_eval = self.evaluate()
+            self._phase("training")
             if self.loop.best_eval_loss is None or self.last_eval < self.loop.best_eval_loss:
                 self.loop.best_eval_loss = self.last_eval
         if a.write_done:
@@ -287,6 +308,8 @@ class Trainer:
     def checkpoint(self, sync: bool) -> float:
         """Snapshot state into host memory and hand it to the writer; returns the seconds training was blocked."""
         started = time.monotonic()
+        if sync:
+            self._phase("checkpointing")  # the training thread waits for the write: not a training step's time
         if self.pending is not None:  # at most one write in flight: finish (and report) the previous one first
             self._report_pending()
         snap = self._snapshot()
@@ -297,6 +320,7 @@ class Trainer:
         self.last_checkpoint_time = time.monotonic()
         if sync:
             self._report_pending()
+            self._phase("training")
         stall = time.monotonic() - started
         self.stalls_s.append(stall)
         return stall
@@ -354,6 +378,7 @@ class Trainer:
         """Mean loss per target token over the eval split; ranks take slices and run equally many batches."""
         import torch
 
+        self._phase("evaluating")
         ids_all, labels_all, pos_all = self.eval_all
         mine = slice(self.rt.rank, None, self.rt.world_size)
         ids, labels, pos = ids_all[mine], labels_all[mine], pos_all[mine]
@@ -385,15 +410,24 @@ class Trainer:
             log.info("step %d %s", row["step"], {k: v for k, v in row.items() if k != "step"})
 
     def _start_heartbeat(self) -> Heartbeat | None:
-        if self.rt.rank != 0:
+        """A heartbeat of its own when the caller started none (rank 0 only); returned so ``fit`` stops it."""
+        if self.rt.rank != 0 or self.heartbeat is not None:
             return None
-        url = self.layout.heartbeat(self.cfg.name)
-        return Heartbeat(url, self.cfg.fault_tolerance.heartbeat_every_s, self).start()
+        self.heartbeat = start_heartbeat(self.cfg, self.attempt)
+        self.heartbeat.attach(self)
+        return self.heartbeat
+
+    def _phase(self, phase: str) -> None:
+        """Enter a phase: rank 0's heartbeat says so at once (watchers judge a stall by the phase's limit)."""
+        if self.heartbeat is not None:
+            self.heartbeat.enter(phase)
+        faults.on_phase(phase)
 
     # -- the end --------------------------------------------------------------------------------------------
     def export_final(self) -> str | None:
         """Rank 0 writes the final HF folder (merged weights in ``train.export_dtype``, tokenizer, model card) to
         ``runs/<run>/final``."""
+        self._phase("exporting")
         state = self._full_model_state()
         if self.rt.rank != 0:
             return None
@@ -405,6 +439,7 @@ class Trainer:
             (Path(d) / "README.md").write_text(model_card(self.cfg, self.manifest, self.loop, self.metrics))
             upload_dir(d, url)
         log.info("final model written to %s", url)
+        self._phase("done")
         return url
 
 
@@ -431,16 +466,64 @@ def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: 
     return "\n".join(lines) + "\n"
 
 
+def start_heartbeat(cfg: Config, attempt: int) -> Heartbeat:
+    """Rank 0's heartbeat, started now (phase ``loading``)."""
+    url = Layout(cfg.storage).heartbeat(cfg.name)
+    return Heartbeat(url, cfg.fault_tolerance.heartbeat_every_s, cfg.name, cfg.train.max_steps, attempt).start()
+
+
+def choose_resume(
+    checkpoints_dir: str, explicit: str | None, verify=None
+) -> tuple[str | None, str, dict[str, bytes] | None]:
+    """Which checkpoint this start resumes from: (url or None, why, its verified files).
+
+    The explicit checkpoint (what the watchdog names for its attempt) is a floor, not a pin: the newest valid
+    checkpoint at or after its step. On the attempt's first start that is the explicit one itself (the watchdog
+    picked the newest); after Ray Train restarts the worker group inside the job it is a newer one -- an in-job
+    restart never rewinds past the newest valid checkpoint, and never needs the explicit one to still exist
+    (retention deletes it once ``num_to_keep`` newer ones are reported). An explicit checkpoint that is invalid
+    with nothing valid after it is an error, not a silent step back. Without one: the newest valid, or none."""
+    verify = verify or ckpt.read_verified
+    floor = ckpt.checkpoint_step(explicit) if explicit else None
+    for step, url in ckpt.list_checkpoints(checkpoints_dir):
+        if floor is not None and step < floor:
+            break
+        try:
+            files = verify(url)
+        except ckpt.CheckpointInvalid as e:
+            log.warning("skipping checkpoint %s (step %d): %s", url, step, e)
+            continue
+        if explicit is None:
+            return url, "the newest valid checkpoint", files
+        same = url.rstrip("/") == explicit.rstrip("/")
+        return url, "the checkpoint named for this attempt" if same else f"newer than {explicit}", files
+    if explicit is None:
+        return None, "no valid checkpoint", None
+    try:  # not under this run's checkpoint folder (or listed late): read it where it is
+        return explicit, "the checkpoint named for this attempt", verify(explicit)
+    except ckpt.CheckpointInvalid as e:
+        raise ckpt.CheckpointInvalid(
+            f"the checkpoint named to resume from, {explicit}, is not valid ({e}) and no valid checkpoint is newer"
+        ) from None
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point Ray Train runs on every worker (and re-runs after a worker-group restart)."""
     from ray_jobs.train.runtime import RayRuntime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = from_json(loop_config["config"])
-    trainer = Trainer(cfg, loop_config["manifest"], loop_config["model_path"], RayRuntime())
-    trainer.attempt = loop_config.get("attempt", 0)
-    trainer.resume_or_start(loop_config.get("resume_from"))
-    trainer.fit()
-    trainer.export_final()
+    rt = RayRuntime()
+    attempt = loop_config.get("attempt", 0)
+    heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 else None  # before the model loads
+    try:
+        trainer = Trainer(cfg, loop_config["manifest"], loop_config["model_path"], rt, heartbeat)
+        trainer.attempt = attempt
+        trainer.resume_or_start(loop_config.get("resume_from"))
+        trainer.fit()
+        trainer.export_final()
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
     log.info("rank %d shard cache: %s; checkpoint stalls (s): %s", trainer.rt.rank, trainer.cache.counters(),
              [round(s, 4) for s in trainer.stalls_s])  # fmt: skip

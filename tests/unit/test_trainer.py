@@ -248,3 +248,128 @@ def test_a_tied_embedding_is_stored_once_and_retied_on_load_while_missing_weight
     sd.pop("model.embed_tokens.weight")
     with pytest.raises(RuntimeError, match=r"Missing key\(s\).*model\.embed_tokens\.weight"):
         ckpt.load_model_state(dst, sd, fsdp=False, trainable_only=False)
+
+
+# -- phases and the resume decision --------------------------------------------------------------------------
+class PhaseLog:
+    """Every heartbeat write, in order (the phase changes are written at once, not only by the side thread)."""
+
+    def __init__(self, monkeypatch):
+        from ray_jobs.train import heartbeat
+
+        self.writes: list[dict] = []
+        real = heartbeat.write_json_atomic
+        monkeypatch.setattr(
+            heartbeat, "write_json_atomic", lambda url, body: (self.writes.append(body), real(url, body))
+        )
+
+    def phases(self) -> list[str]:
+        out: list[str] = []
+        for w in self.writes:
+            if not out or out[-1] != w["phase"]:
+                out.append(w["phase"])
+        return out
+
+
+def test_the_heartbeat_reports_each_phase_as_it_starts(setup, monkeypatch) -> None:
+    from ray_jobs.train.trainer import start_heartbeat
+
+    cfg, manifest, model = setup
+    c = named(cfg, "phases", fault_tolerance__heartbeat_every_s=60.0)  # only phase changes write
+    beats = PhaseLog(monkeypatch)
+    hb = start_heartbeat(c, attempt=3)
+    t = Trainer(c, manifest, model, LocalRuntime(), hb)
+    t.resume_or_start()
+    t.fit()
+    t.export_final()
+    hb.stop()
+    assert beats.phases() == [
+        "loading", "evaluating", "training", "evaluating", "training", "evaluating", "training",
+        "evaluating", "training", "checkpointing", "training", "exporting", "done",
+    ]  # fmt: skip
+    assert beats.writes[0]["step"] == 0 and beats.writes[0]["attempt"] == 3  # before the model was even built
+    last = beats.writes[-1]
+    assert last["step"] == 30 and last["phase"] == "done" and last["phase_started_at"] <= last["time"]
+
+
+def test_an_injected_delay_makes_a_phase_long_while_the_heartbeat_keeps_beating(setup, monkeypatch) -> None:
+    from ray_jobs.train import faults
+    from ray_jobs.train.trainer import start_heartbeat
+
+    cfg, manifest, model = setup
+    c = named(cfg, "slow-export", fault_tolerance__heartbeat_every_s=0.1)
+    monkeypatch.setenv(faults.ENV, "exporting:1.0")
+    monkeypatch.setattr(faults, "_done", set())
+    beats = PhaseLog(monkeypatch)
+    hb = start_heartbeat(c, attempt=1)
+    t = Trainer(c, manifest, model, LocalRuntime(), hb)
+    t.resume_or_start()
+    t.fit()
+    t.export_final()
+    hb.stop()
+    exporting = [w for w in beats.writes if w["phase"] == "exporting"]
+    assert exporting[-1]["time"] - exporting[0]["phase_started_at"] >= 0.9
+    assert len(exporting) >= 5, "beats go on inside a long phase (a frozen process would stop them)"
+
+
+def test_malformed_fault_injection_is_an_error() -> None:
+    from ray_jobs.train import faults
+
+    assert faults.delays("exporting:25, step:0.1") == {"exporting": 25.0, "step": 0.1}
+    assert faults.delays("") == {}
+    with pytest.raises(ValueError, match="phase:seconds"):
+        faults.delays("exporting")
+
+
+@pytest.mark.parametrize(
+    ("valid", "explicit", "chosen", "why"),
+    [
+        ([10, 20, 30], None, 30, "the newest valid"),
+        ([10, 20], 20, 20, "named for this attempt"),  # an attempt's first start
+        ([20, 30, 40], 20, 40, "newer than"),  # after in-job restarts: never back to the explicit one
+        ([10, 30], 20, 30, "newer than"),  # the explicit one was deleted by retention
+        ([], None, None, "no valid"),
+    ],
+)
+def test_the_resume_decision_treats_an_explicit_checkpoint_as_a_floor(tmp_path, valid, explicit, chosen, why) -> None:
+    from ray_jobs.train.trainer import choose_resume
+
+    folder = tmp_path / "ckpts"
+    for step in (10, 20, 30, 40):
+        (folder / ckpt.checkpoint_name(step)).mkdir(parents=True)
+
+    def verify(url):
+        if ckpt.checkpoint_step(url) not in valid:
+            raise ckpt.CheckpointInvalid("no manifest.json")
+        return {"url": url.encode()}
+
+    named_one = str(folder / ckpt.checkpoint_name(explicit)) if explicit else None
+    url, reason, files = choose_resume(str(folder), named_one, verify)
+    assert (ckpt.checkpoint_step(url) if url else None) == chosen and why in reason
+    assert files == ({"url": url.encode()} if url else None)
+
+
+def test_an_invalid_explicit_checkpoint_with_nothing_newer_is_an_error(tmp_path) -> None:
+    from ray_jobs.train.trainer import choose_resume
+
+    folder = tmp_path / "ckpts"
+    for step in (10, 20):
+        (folder / ckpt.checkpoint_name(step)).mkdir(parents=True)
+
+    def verify(url):
+        if ckpt.checkpoint_step(url) == 20:
+            raise ckpt.CheckpointInvalid("model.safetensors: size mismatch")
+        return {}
+
+    with pytest.raises(ckpt.CheckpointInvalid, match="not valid .*size mismatch.* no valid checkpoint is newer"):
+        choose_resume(str(folder), str(folder / ckpt.checkpoint_name(20)), verify)
+
+
+def test_an_in_job_restart_of_a_watchdog_attempt_resumes_from_the_newest_checkpoint(setup) -> None:
+    cfg, manifest, model = setup
+    c = named(cfg, "floor")
+    train(c, manifest, model, stop_at=20)
+    by_step = dict(checkpoints(c))
+    t = Trainer(c, manifest, model, LocalRuntime())
+    t.resume_or_start(explicit_checkpoint=by_step[10])  # the watchdog named step 10; step 20 is valid too
+    assert t.loop.step == 20 and t.resumed_from == by_step[20]

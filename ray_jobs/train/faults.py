@@ -1,0 +1,43 @@
+"""Test-only fault injection: make a phase (or every step) of a real job take longer.
+
+``UNBROKEN_INJECT_DELAY="exporting:25,evaluating:12,step:0.1"``: on first entering ``exporting`` the job sleeps
+25 s inside that phase (its heartbeat keeps beating), the first eval pass 12 s longer, and every training step
+0.1 s longer. It exists so tests can make an export or eval longer than the training stall limit, or land a
+20-second fault mid-training, without a multi-GB model. A sleep changes no number: weights stay bit-identical.
+Unset (always, outside tests): a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+ENV = "UNBROKEN_INJECT_DELAY"
+_done: set[str] = set()
+
+
+def delays(spec: str | None = None) -> dict[str, float]:
+    """``phase -> seconds`` from the variable (or ``spec``); a malformed entry is an error, not a silent no-op."""
+    spec = os.environ.get(ENV, "") if spec is None else spec
+    out = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        phase, sep, seconds = item.partition(":")
+        if not sep:
+            raise ValueError(f"{ENV}: expected phase:seconds, got {item!r}")
+        out[phase.strip()] = float(seconds)
+    return out
+
+
+def on_phase(phase: str) -> None:
+    """Sleep the injected delay the first time this process enters ``phase``."""
+    seconds = delays().get(phase)
+    if seconds and phase not in _done:
+        _done.add(phase)
+        time.sleep(seconds)
+
+
+def on_step() -> None:
+    """Sleep the injected per-step delay."""
+    seconds = delays().get("step")
+    if seconds:
+        time.sleep(seconds)
