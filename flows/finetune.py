@@ -10,7 +10,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_link_artifact
-from tasks.sources import SourceRefused, rejected_event
 
 from ray_jobs.config import Config, ConfigError, load_config
 from tasks import registry
@@ -20,6 +19,7 @@ from tasks.jobs import JobFailed, cancelled, prefetch_shards, stop_and_wait, sub
 from tasks.model import check_model_options, prepare_base_model
 from tasks.params import run_config
 from tasks.report import summarize
+from tasks.sources import SourceRefused, rejected_event
 from tasks.stage import Staged, stage_dataset
 from tasks.watchdog import failed_job_incident
 
