@@ -50,8 +50,8 @@ test-chaos: setup
 	$(VENV)/bin/pytest tests/chaos
 
 lint: setup
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --no-cache --check .
 
 format: setup
 	$(VENV)/bin/ruff check --fix .
