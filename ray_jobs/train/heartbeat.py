@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
-import threading
 import time
 from typing import Any
 
 from ray_jobs.storage import write_json_atomic
+from ray_jobs.train.sidewrite import SideWriter
 
 # What a job does, in order. ``starting`` (submitted, no heartbeat yet) is what a watcher infers; the job never
 # writes it. ``training`` is judged by steps; every other phase by the time spent in it.
@@ -18,7 +17,7 @@ PHASES = ("loading", "evaluating", "training", "checkpointing", "exporting", "do
 
 class Heartbeat:
     """Rank 0 refreshes ``runs/<run>/heartbeat.json`` every few seconds from a side thread, and at once on every
-    phase change.
+    phase change. Training never waits for it: a storage outage delays the file, and it catches up after.
 
     ``time`` says the process is alive; ``step`` and ``last_step_at`` say whether training moves; ``phase`` and
     ``phase_started_at`` say what it is doing otherwise (a multi-GB export is not a hang). A watcher tells a hang
@@ -31,24 +30,21 @@ class Heartbeat:
         self.trainer: Any = None  # what it reports on, once built (attach)
         self.started_at = time.time()
         self.phase, self.phase_started_at = "loading", self.started_at
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="unbroken-heartbeat", daemon=True)
+        self._writer = SideWriter(self.beat, "unbroken-heartbeat", every_s=every_s)
 
     def start(self) -> Heartbeat:
-        self._safe_beat()
-        self._thread.start()
+        self._writer.start().poke()
         return self
 
     def attach(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def enter(self, phase: str) -> None:
-        """The job moves to ``phase``: written now, not at the next periodic beat."""
+        """The job moves to ``phase``: the side thread writes it at once, not at the next periodic beat."""
         if phase == self.phase:
             return
         self.phase, self.phase_started_at = phase, time.time()
-        self._safe_beat()
+        self._writer.poke()
 
     def state(self) -> dict[str, Any]:
         t = self.trainer
@@ -69,22 +65,11 @@ class Heartbeat:
         }
 
     def beat(self) -> None:
-        with self._lock:  # the side thread and a phase change may beat at once
-            write_json_atomic(self.url, self.state())
+        write_json_atomic(self.url, self.state())
 
-    def _safe_beat(self) -> None:
-        with contextlib.suppress(Exception):  # a storage hiccup (or an S3 timeout) must not kill training
-            self.beat()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self._safe_beat()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        self._safe_beat()
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """The last state written (bounded wait: a job ending while storage is away is not held up for long)."""
+        self._writer.close(timeout_s)
 
     def __enter__(self) -> Heartbeat:
         return self.start()

@@ -252,7 +252,7 @@ def test_a_tied_embedding_is_stored_once_and_retied_on_load_while_missing_weight
 
 # -- phases and the resume decision --------------------------------------------------------------------------
 class PhaseLog:
-    """Every heartbeat write, in order (the phase changes are written at once, not only by the side thread)."""
+    """Every heartbeat write, in order (a phase change wakes the side thread at once, not at the next beat)."""
 
     def __init__(self, monkeypatch):
         from ray_jobs.train import heartbeat
@@ -272,10 +272,15 @@ class PhaseLog:
 
 
 def test_the_heartbeat_reports_each_phase_as_it_starts(setup, monkeypatch) -> None:
+    from ray_jobs.train import faults
     from ray_jobs.train.trainer import start_heartbeat
 
     cfg, manifest, model = setup
     c = named(cfg, "phases", fault_tolerance__heartbeat_every_s=60.0)  # only phase changes write
+    # Writes are asynchronous (training never waits on storage): a phase of a few milliseconds may be overtaken by
+    # the next before the side thread writes it. Each phase's first entry lasts 0.3 s here, so each is seen.
+    monkeypatch.setenv(faults.ENV, "evaluating:0.3,training:0.3,checkpointing:0.3,exporting:0.3")
+    monkeypatch.setattr(faults, "_done", set())
     beats = PhaseLog(monkeypatch)
     hb = start_heartbeat(c, attempt=3)
     t = Trainer(c, manifest, model, LocalRuntime(), hb)
@@ -283,10 +288,14 @@ def test_the_heartbeat_reports_each_phase_as_it_starts(setup, monkeypatch) -> No
     t.fit()
     t.export_final()
     hb.stop()
-    assert beats.phases() == [
+    every_change = [
         "loading", "evaluating", "training", "evaluating", "training", "evaluating", "training",
         "evaluating", "training", "checkpointing", "training", "exporting", "done",
     ]  # fmt: skip
+    seen = beats.phases()
+    assert list(dict.fromkeys(seen)) == ["loading", "evaluating", "training", "checkpointing", "exporting", "done"]
+    rest = iter(every_change)
+    assert all(p in rest for p in seen), f"{seen} is not in the order the job moves: {every_change}"
     assert beats.writes[0]["step"] == 0 and beats.writes[0]["attempt"] == 3  # before the model was even built
     last = beats.writes[-1]
     assert last["step"] == 30 and last["phase"] == "done" and last["phase_started_at"] <= last["time"]

@@ -1,0 +1,121 @@
+"""A slow or unavailable store never holds up training: the heartbeat and metrics are written from a side thread
+that retries and catches up, and a checkpoint due while the previous write is still in flight is taken once that
+write lands, without changing a single weight."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+from ray_jobs.storage import read_bytes
+from ray_jobs.train import metrics as metrics_mod
+from ray_jobs.train.metrics import MetricsLog
+from ray_jobs.train.sidewrite import SideWriter
+from tests.unit.test_trainer import checkpoints, named, setup, train, weights_hash  # noqa: F401 (setup: a fixture)
+
+
+def test_a_side_writer_never_blocks_its_caller_and_lands_the_newest_content_after_failures() -> None:
+    gate, written, calls = threading.Event(), [], []
+    content = {"v": 0}
+
+    def write() -> None:
+        calls.append(content["v"])
+        if len(calls) == 1:
+            gate.wait(10)  # a request that hangs (a stopped endpoint)
+        if len(calls) in (2, 3):
+            raise OSError("503 Slow Down")
+        written.append(content["v"])
+
+    w = SideWriter(write, "test-writer", retry_s=0.05).start()
+    started = time.monotonic()
+    for v in range(1, 6):
+        content["v"] = v
+        w.poke()
+    assert time.monotonic() - started < 0.5, "poke returns at once while a write hangs"
+    assert not w.flush(0.3), "nothing has landed while the store hangs"
+    gate.set()
+    assert w.flush(5)
+    assert written[-1] == 5 and w.failures == 0
+    assert w.close(5)
+
+
+def test_metrics_logged_while_the_store_fails_land_in_order_once_it_answers(monkeypatch) -> None:
+    url = "memory://unbroken-test/runs/r/metrics.jsonl"  # an object store: no appends, whole-file writes
+    down = threading.Event()
+    real = metrics_mod.write_bytes_atomic
+
+    def flaky(u: str, data: bytes) -> None:
+        if down.is_set():
+            raise ConnectionError("endpoint unavailable")
+        real(u, data)
+
+    monkeypatch.setattr(metrics_mod, "write_bytes_atomic", flaky)
+    log = MetricsLog(url, resumed_step=None)
+    log.append({"step": 1, "loss": 3.0})
+    assert log.flush(5)
+    down.set()
+    started = time.monotonic()
+    for step in range(2, 7):
+        log.append({"step": step, "loss": 3.0 - step / 10})
+    assert time.monotonic() - started < 0.5, "appending never waits on the store"
+    assert not log.flush(0.5)
+    down.clear()
+    assert log.flush(10)
+    rows = [json.loads(line) for line in read_bytes(url).decode().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_failed_local_append_is_repaired_by_rewriting_the_file(tmp_path, monkeypatch) -> None:
+    url = str(tmp_path / "metrics.jsonl")
+    log = MetricsLog(url, resumed_step=None)
+    log.append({"step": 1})
+    assert log.flush(5)
+    real_open, fails = open, [1]
+
+    def half_append(path, mode="r", *a, **k):
+        if mode == "a" and fails:  # a partial line, then the disk goes away
+            fails.pop()
+            with real_open(path, "a") as f:
+                f.write('{"step": 2, "lo')
+            raise OSError("No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", half_append)
+    log.append({"step": 2})
+    assert log.flush(10)
+    monkeypatch.undo()
+    assert [json.loads(line)["step"] for line in open(url).read().splitlines()] == [1, 2]
+
+
+def test_a_checkpoint_due_while_the_previous_write_is_in_flight_is_deferred_not_waited_for(
+    setup, monkeypatch, caplog
+) -> None:
+    from ray_jobs.checkpoint import writer
+
+    cfg, manifest, model = setup
+    straight = weights_hash(train(named(cfg, "deferred-straight"), manifest, model))
+    c = named(cfg, "deferred")
+    real_write, trainer_steps = writer.write, []
+
+    def slow_write(snap, url):
+        if snap.step == 10:  # the store hangs on this write until training is well past the next due step
+            deadline = time.monotonic() + 60
+            while not trainer_steps or trainer_steps[-1] < 25:
+                assert time.monotonic() < deadline, "training waited for the write: the steps never came"
+                time.sleep(0.01)
+        real_write(snap, url)
+
+    from ray_jobs.train import trainer as trainer_mod
+
+    monkeypatch.setattr(writer, "write", slow_write)
+    real_log = trainer_mod.Trainer._log
+    monkeypatch.setattr(trainer_mod.Trainer, "_log", lambda self, row: (trainer_steps.append(row["step"]),
+                                                                       real_log(self, row)))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        t = train(c, manifest, model)
+    steps = sorted(s for s, _ in checkpoints(c))
+    assert 10 in steps and 30 in steps and 20 not in steps, steps
+    assert "checkpoint due at step 20 deferred" in caplog.text
+    assert weights_hash(t) == straight, "when checkpoints are taken changes no weight"
