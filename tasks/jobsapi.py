@@ -43,9 +43,14 @@ def _headers() -> dict[str, str]:
 def _get(address: str, path: str, timeout_s: float):
     """(response, None) or (None, why) when there was no HTTP answer at all."""
     import requests
+    from ray.exceptions import AuthenticationError
 
     try:
-        return requests.get(address.rstrip("/") + path, headers=_headers(), timeout=timeout_s), None
+        headers = _headers()
+    except AuthenticationError:  # token auth on, no token on this machine yet (a fresh one): we cannot ask
+        return None, "no Ray auth token here (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+    try:
+        return requests.get(address.rstrip("/") + path, headers=headers, timeout=timeout_s), None
     except requests.RequestException as e:
         return None, f"{type(e).__name__}: {_first_line(str(e))}"
 

@@ -154,3 +154,19 @@ def test_a_dataset_event_naming_a_secret_file_is_refused_before_anything_is_read
     events = [e for c in asserting_events.all for e in c.events]
     assert [e.event for e in events] == ["unbroken.dataset.rejected"]
     assert not (tmp_path / "storage").exists(), "nothing staged, nothing written"
+
+
+def test_a_machine_without_a_ray_token_yet_probes_a_head_as_unanswered_instead_of_raising(monkeypatch) -> None:
+    """A fresh machine has no ~/.ray/auth_token until the first local head generates it: the probe that decides
+    whether a head is already up must say "no answer", not raise."""
+    from ray.exceptions import AuthenticationError
+
+    from tasks import jobsapi
+
+    def no_token():
+        raise AuthenticationError("Token authentication is enabled but Ray couldn't find an authentication token")
+
+    monkeypatch.setattr(jobsapi, "_headers", no_token)
+    why = jobsapi.unanswered("http://127.0.0.1:1")
+    assert why is not None and "no Ray auth token" in why
+    assert jobsapi.read_job("http://127.0.0.1:1", "unbroken-r-train-001").api == "unknown"
