@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ray_jobs.config import Config, load_config
-from ray_jobs.storage import Layout
+from ray_jobs.storage import Layout, join, read_bytes
 from tasks import registry
 from tasks.cluster import ClusterHandle, jobs_client
 from tasks.jobs import submit, write_job_spec
@@ -24,8 +24,9 @@ DEMO = ROOT / "configs" / "demo.yaml"
 REPORT: list[dict] = []  # one row per fault: what it cost (printed by conftest at the end of the session)
 
 
-def chaos_config(storage: Path, name: str, **extra: object) -> Config:
-    """A tiny run long enough (~10 s of steps) to be interrupted mid-way."""
+def chaos_config(root: Path, name: str, **extra: object) -> Config:
+    """A tiny run long enough (~10 s of steps) to be interrupted mid-way; storage is ``root`` unless ``extra``
+    names another (``storage="s3://..."``)."""
     base = {
         "name": name,
         "train.max_steps": 240,
@@ -39,18 +40,21 @@ def chaos_config(storage: Path, name: str, **extra: object) -> Config:
         "cluster.head_port": 6399,
         "cluster.keep_running": True,
     }
-    return load_config(DEMO, tiny_overrides(storage, **(base | extra)))
+    return load_config(DEMO, tiny_overrides(root, **(base | extra)))
 
 
-def start_training(handle: ClusterHandle, cfg: Config, attempt: int = 1, resume_from: str | None = None) -> str:
-    """Prepare model + data exactly as the flow does, then submit the training job; returns the submission id."""
+def start_training(
+    handle: ClusterHandle, cfg: Config, attempt: int = 1, resume_from: str | None = None, env: dict | None = None
+) -> str:
+    """Prepare model + data exactly as the flow does, then submit the training job; returns the submission id.
+    ``env``: variables for the job (``UNBROKEN_INJECT_DELAY`` to slow a phase down, see ray_jobs/train/faults.py)."""
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
     spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from)
-    return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec)
+    return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec, env=env)
 
 
-def start_run(handle: ClusterHandle, cfg: Config) -> str:
+def start_run(handle: ClusterHandle, cfg: Config, env: dict | None = None) -> str:
     """Attempt 1 of a run exactly as the finetune flow records it (registry + job spec + submit), minus Prefect:
     from here on a watchdog can look after it."""
     model_path = prepare_base_model.fn(cfg)
@@ -58,7 +62,7 @@ def start_run(handle: ClusterHandle, cfg: Config) -> str:
     extra = {"manifest_url": staged.manifest_url, "model_path": model_path}
     attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra)
     spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, None)
-    return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec)
+    return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec, env=env)
 
 
 def driver_pid(cfg: Config) -> int | None:
@@ -88,7 +92,7 @@ def job_logs(handle: ClusterHandle, sid: str) -> str:
 
 def heartbeat(cfg: Config) -> dict:
     try:
-        return json.loads(Path(Layout(cfg.storage).heartbeat(cfg.name)).read_text())
+        return json.loads(read_bytes(Layout(cfg.storage).heartbeat(cfg.name)))
     except (FileNotFoundError, ValueError):
         return {"step": -1, "pid": None}
 
@@ -107,7 +111,7 @@ def kill(pid: int, sig: signal.Signals) -> None:
 
 
 def final_weights_hash(cfg: Config) -> str:
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    state = load_file(str(Path(Layout(cfg.storage).final_model(cfg.name)) / "model.safetensors"))
+    state = load(read_bytes(join(Layout(cfg.storage).final_model(cfg.name), "model.safetensors")))
     return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()

@@ -11,13 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ray_jobs.config import load_config
+from ray_jobs.config import ClusterConfig, load_config
 from tasks.cluster import _reachable, jobs_client
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import read_registry
@@ -25,34 +26,57 @@ from tests.procs import free_port, train_worker_pids, wait_for
 
 pytestmark = pytest.mark.integration
 SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"
+STEP_DELAY_S = 0.5  # 30 steps: ~15 s of training per run
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``prefect server start`` (SQLite, all services) on a free loopback port; yields its API URL."""
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    log = open(home / "server.log", "w")  # noqa: SIM115 (closed at teardown)
-    prefect = str(Path(sys.executable).parent / "prefect")
-    proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+class PrefectServer:
+    """``prefect server start`` (SQLite, all services) on a loopback port; can be restarted on the same port and
+    database, as an operator restarting it would."""
 
-    def healthy():
+    def __init__(self, home: Path):
+        self.home, self.port = home, free_port()
+        self.api = f"http://127.0.0.1:{self.port}/api"
+        self.log = open(home / "server.log", "a")  # noqa: SIM115 (closed by stop)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = dict(os.environ, PREFECT_HOME=str(self.home), PREFECT_API_URL=self.api,
+                   PREFECT_SERVER_ANALYTICS_ENABLED="false")  # fmt: skip
+        prefect = str(Path(sys.executable).parent / "prefect")
+        self.proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
+        wait_for("the Prefect server", self.healthy, 90, 1.0)
+
+    def healthy(self) -> bool:
         try:
-            return urllib.request.urlopen(f"{api}/health", timeout=2).read() == b"true"
+            return urllib.request.urlopen(f"{self.api}/health", timeout=2).read() == b"true"
         except OSError:
             return False
 
-    wait_for("the Prefect server", healthy, 90, 1.0)
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
+    server.start()
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api}):  # this test process is a client of it too
-        yield api
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
+    with temporary_settings({PREFECT_API_URL: server.api}):  # this test process is a client of it too
+        yield server
+    server.stop()
+    server.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(prefect_server) -> str:
+    return prefect_server.api
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +84,19 @@ def served(server, tmp_path_factory):
     """``unbroken serve`` with a tiny config; yields (config path, storage)."""
     root = tmp_path_factory.mktemp("served")
     storage = root / "storage"
-    cfg = load_config(ROOT / "configs" / "demo.yaml", tiny_overrides(storage, name="served"))
+    # Events may name datasets under this module's temp folders and the sample data's folder (the sensor watches
+    # data.train) only; each step sleeps (a sleep changes no weight)
+    # so a Prefect server restart lands mid-training; the variable reaches jobs only because it is passed through.
+    passthrough = [*ClusterConfig().env_passthrough, "UNBROKEN_INJECT_DELAY"]
+    extra = {
+        "data.allowed_sources": [str(tmp_path_factory.getbasetemp()), str(SAMPLE_DATA.parent)],
+        "cluster.env_passthrough": passthrough,
+    }
+    cfg = load_config(ROOT / "configs" / "demo.yaml", tiny_overrides(storage, name="served", **extra))
     config = root / "served.yaml"
     config.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False))
     env = dict(os.environ, PREFECT_API_URL=server, PREFECT_RUNNER_POLL_FREQUENCY="2", PYTHONUNBUFFERED="1",
-               PREFECT_HOME=str(root / "prefect-client"))  # fmt: skip
+               PREFECT_HOME=str(root / "prefect-client"), UNBROKEN_INJECT_DELAY=f"step:{STEP_DELAY_S}")  # fmt: skip
     log = open(root / "serve.log", "w")  # noqa: SIM115
     cmd = [sys.executable, "-m", "unbroken", "serve", "--config", str(config), "--storage", str(storage),
            "--watchdog-interval", "3600", "--sensor-interval", "3600"]  # fmt: skip
@@ -224,3 +256,78 @@ def test_cancelling_a_finetune_run_leaves_no_ray_job_running(served) -> None:
     reg = read_registry(storage, "cancel-me")
     assert reg["state"] == "failed" and reg["attempts"][-1]["status"] in ("STOPPED", "FAILED"), reg
     assert not train_worker_pids(), "no Ray Train worker may outlive the cancelled run"
+
+
+def test_an_event_naming_a_file_outside_the_allowed_sources_is_refused(served) -> None:
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    config, storage, log = served
+    before = {r.id for r in _runs_of("finetune")}
+    emit_event(event="unbroken.dataset.updated", resource={"prefect.resource.id": "unbroken.dataset.test"},
+               payload={"dataset_uri": "file:///etc/passwd"})  # fmt: skip
+    EventsWorker.drain_all()
+    new = wait_for("the triggered run", lambda: [r for r in _runs_of("finetune") if r.id not in before], 60, 1.0)
+    run = _final(new[0].id, 120, log)
+    assert run.state.is_failed(), run.state
+    assert "data.allowed_sources" in (run.state.message or "") + log.read_text()
+    assert "root:" not in log.read_text(), "nothing of the refused file may be read"
+
+
+def test_a_prefect_server_restart_mid_run_neither_stops_nor_doubles_training(served, prefect_server) -> None:
+    from prefect.deployments import run_deployment
+
+    config, storage, log = served
+    flow_run = run_deployment("finetune/finetune", parameters={"overrides": ["name=restart-me"]}, timeout=0)
+    jobs = RayJobsSeen("http://127.0.0.1:8265", "unbroken-restart-me-train-")
+    beat = storage / "runs" / "restart-me" / "heartbeat.json"
+    wait_for("training steps", lambda: beat.exists() and json.loads(beat.read_text()).get("step", 0) >= 3, 300, 1)
+    prefect_server.stop()  # the API is away for as long as a restart takes (~15 s here)
+    down_at_step = json.loads(beat.read_text())["step"]
+    prefect_server.start()
+    run = _final(flow_run.id, 400, log)
+    jobs.stop()
+    reg = read_registry(storage, "restart-me")
+    assert down_at_step < reg["config"]["train"]["max_steps"], "the restart happened mid-training"
+    assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-6000:]}"
+    assert reg["state"] == "succeeded" and len(reg["attempts"]) == 1, reg
+    assert jobs.seen == {"unbroken-restart-me-train-001"}, "one training job, ever (the head's own job list)"
+    assert jobs.most_at_once == 1
+    assert _weights(storage, "restart-me") == _weights(storage, "served"), "bit-identical to the same training"
+
+
+class RayJobsSeen:
+    """Samples the Ray job list of a head every second while it is up: which jobs with this prefix ever existed,
+    and how many of them ran at the same time."""
+
+    def __init__(self, address: str, prefix: str):
+        self.address, self.prefix = address, prefix
+        self.seen: set[str] = set()
+        self.most_at_once = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                jobs = [
+                    j for j in jobs_client(self.address).list_jobs() if (j.submission_id or "").startswith(self.prefix)
+                ]
+            except Exception:  # the head is not up (yet, or any more)
+                continue
+            self.seen |= {j.submission_id for j in jobs}
+            self.most_at_once = max(self.most_at_once, sum(not j.status.is_terminal() for j in jobs))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def _weights(storage: Path, run: str) -> str:
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    state = load_file(str(storage / "runs" / run / "final" / "model.safetensors"))
+    return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()

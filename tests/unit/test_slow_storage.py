@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 from ray_jobs.storage import read_bytes
 from ray_jobs.train import metrics as metrics_mod
@@ -86,11 +87,13 @@ def test_a_failed_local_append_is_repaired_by_rewriting_the_file(tmp_path, monke
     log.append({"step": 2})
     assert log.flush(10)
     monkeypatch.undo()
-    assert [json.loads(line)["step"] for line in open(url).read().splitlines()] == [1, 2]
+    assert [json.loads(line)["step"] for line in Path(url).read_text().splitlines()] == [1, 2]
 
 
 def test_a_checkpoint_due_while_the_previous_write_is_in_flight_is_deferred_not_waited_for(
-    setup, monkeypatch, caplog
+    setup,  # noqa: F811 (the fixture imported above)
+    monkeypatch,
+    caplog,
 ) -> None:
     from ray_jobs.checkpoint import writer
 

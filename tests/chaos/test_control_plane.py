@@ -1,0 +1,221 @@
+"""Partial, brief failures of the control plane: a hiccup never loses, doubles or abandons a run.
+
+Each scenario runs a real job on the chaos suite's real local cluster, watched by the real watchdog code (a loop of
+``check_run`` passes in a thread, one pass a second, as ``unbroken watchdog --interval 1`` does), breaks the
+control plane for a while (a fault-injecting proxy in front of the Jobs API, a SIGSTOPped dashboard, a SIGSTOPped
+S3 server holding the run's storage, a long export),
+and checks the run ends with exactly the attempts the scenario expects and weights bit-identical to the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_jobs.config import Config
+from ray_jobs.storage import Layout, read_bytes
+from tasks import registry
+from tasks.cluster import ClusterHandle, jobs_client
+from tasks.watchdog import check_run
+from tests.chaos.harness import (
+    REPORT,
+    chaos_config,
+    final_weights_hash,
+    heartbeat_step,
+    job_logs,
+    kill,
+    rank0_pid,
+    start_run,
+    start_training,
+    wait_for,
+    wait_job,
+)
+from tests.faults import FaultProxy, dashboard_pids, listening_pids, paused
+from tests.s3 import ENV as S3_ENV
+from tests.s3 import make_bucket, moto_server
+
+pytestmark = pytest.mark.chaos
+
+# Steps slowed down (bit-identical: a sleep changes no number) so a 20 s fault lands mid-training.
+SLOW_STEPS = {"UNBROKEN_INJECT_DELAY": "step:0.12"}
+CONTROL = {
+    "fault_tolerance.max_failures": 0,
+    "fault_tolerance.stall_timeout_s": 40,
+    "fault_tolerance.confirm_s": 30,
+    "fault_tolerance.restart_backoff_s": 1,
+}
+
+
+class WatchdogLoop:
+    """The watchdog's passes over one run, in a thread, until the run ends; every outcome is kept."""
+
+    def __init__(self, cfg: Config, every_s: float = 1.0):
+        self.cfg, self.every_s, self.outcomes = cfg, every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.outcomes.append(check_run(self.cfg.storage, self.cfg.name))
+            except Exception as e:  # a pass that could not finish (e.g. storage away) is retried, as served
+                self.outcomes.append(e)
+
+    def __enter__(self) -> WatchdogLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def actions(self) -> list[str]:
+        return [o.action if hasattr(o, "action") else f"error: {o}" for o in self.outcomes]
+
+
+def until_finished(cfg: Config, timeout_s: float = 300) -> dict:
+    def finished():
+        reg = registry.load(cfg.storage, cfg.name)
+        return reg if reg and reg["state"] in ("succeeded", "failed") else None
+
+    try:
+        return wait_for(f"run {cfg.name} to finish", finished, timeout_s=timeout_s, every_s=0.5)
+    except TimeoutError:
+        raise AssertionError(registry.describe(cfg.storage, cfg.name)) from None
+
+
+def ray_train_jobs(handle: ClusterHandle, cfg: Config) -> list[str]:
+    """Every training job of this run the cluster ever ran (the Jobs API's own list)."""
+    return sorted(
+        j.submission_id
+        for j in jobs_client(handle.address).list_jobs()
+        if (j.submission_id or "").startswith(f"unbroken-{cfg.name}-train-")
+    )
+
+
+def check_one_attempt(reg: dict, cfg: Config, baseline: str, handle: ClusterHandle) -> list[dict]:
+    """Succeeded with one attempt and no restart; returns what the incident log says was observed."""
+    status = registry.describe(cfg.storage, cfg.name)
+    assert reg["state"] == "succeeded", status
+    assert len(reg["attempts"]) == 1 and reg.get("restarts", 0) == 0, status
+    assert [i for i in reg["incidents"] if i.get("action") != "observed"] == [], status
+    assert ray_train_jobs(handle, cfg) == [registry.submission_id(cfg.name, 1)]
+    assert final_weights_hash(cfg) == baseline
+    return reg["incidents"]
+
+
+def training_started(cfg: Config, past_step: int = 20) -> None:
+    wait_for(f"step {past_step}", lambda: heartbeat_step(cfg) > past_step, timeout_s=180)
+
+
+def test_502s_and_resets_from_the_jobs_api_for_20s_are_observed_not_acted_on(ray_cluster, baseline, tmp_path) -> None:
+    cfg = chaos_config(tmp_path / "storage", "proxy-blip", **CONTROL)
+    host, port = ray_cluster.address.removeprefix("http://").split(":")
+    with FaultProxy(host, int(port)) as proxy:
+        via_proxy = ClusterHandle(proxy.url, proxy.url, False, sys.executable)
+        start_run(via_proxy, cfg, env=SLOW_STEPS)
+        with WatchdogLoop(cfg) as dog:
+            training_started(cfg)
+            fault_at = time.time()
+            proxy.inject("http502", 10)
+            time.sleep(10)
+            proxy.inject("reset", 10)
+            time.sleep(10)
+            reg = until_finished(cfg)
+        faulted = proxy.faulted()
+    assert faulted, "the proxy never faulted a request: the scenario tested nothing"
+    observed = check_one_attempt(reg, cfg, baseline, ray_cluster)
+    assert [i["kind"] for i in observed] == ["cluster-unreachable"], registry.describe(cfg.storage, cfg.name)
+    assert "observing" in dog.actions() and "restarted" not in dog.actions()
+    REPORT.append({"scenario": "Jobs API 502s + resets 20 s", "detected_by": "watchdog (observed, no action)",
+                   "detection_s": observed[0]["detected_at"] - fault_at, "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
+
+
+def test_a_dashboard_stopped_for_20s_is_observed_not_acted_on(ray_cluster, baseline, tmp_path) -> None:
+    cfg = chaos_config(tmp_path / "storage", "dashboard-stop", **CONTROL)
+    start_run(ray_cluster, cfg, env=SLOW_STEPS)
+    with WatchdogLoop(cfg) as dog:
+        training_started(cfg)
+        fault_at = time.time()
+        pids = dashboard_pids(int(ray_cluster.address.rsplit(":", 1)[1]))
+        assert pids, "no dashboard process found for the chaos head"
+        with paused(pids, 20):
+            time.sleep(20)
+        reg = until_finished(cfg)
+    observed = check_one_attempt(reg, cfg, baseline, ray_cluster)
+    assert {i["kind"] for i in observed} <= {"cluster-unreachable"}, registry.describe(cfg.storage, cfg.name)
+    assert "restarted" not in dog.actions()
+    REPORT.append({"scenario": "dashboard SIGSTOP 20 s", "detected_by": "watchdog (observed, no action)",
+                   "detection_s": (observed[0]["detected_at"] - fault_at) if observed else None,
+                   "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
+
+
+def test_an_export_longer_than_the_stall_limit_is_not_a_stall(ray_cluster, baseline, tmp_path) -> None:
+    cfg = chaos_config(tmp_path / "storage", "long-export", **CONTROL | {"fault_tolerance.stall_timeout_s": 10})
+    start_run(ray_cluster, cfg, env={"UNBROKEN_INJECT_DELAY": "exporting:25,evaluating:12"})
+    with WatchdogLoop(cfg) as dog:
+        reg = until_finished(cfg)
+    check_one_attempt(reg, cfg, baseline, ray_cluster)
+    assert "restarted" not in dog.actions() and "observing" not in dog.actions(), dog.actions()
+    assert any("phase exporting" in o.detail for o in dog.outcomes if hasattr(o, "detail")), dog.actions()
+
+
+def test_in_job_restarts_of_a_watchdog_attempt_resume_from_the_newest_checkpoint(
+    ray_cluster, baseline, tmp_path, tmp_path_factory
+) -> None:
+    """Attempt 2 is what a watchdog submits: an explicit checkpoint (step 40, here the baseline run's, copied in).
+    Two worker kills later in the same job resume from the newest checkpoints -- never back to step 40."""
+    cfg = chaos_config(tmp_path / "storage", "double-kill",
+                       **{"checkpoint.num_to_keep": 2, "fault_tolerance.max_failures": 3})  # fmt: skip
+    ckpts = Path(Layout(cfg.storage).checkpoints_dir(cfg.name))
+    source = next(Path(tmp_path_factory.getbasetemp()).glob("baseline*/storage/ray/baseline/checkpoint-step-00000040"))
+    explicit = ckpts / source.name
+    shutil.copytree(source, explicit)
+    sid = start_training(ray_cluster, cfg, attempt=2, resume_from=str(explicit))
+    for past in (130, 200):
+        wait_for(f"step {past}", lambda p=past: heartbeat_step(cfg) > p, timeout_s=180)
+        kill(rank0_pid(cfg), signal.SIGKILL)
+    assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
+    logs = job_logs(ray_cluster, sid)
+    resumed = [
+        int(s) for s in re.findall(r"rank 0: resumed from \S+checkpoint-step-(\d{8})", logs)
+    ]  # one line per start
+    assert resumed[0] == 40 and len(resumed) >= 3 and all(s >= 120 for s in resumed[1:]), resumed
+    assert "CheckpointInvalid" not in logs
+    assert final_weights_hash(cfg) == baseline
+
+
+def test_s3_storage_paused_for_30s_mid_run_training_goes_on_and_the_files_catch_up(ray_cluster, baseline, tmp_path):
+    """Storage on moto's S3 server over HTTP; the server is SIGSTOPped for 30 s mid-training (requests hang, as
+    against a throttled or stuck endpoint). Training keeps stepping (heartbeat, metrics and checkpoint writes are
+    off the training thread), the files catch up afterwards, one attempt, bit-identical weights."""
+    with moto_server() as url:
+        storage = f"{make_bucket('unbroken-pause')}/storage"
+        cfg = chaos_config(tmp_path, "s3-pause", storage=storage, **CONTROL)
+        aws = {k: os.environ[k] for k in (*S3_ENV, "AWS_ENDPOINT_URL")}  # the job reaches the same endpoint
+        start_run(ray_cluster, cfg, env=SLOW_STEPS | aws)
+        with WatchdogLoop(cfg) as dog:
+            training_started(cfg, past_step=40)
+            paused_at = time.time()
+            with paused(listening_pids(int(url.rsplit(":", 1)[1])), 30):
+                time.sleep(30)
+            resumed_at = time.time()
+            reg = until_finished(cfg)
+        check_one_attempt(reg, cfg, baseline, ray_cluster)
+        rows = [json.loads(line) for line in read_bytes(Layout(cfg.storage).metrics(cfg.name)).decode().splitlines()]
+    during = [r["step"] for r in rows if paused_at + 2 < r["time"] < resumed_at - 2]
+    assert len(during) >= 5, f"training logged only steps {during} while storage was away"
+    assert [r["step"] for r in rows] == sorted({r["step"] for r in rows}), "every logged step once, in order"
+    assert rows[-1]["step"] == cfg.train.max_steps
+    assert "restarted" not in dog.actions(), dog.actions()
+    REPORT.append({"scenario": "S3 storage SIGSTOP 30 s", "detected_by": "nobody (no action needed)",
+                   "detection_s": None, "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
