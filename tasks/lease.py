@@ -53,14 +53,18 @@ def _generations(lease_dir: str) -> list[int]:
 @dataclass
 class Lease:
     storage: str
-    run: str
+    run: str  # what it protects: a run's name (or "series <name>" for a series' lease)
     owner: str
     generation: int
     ttl_s: float
+    lease_dir: str = ""  # default: the run's (runs/<run>/leases)
+
+    def __post_init__(self) -> None:
+        self.lease_dir = self.lease_dir or Layout(self.storage).lease_dir(self.run)
 
     @property
     def url(self) -> str:
-        return _url(self.storage, self.run, self.generation)
+        return _url(self.lease_dir, self.generation)
 
     def _body(self, released: bool = False) -> dict:
         now = time.time()
@@ -69,7 +73,7 @@ class Lease:
 
     def check(self) -> None:
         """Raise LeaseLost unless this is still the newest generation and it has not expired."""
-        gens = _generations(Layout(self.storage).lease_dir(self.run))
+        gens = _generations(self.lease_dir)
         if not gens or gens[-1] != self.generation:
             raise LeaseLost(f"watchdog lease on run {self.run!r} was taken over (generation {gens[-1:]})")
         if read_json(self.url)["expires_at"] < time.time():
@@ -84,9 +88,9 @@ class Lease:
         body["expires_at"] = 0
         write_json_atomic(self.url, body)
         fs, _ = fs_and_path(self.url)
-        for g in _generations(Layout(self.storage).lease_dir(self.run)):
+        for g in _generations(self.lease_dir):
             if g < self.generation:  # older generations are history; keep the directory small
-                fs.rm(fs_and_path(_url(self.storage, self.run, g))[1])
+                fs.rm(fs_and_path(_url(self.lease_dir, g))[1])
 
     def __enter__(self) -> Lease:
         return self
@@ -95,17 +99,17 @@ class Lease:
         self.release()
 
 
-def _url(storage: str, run: str, generation: int) -> str:
-    return join(Layout(storage).lease_dir(run), f"lease-{generation:08d}.json")
+def _url(lease_dir: str, generation: int) -> str:
+    return join(lease_dir, f"lease-{generation:08d}.json")
 
 
-def _newest(storage: str, run: str) -> tuple[int, dict | None]:
+def _newest(lease_dir: str) -> tuple[int, dict | None]:
     """The newest generation number (0 when none) and its record (None if it vanished meanwhile)."""
-    gens = _generations(Layout(storage).lease_dir(run))
+    gens = _generations(lease_dir)
     if not gens:
         return 0, None
     try:
-        return gens[-1], read_json(_url(storage, run, gens[-1]))
+        return gens[-1], read_json(_url(lease_dir, gens[-1]))
     except FileNotFoundError:
         return gens[-1], None
 
@@ -114,28 +118,35 @@ def _held(body: dict | None) -> bool:
     return body is not None and not body.get("released") and body["expires_at"] >= time.time()
 
 
-def holder(storage: str, run: str) -> dict | None:
+def holder(storage: str, run: str, lease_dir: str | None = None) -> dict | None:
     """The current holder's record, or None when the run's lease is free."""
-    _, body = _newest(storage, run)
+    _, body = _newest(lease_dir or Layout(storage).lease_dir(run))
     return body if _held(body) else None
 
 
-def acquire(storage: str, run: str, owner: str | None = None, ttl_s: float = 300.0) -> Lease | None:
-    """Take the run's lease, or return None when another watchdog holds it (or won the race for it)."""
-    generation, body = _newest(storage, run)
+def acquire(
+    storage: str, run: str, owner: str | None = None, ttl_s: float = 300.0, lease_dir: str | None = None
+) -> Lease | None:
+    """Take the run's lease (or the one in ``lease_dir``), or return None when another holder has it (or won the
+    race for it)."""
+    lease_dir = lease_dir or Layout(storage).lease_dir(run)
+    generation, body = _newest(lease_dir)
     if _held(body):
         return None
-    lease = Lease(storage, run, owner or owner_id(), generation + 1, ttl_s)
+    lease = Lease(storage, run, owner or owner_id(), generation + 1, ttl_s, lease_dir)
     if not create_exclusive(lease.url, (json.dumps(lease._body()) + "\n").encode()):
         return None
     return lease
 
 
-def acquire_wait(storage: str, run: str, wait_s: float = 180.0, ttl_s: float = 60.0) -> Lease:
+def acquire_wait(
+    storage: str, run: str, wait_s: float = 180.0, ttl_s: float = 60.0, lease_dir: str | None = None
+) -> Lease:
     """Take the lease, waiting for a holder to finish (watchdog passes are short); TimeoutError after ``wait_s``."""
     deadline = time.monotonic() + wait_s
-    while (lease := acquire(storage, run, ttl_s=ttl_s)) is None:
+    while (lease := acquire(storage, run, ttl_s=ttl_s, lease_dir=lease_dir)) is None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"run {run!r}: lease held by {holder(storage, run)} for more than {wait_s:.0f}s")
+            held = holder(storage, run, lease_dir)
+            raise TimeoutError(f"{run!r}: lease held by {held} for more than {wait_s:.0f}s")
         time.sleep(0.2)
     return lease
