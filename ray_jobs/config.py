@@ -112,6 +112,10 @@ class ModelConfig(_Section):
     """Shape of the built-in tiny model; ignored for any other ``name_or_path``."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (peft) instead of all weights; the final export is merged into a plain HF model."""
+    init_from: Literal["base", "series-champion", "series-latest"] = "base"
+    """Weights a run starts from: ``base`` = ``name_or_path``; ``series-champion`` / ``series-latest`` = the final
+    model of the series' champion / newest succeeded run (warm start; falls back to ``base``, logged, when the
+    series has none yet). Tokenization always follows ``name_or_path``: a warm start changes weights, not data."""
 
     @field_validator("name_or_path")
     @classmethod
@@ -177,6 +181,8 @@ class CheckpointConfig(_Section):
     """Keep the best checkpoints by this reported metric (lower is better, e.g. ``eval_loss``) instead of the newest."""
     async_write: bool = True
     """Write checkpoints on a background thread; the loop only waits while state is copied to host memory."""
+    keep_after_success: int = Field(1, ge=0)
+    """Once a run succeeded, delete all but this many of its newest checkpoints (its final model is kept)."""
 
 
 class ClusterConfig(_Section):
@@ -251,9 +257,59 @@ class FaultToleranceConfig(_Section):
     """After SIGTERM, a worker waits at most this long for its just-in-time checkpoint before exiting."""
 
 
+class SeriesConfig(_Section):
+    name: str | None = None
+    """The lineage this run belongs to; default: ``name`` with its placeholders (and the separators around them)
+    removed, so ``nightly-{dataset}`` is series ``nightly``."""
+    eval: str | None = None
+    """The series' fixed eval set (JSONL/Parquet file or folder, like ``data.train``), staged once and pinned by its
+    dataset id; every finished run is scored on it. Default: the eval split of the series' first run, pinned."""
+    min_improvement: float = Field(0.0, ge=0, lt=1)
+    """A run becomes champion only if its score beats the champion's by this fraction (0.01 = 1 % lower loss)."""
+    keep_runs: int | None = Field(None, ge=1)
+    """Keep the final models of at most this many succeeded non-champion runs (oldest deleted first); None = all."""
+
+    @field_validator("name")
+    @classmethod
+    def _series_name(cls, v: str | None) -> str | None:
+        if v is not None and not RUN_NAME.fullmatch(v):
+            raise ValueError(f"{v!r} {RUN_NAME_RULE}")
+        return v
+
+
+RUN_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+RUN_NAME_RULE = "must be 1-63 lowercase letters, digits or '-', starting with a letter or digit"
+# What a run name template may say, and a value of each one's shape (to check a template renders to a valid name).
+PLACEHOLDERS = {"dataset": "0123abcd", "date": "20261123", "time": "235959"}
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+def render_name(template: str, values: dict[str, str]) -> str:
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def series_of(template: str) -> str:
+    """``nightly-{dataset}`` -> ``nightly``: the placeholders and the separators around them removed."""
+    parts = [p.strip("-") for p in _PLACEHOLDER.split(template)[::2]]
+    return "-".join(p for p in parts if p)
+
+
+def name_values(dataset_id: str, at: float) -> dict[str, str]:
+    """What a run name template's placeholders resolve to for a dataset, at a time (UTC)."""
+    import time
+
+    t = time.gmtime(at)
+    return {"dataset": dataset_id.removeprefix("ds-")[:8], "date": time.strftime("%Y%m%d", t),
+            "time": time.strftime("%H%M%S", t)}  # fmt: skip
+
+
 class Config(_Section):
     name: str
-    """Run name: names the run folder, the Ray Train run and the Ray job submissions."""
+    """Run name: names the run folder, the Ray Train run and the Ray job submissions. May be a template with
+    ``{dataset}`` (short content id of the staged dataset), ``{date}`` (UTC YYYYMMDD), ``{time}`` (UTC HHMMSS),
+    resolved once per flow run: ``nightly-{dataset}`` makes every new dataset a new run of series ``nightly``."""
+    series: SeriesConfig = SeriesConfig()
+    """The lineage of runs this one belongs to: warm starts, the promotion gate and its champion."""
     storage: str
     """Shared storage root, any fsspec URL: a local/NFS path or ``s3://bucket/prefix``."""
     data: DataConfig
@@ -266,9 +322,38 @@ class Config(_Section):
     @field_validator("name")
     @classmethod
     def _run_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
-            raise ValueError("must be 1-63 lowercase letters, digits or '-', starting with a letter or digit")
+        unknown = sorted({p for p in _PLACEHOLDER.findall(v) if p not in PLACEHOLDERS})
+        if unknown:
+            known = ", ".join(f"{{{k}}}" for k in PLACEHOLDERS)
+            raise ValueError(f"unknown placeholder {', '.join(f'{{{u}}}' for u in unknown)} (known: {known})")
+        example = render_name(v, PLACEHOLDERS)
+        if not RUN_NAME.fullmatch(example):
+            shown = f" (renders like {example!r})" if example != v else ""
+            raise ValueError(f"{v!r}{shown} {RUN_NAME_RULE}")
         return v
+
+    @property
+    def is_template(self) -> bool:
+        return bool(_PLACEHOLDER.search(self.name))
+
+    @property
+    def series_name(self) -> str:
+        return self.series.name or series_of(self.name)
+
+    def resolved(self, dataset_id: str, at: float) -> Config:
+        """This config with its run name template resolved (and its series named, so the run's recorded config
+        still knows its series)."""
+        out = self.model_copy(deep=True)
+        out.series.name = self.series_name
+        out.name = render_name(self.name, name_values(dataset_id, at))
+        return out
+
+    def named(self, run: str) -> Config:
+        """This config as the run a template resolved to (known from elsewhere: the series registry)."""
+        out = self.model_copy(deep=True)
+        out.series.name = self.series_name
+        out.name = run
+        return out
 
     @field_validator("storage")
     @classmethod
@@ -277,6 +362,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
+        if self.series.name is None and not series_of(self.name):
+            raise ValueError(f"series.name: name {self.name!r} is only placeholders; name the series")
         if self.model.lora is not None and self.train.parallelism == "fsdp":
             raise ValueError("model.lora with train.parallelism=fsdp is not supported yet; use ddp for LoRA")
         builtin = self.model.name_or_path.startswith(BUILTIN_PREFIX)
@@ -325,8 +412,20 @@ def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
                 problems.append(f"--set {item!r}: {part} is not a section")
                 break
         else:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+            node[parts[-1]] = _override_value(raw)
     return tree, problems
+
+
+def _override_value(raw: str) -> Any:
+    """YAML typing (``1`` is an int, ``[a, b]`` a list), except that a run name template stays a string:
+    ``{date}-{dataset}`` would be YAML's flow mapping (or a syntax error)."""
+    raw = raw.strip()
+    if re.fullmatch(r"(?:[^{}]*\{\w*\})+[^{}]*", raw):
+        return raw
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -363,8 +462,9 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            problems.append(f"{_field_name(err['loc'])}: {msg.removeprefix('Value error, ')}")
+            msg = ("unknown key" if err["type"] == "extra_forbidden" else err["msg"]).removeprefix("Value error, ")
+            named = not err["loc"] and re.match(r"[a-z_]+(\.[a-z_]+)*: ", msg)  # a cross-field check names its field
+            problems.append(msg if named else f"{_field_name(err['loc'])}: {msg}")
         raise ConfigError(problems, source) from None
     cfg.storage = absolute_url(cfg.storage)
     cfg.data.train = absolute_url(cfg.data.train)
