@@ -4,8 +4,9 @@
 to a process work pool, and a test keeps the two in agreement.
 
 - ``finetune``: a cron schedule (optional), and a trigger on ``unbroken.dataset.updated`` whose payload's
-  ``dataset_uri`` becomes the run's ``data.train``. One active run per run name is enforced inside the flow (a
-  global concurrency limit named after the run), because a deployment-level limit cannot see run names.
+  ``dataset_uri`` becomes the run's ``data.train``. Runs are named ``<name>-{dataset}`` (see ``serve_name``). One
+  active run per series is enforced inside the flow (a global concurrency limit named after the series), because
+  a deployment-level limit cannot see series.
 - ``stage-dataset``: on demand.
 - ``watchdog``: an interval schedule, and a trigger on any ``finetune`` flow run that ends FAILED (including
   TimedOut) or CRASHED: the hand-over from the finetune flow is immediate.
@@ -33,6 +34,15 @@ class ServeOptions:
     watchdog_interval_s: float = 60.0
     sensor_source: str | None = None  # where new data lands (defaults to the config's data.train)
     sensor_interval_s: float = 60.0
+
+
+def serve_name(name: str) -> list[str]:
+    """Served retraining names each run by its data: a fixed ``name`` becomes ``<name>-{dataset}`` in series
+    ``<name>``, so every new dataset (an event, a cron tick after new data landed) is a new run of one lineage and
+    the same dataset again is the run that already trained it. A config that has a template keeps it."""
+    if "{" in name:
+        return []
+    return [f"name={name}-{{dataset}}", f"series.name={name}"]
 
 
 def dataset_trigger(config: str) -> DeploymentEventTrigger:
@@ -65,11 +75,13 @@ def build(opts: ServeOptions) -> list[Any]:
     cfg = load_config(config, [f"storage={storage}"])
     source = opts.sensor_source or cfg.data.train
     check_allowed_source(cfg, str(absolute_url(source)))  # what the sensor announces, the finetune flow must accept
+    retrain = [f"storage={storage}", *serve_name(cfg.name)]
+    load_config(config, retrain)  # a served name too long for its {dataset} suffix fails here, not at the first event
     return [
         finetune.to_deployment(
             "finetune",
             cron=opts.cron,
-            parameters={"config_path": config, "overrides": [f"storage={storage}"]},
+            parameters={"config_path": config, "overrides": retrain},
             triggers=[dataset_trigger(config)],
             description="fine-tune from a config; retrains when the dataset sensor sees new data",
             tags=["unbroken"],

@@ -6,33 +6,54 @@ config fails here without touching storage or a cluster.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_link_artifact
+from prefect.runtime import flow_run
+from prefect.states import State
 
 from ray_jobs.config import Config, ConfigError, load_config
-from tasks import registry
-from tasks.cancel import one_run_per_name, stop_on_cancel, stop_on_crash
+from tasks import registry, series
+from tasks.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
 from tasks.jobs import JobFailed, cancelled, prefetch_shards, stop_and_wait, submit_job, watch_job, write_job_spec
 from tasks.model import check_model_options, prepare_base_model
 from tasks.params import run_config
-from tasks.report import summarize
+from tasks.report import publish_series, summarize
 from tasks.sources import SourceRefused, rejected_event
 from tasks.stage import Staged, stage_dataset
 from tasks.watchdog import failed_job_incident
 
 
-def flow_run_name() -> str:
-    """``finetune-<run name>``: the run is findable by name in the UI (the config names it)."""
-    from prefect.runtime import flow_run
+@dataclass
+class Lineage:
+    base: str  # model.name_or_path's folder: tokenization follows it
+    start: str  # the weights the run starts from: the base, or a warm start's final folder
+    parent: dict[str, Any] | None  # the run warm-started from (series.warm_start)
+    pin: dict[str, Any]  # the series' fixed eval set: dataset_id, manifest_url, source
 
+    @property
+    def score_manifest_url(self) -> str:
+        return self.pin["manifest_url"]
+
+
+def flow_run_name() -> str:
+    """``finetune-<run name>``: the run is findable by name in the UI (the config names it); ``finetune-<series>``
+    when the name is a template resolved only after staging."""
     try:
         cfg = run_config(**flow_run.parameters)
     except (ConfigError, SourceRefused, OSError):
         return "finetune-invalid-config"
-    return f"finetune-{cfg.name}"
+    return f"finetune-{cfg.series_name if cfg.is_template else cfg.name}"
+
+
+def _started_at() -> float:
+    """When this flow run was scheduled to start: ``{date}``/``{time}`` resolve to it, the same on a retry."""
+    when = flow_run.scheduled_start_time
+    return when.timestamp() if when is not None else time.time()
 
 
 @flow(
@@ -51,20 +72,66 @@ async def finetune(
     except SourceRefused as e:  # before anything is read from it
         rejected_event(load_config(config_path, overrides), dataset_uri, str(e))
         raise
-    async with one_run_per_name(cfg.name):
+    async with one_run_per_series(cfg.series_name):
         return await _finetune(cfg)
 
 
-async def _finetune(cfg: Config) -> dict[str, Any]:
+async def _finetune(cfg: Config) -> dict[str, Any] | State:
     model_path = prepare_base_model(cfg)
     check_model_options(cfg, model_path)  # a LoRA layer the model lacks fails here, before staging or a cluster
+    series.check_eval_source(cfg)
     staged = stage_dataset(cfg, model_path)
+    cfg = cfg.resolved(staged.dataset_id, _started_at())
+    if done := series.already_trained(cfg, staged.dataset_id):
+        return nothing_new(cfg, done)
     registry.check_compatible(cfg, staged.dataset_id)  # before any cluster work
+    lineage = _lineage(cfg, staged, model_path)
     handle = provision_cluster(cfg)
     try:
-        return await _train(cfg, handle, staged, model_path)
+        return await _train(cfg, handle, staged, lineage)
     finally:
         _release_cluster(cfg, handle)
+
+
+def nothing_new(cfg: Config, done: dict[str, Any]) -> State:
+    """The series already trained this dataset with this recipe: no cluster, no training, a Completed flow run that
+    says so (a cron tick with unchanged data, or the same dataset event twice)."""
+    from prefect.states import Completed
+
+    final = registry.load(cfg.storage, done["run"]).get("final_model")
+    message = f"nothing new to train: run {done['run']} already trained on dataset {done['dataset_id']}"
+    get_run_logger().info(message)
+    summary = {"run": done["run"], "dataset_id": done["dataset_id"], "nothing_new": True, "message": message,
+               "final_model": final}  # fmt: skip
+    return Completed(message=message, data=summary)
+
+
+def _lineage(cfg: Config, staged: Staged, base_model: str) -> Lineage:
+    """Where this run starts from (the base model, or a warm start from the series) and the series' pinned eval set
+    it is scored on (pinned, with the run's place in the series, once its attempt is recorded)."""
+    log = get_run_logger()
+    parent = series.warm_start(cfg)
+    if cfg.model.init_from != "base" and parent is None:
+        log.warning("model.init_from=%s: series %s has no such run yet; starting from the base model %s",
+                    cfg.model.init_from, cfg.series_name, cfg.model.name_or_path)  # fmt: skip
+    pin = series.pinned_eval(cfg) or _eval_pin(cfg, staged, base_model)
+    start = parent["final_model"] if parent else base_model
+    if parent:
+        log.info("warm start from run %s (%s): %s", parent["run"], cfg.model.init_from, start)
+    return Lineage(base_model, start, parent, pin)
+
+
+def _eval_pin(cfg: Config, staged: Staged, base_model: str) -> dict[str, Any]:
+    """The series' fixed eval set for its first run: ``series.eval`` staged on its own, or this run's eval split."""
+    if cfg.series.eval:
+        ev = cfg.model_copy(deep=True)
+        ev.data.train = ev.data.eval = cfg.series.eval
+        staged, source = stage_dataset(ev, base_model), cfg.series.eval
+    else:
+        source = f"the eval split of run {cfg.name}"
+    if not staged.counts.get("eval_rows"):
+        raise ConfigError([f"series.eval: {source} has no eval rows to score the series' runs on; name an eval set"])
+    return {"dataset_id": staged.dataset_id, "manifest_url": staged.manifest_url, "source": source}
 
 
 def _release_cluster(cfg: Config, handle: ClusterHandle) -> None:
@@ -80,7 +147,7 @@ def _release_cluster(cfg: Config, handle: ClusterHandle) -> None:
         stop_cluster(handle, run=cfg.name)
 
 
-async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path: str) -> dict[str, Any]:
+async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage) -> dict[str, Any]:
     """One attempt: preflight, then record the attempt and submit, watch, summarize.
 
     The attempt is recorded only once the preflight job passed (a watchdog pass meanwhile sees nothing to do),
@@ -89,11 +156,14 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path:
     restarts it from the newest valid checkpoint. If this flow dies, the job trains on and the watchdog adopts it.
     """
     attempt = registry.next_attempt(cfg)
-    spec_url = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from=None)
+    spec_url = write_job_spec(cfg, attempt, staged.manifest_url, lineage.start, None, lineage.score_manifest_url)
     await prefetch_shards(handle, registry.submission_id(cfg.name, attempt, "preflight"), spec_url)
     stop_superseded_job(cfg)
-    extra = {"manifest_url": staged.manifest_url, "model_path": model_path}
+    parent = lineage.parent["run"] if lineage.parent else None
+    extra = {"manifest_url": staged.manifest_url, "model_path": lineage.start, "parent": parent,
+             "score_manifest_url": lineage.score_manifest_url}  # fmt: skip
     registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra, expect=attempt)
+    series.begin_run(cfg, staged.dataset_id, lineage.pin, lineage.parent, flow_run.id)
     handed_over = False
     try:
         submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
@@ -108,12 +178,14 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, model_path:
             handed_over = True
             get_run_logger().error("training job failed; the run is left to the watchdog to recover: %s", e)
             raise
-        summary = summarize(cfg, staged.dataset_id, model_path)
+        summary = summarize(cfg, staged.dataset_id, lineage.start)
     except BaseException as e:
         if not handed_over:
             _end_unless_training(cfg, attempt, e)
         raise
     registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=summary["final_model"])
+    summary["verdict"] = series.finish_run(cfg.storage, cfg.name)
+    await publish_series(cfg)
     return summary
 
 

@@ -18,7 +18,14 @@ from ray_jobs.storage import Layout, pyarrow_filesystem, read_json, strip_protoc
 log = logging.getLogger("unbroken.job")
 
 
-def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str | None, attempt: int = 0):
+def build_trainer(
+    cfg: Config,
+    manifest: dict,
+    model_path: str,
+    resume_from: str | None,
+    attempt: int = 0,
+    score_manifest: dict | None = None,
+):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -35,6 +42,7 @@ def build_trainer(cfg: Config, manifest: dict, model_path: str, resume_from: str
             "model_path": model_path,
             "resume_from": resume_from,
             "attempt": attempt,
+            "score_manifest": score_manifest,
         },
         torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s),
         scaling_config=ScalingConfig(
@@ -80,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = read_json(args.spec)
     cfg = from_json(json.dumps(spec["config"]))
     manifest = read_json(spec["manifest_url"])
-    trainer = build_trainer(cfg, manifest, spec["model_path"], spec.get("resume_from"), spec.get("attempt", 0))
+    score = read_json(spec["score_manifest_url"]) if spec.get("score_manifest_url") else None
+    trainer = build_trainer(
+        cfg, manifest, spec["model_path"], spec.get("resume_from"), spec.get("attempt", 0), score_manifest=score
+    )
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps worker errors; name the root cause plainly for the watchdog's policy

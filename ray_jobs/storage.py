@@ -179,6 +179,24 @@ class Layout:
     def final_model(self, run: str) -> str:
         return join(self.run_dir(run), "final")
 
+    def score(self, run: str) -> str:
+        """The final model's loss on its series' pinned eval set (the promotion gate reads it)."""
+        return join(self.run_dir(run), "score.json")
+
+    # series/<series>/... : the lineage of runs, its lease and the champion pointer
+    def series_dir(self, series: str) -> str:
+        return join(self.root, "series", series)
+
+    def series_registry(self, series: str) -> str:
+        return join(self.series_dir(series), "series.json")
+
+    def series_lease_dir(self, series: str) -> str:
+        return join(self.series_dir(series), "leases")
+
+    def champion(self, series: str) -> str:
+        """The champion pointer: which run's final folder, with every file's sha256 (switched atomically)."""
+        return join(self.series_dir(series), "champion.json")
+
     # ray/<run>/ : Ray Train's own run storage; unbroken's checkpoint folders live in it (so Ray tracks them)
     def ray_storage(self) -> str:
         return join(self.root, "ray")

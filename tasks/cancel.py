@@ -1,4 +1,4 @@
-"""What keeps a finetune flow run and its Ray job in step: one active run per run name, and no Ray job left
+"""What keeps a finetune flow run and its Ray job in step: one active run per series, and no Ray job left
 running after its flow run was cancelled or crashed.
 
 Prefect delivers a cancel of a served run by SIGTERM to the run's process (the watch task sees the termination and
@@ -22,18 +22,19 @@ SLOT_LEASE_S = 60  # a crashed holder's slot frees itself after this long
 
 
 @contextlib.asynccontextmanager
-async def one_run_per_name(run: str) -> AsyncIterator[None]:
-    """Hold the global concurrency limit ``unbroken-run-<run>`` (limit 1) for the whole flow run: a second run of
-    the same name waits for the first instead of training into the same checkpoints."""
+async def one_run_per_series(series: str) -> AsyncIterator[None]:
+    """Hold the global concurrency limit ``unbroken-series-<series>`` (limit 1) for the whole flow run: a second
+    run of the series waits for the first (two dataset events queue in order, and the second then sees what the
+    first trained) instead of training beside it. A fixed run name is its own series."""
     from prefect import get_client
     from prefect.concurrency.asyncio import concurrency
     from prefect.exceptions import ObjectAlreadyExists
 
-    name = f"unbroken-run-{run}"
+    name = f"unbroken-series-{series}"
     async with get_client() as client:
         with contextlib.suppress(ObjectAlreadyExists):  # two first runs racing to create it
             await client.upsert_global_concurrency_limit_by_name(name, 1)
-    run_logger().info("waiting for concurrency slot %s (one active run per run name)", name)
+    run_logger().info("waiting for concurrency slot %s (one active run per series)", name)
     # The slot only queues flow runs; what guarantees one training job per run is the registry (an active attempt
     # refuses a second one, under the run's storage lease). So a Prefect API outage that stops the slot's lease
     # renewals must not cancel a flow whose job trains fine: renewal failures are logged, not raised.
@@ -55,6 +56,13 @@ def _current_attempt(flow_run):
         cfg = run_config(**(flow_run.parameters or {}))
     except (ConfigError, OSError):
         return None
+    if cfg.is_template:  # resolved after staging: the series registry knows what this flow run named its run
+        from tasks import series
+
+        run = series.run_of_flow_run(cfg.storage, cfg.series_name, str(flow_run.id))
+        if run is None:
+            return None
+        cfg = cfg.named(run)
     reg = registry.load(cfg.storage, cfg.name)
     if not reg or not reg.get("attempts"):
         return None

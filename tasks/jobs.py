@@ -63,8 +63,17 @@ def stop_and_wait(address: str, submission_id: str, wait_s: float = 60.0) -> boo
     return True
 
 
-def write_job_spec(cfg: Config, attempt: int, manifest_url: str, model_path: str, resume_from: str | None) -> str:
-    """Everything a job needs, on shared storage where the cluster can read it; returns its URL."""
+def write_job_spec(
+    cfg: Config,
+    attempt: int,
+    manifest_url: str,
+    model_path: str,
+    resume_from: str | None,
+    score_manifest_url: str | None = None,
+) -> str:
+    """Everything a job needs, on shared storage where the cluster can read it; returns its URL.
+    ``model_path``: the weights to start from (the base model, or a warm start's folder); ``score_manifest_url``:
+    the series' pinned eval set the finished model is scored on."""
     url = Layout(cfg.storage).job_spec(cfg.name, attempt)
     spec = {
         "config": json.loads(cfg.model_dump_json()),
@@ -72,6 +81,7 @@ def write_job_spec(cfg: Config, attempt: int, manifest_url: str, model_path: str
         "model_path": model_path,
         "resume_from": resume_from,
         "attempt": attempt,
+        "score_manifest_url": score_manifest_url,
     }
     write_json_atomic(url, spec)
     return url

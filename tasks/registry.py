@@ -158,6 +158,8 @@ def begin_attempt(
 
 
 def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> int:
+    if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
+        raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")
     reg = load(cfg.storage, cfg.name) or {
         "name": cfg.name, "created_at": time.time(), "attempts": [], "incidents": [], "restarts": 0,
     }  # fmt: skip

@@ -194,3 +194,45 @@ def summarize(cfg: Config, dataset_id: str, base_model: str) -> dict[str, Any]:
         s["first_eval_loss"], s["final_eval_loss"], s["steps"], s["exact_match"],
     )  # fmt: skip
     return s
+
+
+def series_chart_markdown(series: str, rows: list[dict[str, Any]]) -> str:
+    """Each scored run's loss on the series' fixed eval set, in order, as a mermaid line chart; the champion named."""
+    scored = [r for r in rows if r["score"] is not None]
+    lines = [f"# Series {series}", "", f"Runs: {len(rows)}; champion: "
+             f"{next((r['run'] for r in rows if r['champion']), 'none yet')}", ""]  # fmt: skip
+    if scored:
+        top = max(r["score"] for r in scored)
+        lines += [
+            "```mermaid",
+            CHART_THEME,
+            "xychart-beta",
+            f'    title "{series}: eval loss on the series eval set, by run"',
+            f"    x-axis [{', '.join(str(i + 1) for i in range(len(scored)))}]",
+            f'    y-axis "eval loss" 0 --> {top * 1.05:.3f}',
+            "    line [" + ", ".join(f"{r['score']:.4f}" for r in scored) + "]",
+            "```",
+            "",
+        ]
+    lines += ["| # | run | dataset | eval loss | warm start from | verdict |", "|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        score = "-" if r["score"] is None else f"{r['score']:.4f}"
+        mark = " (champion)" if r["champion"] else ""
+        lines.append(f"| {i} | {r['run']}{mark} | {r['dataset']} | {score} | {r['parent'] or 'base'} | "
+                     f"{r['verdict'] or '-'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+async def publish_series(cfg: Config) -> None:
+    """The series' lineage as a table artifact and its eval loss across runs as a chart (key ``series-<name>``)."""
+    from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
+
+    from tasks import series
+
+    rows = series.table(cfg.storage, cfg.series_name)
+    table = [{k: r[k] for k in ("run", "state", "dataset", "score", "parent", "champion", "verdict")} for r in rows]
+    await acreate_table_artifact(
+        table, key=f"series-{cfg.series_name}", description=f"runs of series {cfg.series_name}"
+    )
+    await acreate_markdown_artifact(series_chart_markdown(cfg.series_name, rows), key=f"series-{cfg.series_name}-chart",
+                                    description="eval loss across the series")  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Any
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, from_json
 from ray_jobs.storage import Layout, exists, read_json
-from tasks import jobsapi, registry
+from tasks import jobsapi, registry, series
 from tasks import lease as leases
 from tasks.cluster import ClusterError, provision_cluster, stop_cluster
 from tasks.jobs import StopUnverified, last_step, stop_and_wait, submit_job, write_job_spec
@@ -420,10 +420,12 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
         reg["dataset_id"],
         resume_from=resume_from,
         started_by="watchdog",
-        extra={"manifest_url": reg["manifest_url"], "model_path": reg["model_path"]},
+        extra={k: reg.get(k) for k in ("manifest_url", "model_path", "score_manifest_url")},
         lease=lease,
     )
-    spec = write_job_spec(cfg, attempt, reg["manifest_url"], reg["model_path"], resume_from)
+    spec = write_job_spec(
+        cfg, attempt, reg["manifest_url"], reg["model_path"], resume_from, reg.get("score_manifest_url")
+    )
     sid = submit_job(handle, registry.submission_id(run, attempt), spec)
     reg = registry.load(storage, run)
     incident = registry.open_incident(reg)
@@ -514,6 +516,7 @@ def _finish(cfg: Config, reg: dict[str, Any], verdict: Verdict) -> Outcome:
     registry.save(cfg.storage, cfg.name, reg)
     if attempt.get("started_by") == "watchdog" or attempt.get("adopted_by") == "watchdog":
         _release_head(cfg, reg)  # no flow is left to stop it
+        series.finish_run(cfg.storage, cfg.name)  # nor to score it against the series' champion
     return Outcome(cfg.name, "succeeded", f"final model: {reg.get('final_model', '-')}")
 
 

@@ -36,9 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--sensor-interval", type=float, default=60.0, help="seconds between dataset sensor runs")
     srv = sub.add_parser("server", help="start a local Prefect server (SQLite) with the UI on 127.0.0.1")
     srv.add_argument("--port", type=int, default=4200)
-    st = sub.add_parser("status", help="print a run's registry: state, attempts, incidents, heartbeat")
+    st = sub.add_parser("status", help="print a run's registry: state, attempts, incidents, heartbeat, lineage")
     st.add_argument("run", help="run name")
     st.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
+    rs = sub.add_parser("runs", help="list the runs of every series (or one): state, dataset, eval loss, champion")
+    rs.add_argument("--series", default=None, help="only this series")
+    rs.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
     return p
 
 
@@ -51,6 +54,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.finetune import finetune
 
     s = asyncio.run(finetune(args.config, args.overrides))
+    if s.get("nothing_new"):
+        print(s["message"])
+        print(f"final model: {s['final_model']}")
+        return 0
     print(f"run {s['run']}: {s['steps']} steps on dataset {s['dataset_id']}")
     print(f"eval loss: {s['first_eval_loss']:.4f} at step 0 -> {s['final_eval_loss']:.4f} at step {s['steps']}")
     print(f"held-out exact match: {s['exact_match']}")
@@ -58,6 +65,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"  {x['prompt']!r}  (expected {x['target']!r})")
         print(f"    before: {x['before']!r}")
         print(f"    after:  {x['output']!r}")
+    if verdict := s.get("verdict"):
+        print(
+            f"series {verdict['series']}: {'promoted' if verdict['promoted'] else 'not promoted'} -- {verdict['why']}"
+        )
     print(f"final model: {s['final_model']}")
     return 0
 
@@ -74,12 +85,22 @@ def cmd_stage(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from ray_jobs.config import absolute_url
     from tasks.registry import describe
+    from tasks.series import lineage_lines
 
+    storage = absolute_url(args.storage)
     try:
-        print(describe(absolute_url(args.storage), args.run))
+        print("\n".join([describe(storage, args.run), *lineage_lines(storage, args.run)]))
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from ray_jobs.config import absolute_url
+    from tasks.series import format_table, table
+
+    print(format_table(table(absolute_url(args.storage), args.series)))
     return 0
 
 
@@ -146,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_server(args)
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "runs":
+        return cmd_runs(args)
     try:
         if args.command in ("run", "stage"):
             load_config(args.config, args.overrides)  # before Prefect is imported

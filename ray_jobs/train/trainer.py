@@ -26,7 +26,7 @@ from ray_jobs.config import Config, from_json
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, RankSampler, load_rows, rank_shards
 from ray_jobs.model.loading import load_tokenizer
-from ray_jobs.storage import Layout, upload_dir
+from ray_jobs.storage import Layout, upload_dir, write_json_atomic
 from ray_jobs.train import faults, preemption
 from ray_jobs.train.heartbeat import Heartbeat
 from ray_jobs.train.metrics import MetricsLog
@@ -390,12 +390,13 @@ class Trainer:
             "elapsed_s": self.loop.elapsed_s,
         }
 
-    def evaluate(self) -> float:
-        """Mean loss per target token over the eval split; ranks take slices and run equally many batches."""
+    def evaluate(self, rows: tuple | None = None) -> float:
+        """Mean loss per target token over the eval split (or ``rows``: ids, labels, positions); ranks take slices
+        and run equally many batches."""
         import torch
 
         self._phase("evaluating")
-        ids_all, labels_all, pos_all = self.eval_all
+        ids_all, labels_all, pos_all = rows or self.eval_all
         mine = slice(self.rt.rank, None, self.rt.world_size)
         ids, labels, pos = ids_all[mine], labels_all[mine], pos_all[mine]
         mb = self.cfg.train.micro_batch_size
@@ -440,6 +441,20 @@ class Trainer:
         faults.on_phase(phase)
 
     # -- the end --------------------------------------------------------------------------------------------
+    def score(self, manifest: dict[str, Any] | None) -> float | None:
+        """The trained model's loss on a series' pinned eval set (another staged dataset's eval split, the same for
+        every run of the series); rank 0 writes it to ``runs/<run>/score.json`` for the promotion gate."""
+        if not manifest:
+            return None
+        cache = ShardCache(self.cfg.storage, manifest["dataset_id"], self.cfg.data.cache_dir,
+                           self.cfg.data.cache_max_gb * 1e9)  # fmt: skip
+        loss = self.evaluate(load_rows(cache, manifest["shards"]["eval"], manifest["seq_len"]))
+        if self.rt.rank == 0:
+            body = {"dataset_id": manifest["dataset_id"], "eval_loss": loss, "step": self.loop.step}
+            write_json_atomic(self.layout.score(self.cfg.name), body)
+            log.info("score on the series' eval set %s: %.4f", manifest["dataset_id"], loss)
+        return loss
+
     def export_final(self) -> str | None:
         """Rank 0 writes the final HF folder (merged weights in ``train.export_dtype``, tokenizer, model card) to
         ``runs/<run>/final``."""
@@ -537,6 +552,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         trainer.attempt = attempt
         trainer.resume_or_start(loop_config.get("resume_from"))
         trainer.fit()
+        trainer.score(loop_config.get("score_manifest"))
         trainer.export_final()
     finally:
         if heartbeat is not None:

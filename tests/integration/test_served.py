@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from ray_jobs.config import ClusterConfig, load_config
+from tasks import series
 from tasks.cluster import _reachable, jobs_client
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import read_registry
@@ -27,6 +28,8 @@ from tests.procs import free_port, train_worker_pids, wait_for
 pytestmark = pytest.mark.integration
 SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"
 STEP_DELAY_S = 0.5  # 30 steps: ~15 s of training per run
+FIRST_RUN: list[str] = []  # the run the first dataset event made (later tests compare with it)
+FIRST_LANDING: list[Path] = []
 
 
 class PrefectServer:
@@ -84,12 +87,15 @@ def served(server, tmp_path_factory):
     """``unbroken serve`` with a tiny config; yields (config path, storage)."""
     root = tmp_path_factory.mktemp("served")
     storage = root / "storage"
-    # Events may name datasets under this module's temp folders and the sample data's folder (the sensor watches
-    # data.train) only; each step sleeps (a sleep changes no weight)
+    # Events may name datasets under this module's temp folders only; each step sleeps (a sleep changes no weight)
     # so a Prefect server restart lands mid-training; the variable reaches jobs only because it is passed through.
     passthrough = [*ClusterConfig().env_passthrough, "UNBROKEN_INJECT_DELAY"]
+    (root / "data").mkdir()
+    shutil.copy(SAMPLE_DATA, root / "data" / "addition.jsonl")  # the scheduled run's data: a test may change it
     extra = {
-        "data.allowed_sources": [str(tmp_path_factory.getbasetemp()), str(SAMPLE_DATA.parent)],
+        "data.train": str(root / "data" / "addition.jsonl"),
+        "model.init_from": "series-champion",  # retraining warm-starts from the series' best model so far
+        "data.allowed_sources": [str(tmp_path_factory.getbasetemp())],
         "cluster.env_passthrough": passthrough,
     }
     cfg = load_config(ROOT / "configs" / "demo.yaml", tiny_overrides(storage, name="served", **extra))
@@ -148,36 +154,118 @@ def _final(run_id, timeout_s: float, log: Path):
 
 
 def test_a_dataset_event_retrains_with_the_payloads_dataset(served, tmp_path_factory) -> None:
-    from prefect.events import emit_event
-    from prefect.events.worker import EventsWorker
-
     config, storage, log = served
     landing = tmp_path_factory.mktemp("landing") / "new-data.jsonl"
     shutil.copy(SAMPLE_DATA, landing)
+    FIRST_LANDING.append(landing)
     before = {r.id for r in _runs_of("finetune")}
-    emit_event(event="unbroken.dataset.updated", resource={"prefect.resource.id": "unbroken.dataset.test"},
-               payload={"dataset_uri": str(landing)})  # fmt: skip
-    EventsWorker.drain_all()
+    _emit_dataset(str(landing))
 
-    new = wait_for(
-        "a finetune run from the trigger", lambda: [r for r in _runs_of("finetune") if r.id not in before], 60, 1.0
-    )
-    assert new[0].parameters["dataset_uri"] == str(landing)
-    run = _final(new[0].id, 400, log)
+    run = _final(_triggered_run(before, landing).id, 400, log)
     assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-6000:]}"
-    assert run.name == "finetune-served"
-    reg = read_registry(storage, "served")
+    assert run.name == "finetune-served", "a served run is named by its series in the UI"
+    [row] = series.table(str(storage), "served")  # served names runs <name>-{dataset}: this data's own run
+    name = row["run"]
+    assert name == f"served-{row['dataset'].removeprefix('ds-')[:8]}"
+    reg = read_registry(storage, name)
     assert reg["state"] == "succeeded" and reg["config"]["data"]["train"] == str(landing)
+    FIRST_RUN.append(name)
+    assert (
+        "model.init_from=series-champion: series served has no such run yet; starting from the base" in log.read_text()
+    )
 
     artifacts = _client_call(lambda c: c.read_artifacts(flow_run_filter=_by_id(run.id)))
     keys = {a.key for a in artifacts}
-    assert {"served-progress", "served-metrics", "served-loss-curve", "served-summary", "served-ray-job",
-            "served-final-model"} <= keys, keys  # fmt: skip
-    progress = [a for a in artifacts if a.key == "served-progress"]
+    assert {f"{name}-progress", f"{name}-metrics", f"{name}-loss-curve", f"{name}-summary", f"{name}-ray-job",
+            f"{name}-final-model", "series-served", "series-served-chart"} <= keys, keys  # fmt: skip
+    progress = [a for a in artifacts if a.key == f"{name}-progress"]
     assert progress and progress[0].data == 100.0
-    curve = next(a for a in artifacts if a.key == "served-loss-curve")
+    curve = next(a for a in artifacts if a.key == f"{name}-loss-curve")
     assert "xychart-beta" in curve.data and "line [" in curve.data
-    _screenshot_of_artifacts(run.id, artifacts)
+    _screenshot_of_artifacts(run.id, artifacts, name)
+
+
+def _emit_dataset(uri: str) -> None:
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    emit_event(event="unbroken.dataset.updated", resource={"prefect.resource.id": "unbroken.dataset.test"},
+               payload={"dataset_uri": uri})  # fmt: skip
+    EventsWorker.drain_all()
+
+
+def _triggered_run(before: set, uri: str):
+    new = wait_for(
+        "a finetune run from the trigger", lambda: [r for r in _runs_of("finetune") if r.id not in before], 60, 1.0
+    )
+    assert new[0].parameters["dataset_uri"] == uri
+    return new[0]
+
+
+def test_new_data_is_a_warm_started_run_of_the_series_and_the_same_data_again_trains_nothing(
+    served, tmp_path_factory
+) -> None:
+    """Event B (other data) trains a second run of series ``served``, warm-started from the champion (the first
+    run); event A again, and a cron-style run on the config's unchanged data, train nothing; new data where the
+    scheduled run reads trains a third run."""
+    from prefect.deployments import run_deployment
+
+    config, storage, log = served
+    first = FIRST_RUN[0]
+    landing = tmp_path_factory.mktemp("landing-b") / "new-data.jsonl"
+    lines = SAMPLE_DATA.read_text().splitlines()
+    landing.write_text("\n".join(lines[: len(lines) * 2 // 3]) + "\n")  # another drop: another dataset id
+    before = {r.id for r in _runs_of("finetune")}
+    _emit_dataset(str(landing))
+    run = _final(_triggered_run(before, str(landing)).id, 400, log)
+    assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-6000:]}"
+    rows = series.table(str(storage), "served")
+    assert [r["run"] for r in rows][0] == first and len(rows) == 2, rows
+    second = rows[1]["run"]
+    assert rows[1]["parent"] == first and read_registry(storage, second)["parent"] == first
+    first_eval = lambda run: next(r["eval_loss"] for r in _metrics(storage, run) if "eval_loss" in r)  # noqa: E731
+    assert first_eval(second) < 0.8 * first_eval(first), "a warm start begins far below a base-model start"
+    champion = min(rows, key=lambda r: r["score"])["run"]
+    assert [r["run"] for r in rows if r["champion"]] == [champion]
+    assert json.loads((storage / "series" / "served" / "champion.json").read_text())["run"] == champion
+    kept = sorted(p.name for p in (storage / "ray" / second).glob("checkpoint-step-*"))
+    assert kept == ["checkpoint-step-00000030"], "checkpoint.keep_after_success=1 after success"
+
+    # The first run's data again: by event, and by a cron-style run on the config's data (the same content).
+    for parameters in ({"dataset_uri": str(FIRST_LANDING[0])}, {}):
+        before = {r.id for r in _runs_of("finetune")}
+        if parameters:
+            _emit_dataset(parameters["dataset_uri"])
+            again = _triggered_run(before, parameters["dataset_uri"])
+        else:
+            again = run_deployment("finetune/finetune", timeout=0)
+        done = _final(again.id, 300, log)
+        assert done.state.is_completed(), done.state
+        assert f"nothing new to train: run {first} already trained on dataset" in (done.state.message or "")
+    assert len(series.table(str(storage), "served")) == 2, "no third run"
+    # New data where the scheduled run reads: the next cron-style run trains it, a third run of the series.
+    scheduled = Path(yaml.safe_load(config.read_text())["data"]["train"])
+    scheduled.write_text("\n".join(lines[len(lines) // 3 :]) + "\n")
+    try:
+        done = _final(run_deployment("finetune/finetune", timeout=0).id, 400, log)
+    finally:
+        shutil.copy(SAMPLE_DATA, scheduled)  # later tests train the sample data from the base model
+    assert done.state.is_completed() and "nothing new" not in (done.state.message or ""), done.state
+    rows = series.table(str(storage), "served")
+    assert len(rows) == 3 and rows[2]["state"] == "succeeded" and rows[2]["parent"] == champion, rows
+
+    out = subprocess.run([sys.executable, "-m", "unbroken", "runs", "--series", "served", "--storage", str(storage)],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    lines_out = out.splitlines()[1:]
+    assert [line.split()[1] for line in lines_out] == [r["run"] for r in rows]
+    assert [line.rstrip().endswith("*") for line in lines_out] == [r["champion"] for r in rows]
+    chart = next(a for a in _client_call(lambda c: c.read_artifacts(flow_run_filter=_by_id(run.id)))
+                 if a.key == "series-served-chart")  # fmt: skip
+    _screenshot("series-served-chart", f"/v2/artifacts/artifact/{chart.id}")
+
+
+def _metrics(storage: Path, run: str) -> list[dict]:
+    return [json.loads(line) for line in (storage / "runs" / run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _by_id(run_id):
@@ -190,33 +278,33 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
-def _screenshot_of_artifacts(run_id, artifacts) -> None:
-    """Headless Chromium opens the run's Artifacts tab and the loss-curve artifact; the rendered pages must show
-    the artifacts and a drawn chart. Screenshots are kept in .unbroken/screenshots/ for people to look at."""
+def _screenshot(name: str, path: str) -> str:
+    """Headless Chromium renders a page of the Prefect UI into .unbroken/screenshots/<name>.png (kept for people to
+    look at); returns the rendered DOM."""
     from prefect.settings import PREFECT_API_URL
 
     browser = _chromium()
     assert browser, "Chromium is needed for the UI check (Debian package `chromium`: `make browser`)"
-    ui = PREFECT_API_URL.value().removesuffix("/api")
+    url = PREFECT_API_URL.value().removesuffix("/api") + path
     SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
-    curve = next(a for a in artifacts if a.key == "served-loss-curve")
-    pages = {
-        "finetune-run-artifacts": f"{ui}/v2/runs/flow-run/{run_id}?tab=Artifacts",
-        "finetune-loss-curve": f"{ui}/v2/artifacts/artifact/{curve.id}",
-    }
     flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--window-size=1400,1800", "--virtual-time-budget=20000"]  # fmt: skip
-    dom = {}
-    for name, url in pages.items():
-        dom[name] = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
-        shot = SCREENSHOT_DIR / f"{name}.png"
-        subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
-        assert shot.exists() and shot.stat().st_size > 10_000, f"a real screenshot of {url}"
-    page = dom["finetune-run-artifacts"]
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    shot = SCREENSHOT_DIR / f"{name}.png"
+    subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
+    assert shot.exists() and shot.stat().st_size > 10_000, f"a real screenshot of {url}"
+    assert 'aria-roledescription="xychart"' in dom or "chart" not in name, f"mermaid drew the chart on {url}"
+    return dom
+
+
+def _screenshot_of_artifacts(run_id, artifacts, run: str) -> None:
+    """The run's Artifacts tab and its loss-curve artifact, rendered: the page shows every artifact and a chart."""
+    curve = next(a for a in artifacts if a.key == f"{run}-loss-curve")
+    page = _screenshot("finetune-run-artifacts", f"/v2/runs/flow-run/{run_id}?tab=Artifacts")
+    _screenshot("finetune-loss-chart", f"/v2/artifacts/artifact/{curve.id}")
     assert "finetune-served" in page, "the run page carries the run's name"
     missing = [a.key for a in artifacts if a.key not in page]
     assert not missing, f"not visible in the UI: {missing}; page text:\n{page[-3000:]}"
-    assert 'aria-roledescription="xychart"' in dom["finetune-loss-curve"], "mermaid drew the loss curve"
 
 
 def test_a_failed_finetune_run_triggers_the_watchdog(served) -> None:
@@ -293,7 +381,7 @@ def test_a_prefect_server_restart_mid_run_neither_stops_nor_doubles_training(ser
     assert reg["state"] == "succeeded" and len(reg["attempts"]) == 1, reg
     assert jobs.seen == {"unbroken-restart-me-train-001"}, "one training job, ever (the head's own job list)"
     assert jobs.most_at_once == 1
-    assert _weights(storage, "restart-me") == _weights(storage, "served"), "bit-identical to the same training"
+    assert _weights(storage, "restart-me") == _weights(storage, FIRST_RUN[0]), "bit-identical to the same training"
 
 
 class RayJobsSeen:

@@ -134,7 +134,11 @@ def test_a_watchdog_pass_during_preflight_finds_nothing_to_do(tmp_path: Path, mo
     monkeypatch.setattr(flow, "prefetch_shards", preflight)
     staged = Staged(dataset_id="ds-1", manifest_url=str(tmp_path / "m.json"), cache_hit=False, counts={})
     with pytest.raises(RuntimeError, match="not enough CPUs"):
-        asyncio.run(flow._train(c, HANDLE, staged, "builtin"))
+        asyncio.run(
+            flow._train(
+                c, HANDLE, staged, flow.Lineage("builtin", "builtin", None, {"manifest_url": staged.manifest_url})
+            )
+        )
     assert seen["active"] == [] and seen["outcome"].action == "inactive"
     assert registry.load(c.storage, c.name) is None  # a failed preflight leaves no attempt behind
 

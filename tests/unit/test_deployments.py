@@ -51,6 +51,18 @@ def test_served_deployments_and_prefect_yaml_agree() -> None:
         assert yaml_intervals == served_intervals, name
 
 
+def test_served_retraining_names_each_run_by_its_dataset_in_one_series() -> None:
+    from deployments.serve import serve_name
+
+    overrides = served()["finetune"].parameters["overrides"]
+    assert (
+        overrides[1:]
+        == ["name=demo-{dataset}", "series.name=demo"]
+        == declared()["finetune"]["parameters"]["overrides"]
+    )
+    assert serve_name("nightly-{date}") == [], "a config with its own template keeps it"
+
+
 def test_finetune_is_retriggered_by_dataset_events_and_watchdog_by_finetune_failures() -> None:
     s = served()
     [dataset] = s["finetune"].triggers

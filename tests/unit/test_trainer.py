@@ -382,3 +382,15 @@ def test_an_in_job_restart_of_a_watchdog_attempt_resumes_from_the_newest_checkpo
     t = Trainer(c, manifest, model, LocalRuntime())
     t.resume_or_start(explicit_checkpoint=by_step[10])  # the watchdog named step 10; step 20 is valid too
     assert t.loop.step == 20 and t.resumed_from == by_step[20]
+
+
+def test_the_finished_model_is_scored_on_the_series_eval_set_for_the_promotion_gate(setup) -> None:
+    cfg, manifest, model = setup
+    c = named(cfg, "scored")
+    t = train(c, manifest, model)
+    pinned = json.loads(json.dumps(manifest))  # another run's dataset in general; its eval split is what counts
+    loss = t.score(pinned)
+    assert loss == pytest.approx(t.evaluate(), rel=1e-6), "the same model on the same eval rows"
+    written = json.loads(Path(Layout(c.storage).score(c.name)).read_text())
+    assert written == {"dataset_id": manifest["dataset_id"], "eval_loss": loss, "step": 30}
+    assert t.score(None) is None
