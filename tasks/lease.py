@@ -112,6 +112,8 @@ def _newest(lease_dir: str) -> tuple[int, dict | None]:
         return gens[-1], read_json(_url(lease_dir, gens[-1]))
     except FileNotFoundError:
         return gens[-1], None
+    except ValueError:  # created exclusively a moment ago and not written yet: its creator is taking the lease
+        return gens[-1], {"owner": "(being acquired)", "generation": gens[-1], "expires_at": float("inf")}
 
 
 def _held(body: dict | None) -> bool:
