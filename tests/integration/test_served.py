@@ -161,7 +161,7 @@ def test_a_dataset_event_retrains_with_the_payloads_dataset(served, tmp_path_fac
     before = {r.id for r in _runs_of("finetune")}
     _emit_dataset(str(landing))
 
-    run = _final(_triggered_run(before, landing).id, 400, log)
+    run = _final(_triggered_run(before, str(landing)).id, 400, log)
     assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-6000:]}"
     assert run.name == "finetune-served", "a served run is named by its series in the UI"
     [row] = series.table(str(storage), "served")  # served names runs <name>-{dataset}: this data's own run

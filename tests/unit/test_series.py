@@ -12,6 +12,7 @@ from ray_jobs.config import ConfigError, load_config
 from ray_jobs.storage import Layout
 from tasks import registry, series
 from tests.conftest import ROOT, tiny_overrides
+from tests.unit.test_trainer import setup  # noqa: F401 (a fixture: a staged tiny dataset and model)
 
 DEMO = ROOT / "configs" / "demo.yaml"
 
@@ -200,3 +201,27 @@ def test_a_missing_series_eval_source_is_a_config_error_naming_the_field(tmp_pat
     c = _run(tmp_path, "sums-a", **{"series.eval": str(tmp_path / "nope.jsonl")})
     with pytest.raises(ConfigError, match="series.eval: no such file or folder"):
         series.check_eval_source(c)
+
+
+# -- the series' fixed eval set ----------------------------------------------------------------------------------
+def test_a_series_eval_set_is_staged_on_its_own_and_pinned_by_its_dataset_id(setup, tmp_path) -> None:  # noqa: F811
+    from flows.finetune import _eval_pin
+    from ray_jobs.storage import read_json
+    from tasks.stage import Staged
+    from tests.conftest import SAMPLE_DATA
+
+    base, manifest, model = setup
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join(SAMPLE_DATA.read_text().splitlines(keepends=True)[:200]))
+    c = base.model_copy(deep=True)
+    c.series.eval = str(held_out)
+    staged = Staged(manifest["dataset_id"], "unused", True, {"eval_rows": 3})
+    pin = _eval_pin(c, staged, model)
+    assert pin["source"] == str(held_out) and pin["dataset_id"] != manifest["dataset_id"]
+    fixed = read_json(pin["manifest_url"])
+    assert [f["url"] for f in fixed["sources"]["eval"]] == [str(held_out)] and fixed["counts"]["eval_rows"] > 0
+    assert _eval_pin(c, staged, model) == pin, "staged once: the same data is the same pinned id"
+
+    no_eval = Staged(manifest["dataset_id"], "m", True, {"eval_rows": 0})
+    with pytest.raises(ConfigError, match="series.eval: the eval split of run t has no eval rows"):
+        _eval_pin(base, no_eval, model)
