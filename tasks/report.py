@@ -28,6 +28,19 @@ def metrics_table(cfg: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any
     return [{**{k: r.get(k) for k in METRIC_COLUMNS}, "checkpoint": saved.get(r["step"], "")} for r in rows]
 
 
+def mermaid_line(title: str, y_label: str, points: list[tuple[str, float]], top: float) -> list[str]:
+    """A mermaid ``xychart-beta`` line chart (the Prefect UI renders mermaid in markdown artifacts); the axes only
+    when there are points."""
+    lines = ["```mermaid", CHART_THEME, "xychart-beta", f'    title "{title}"']
+    if points:
+        lines += [
+            f"    x-axis [{', '.join(x for x, _ in points)}]",
+            f'    y-axis "{y_label}" 0 --> {top * 1.05:.3f}',
+            "    line [" + ", ".join(f"{y:.4f}" for _, y in points) + "]",
+        ]
+    return [*lines, "```"]
+
+
 def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:
     """Train and eval loss by step as a mermaid ``xychart-beta`` line chart (the Prefect UI renders mermaid)."""
     train = [r for r in rows if "loss" in r]
@@ -35,23 +48,12 @@ def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:
     if len(train) > CHART_POINTS:  # evenly thinned, always keeping the last point
         every = -(-len(train) // CHART_POINTS)
         train = train[::every] + ([train[-1]] if (len(train) - 1) % every else [])
+    top = max([r["loss"] for r in train] + [r["eval_loss"] for r in evals], default=0.0)
+    points = [(str(r["step"]), r["loss"]) for r in train]
     lines = [
         f"# Loss of {cfg.name}",
         "",
-        "```mermaid",
-        CHART_THEME,
-        "xychart-beta",
-        f'    title "{cfg.name}: loss by step"',
-    ]
-    if train:
-        top = max([r["loss"] for r in train] + [r["eval_loss"] for r in evals])
-        lines += [
-            f"    x-axis [{', '.join(str(r['step']) for r in train)}]",
-            f'    y-axis "loss" 0 --> {top * 1.05:.3f}',
-            "    line [" + ", ".join(f"{r['loss']:.4f}" for r in train) + "]",
-        ]
-    lines += [
-        "```",
+        *mermaid_line(f"{cfg.name}: loss by step", "loss", points, top),
         "",
         "Train loss at each logged step (the line). Eval loss:",
         "",
@@ -202,18 +204,9 @@ def series_chart_markdown(series: str, rows: list[dict[str, Any]]) -> str:
     lines = [f"# Series {series}", "", f"Runs: {len(rows)}; champion: "
              f"{next((r['run'] for r in rows if r['champion']), 'none yet')}", ""]  # fmt: skip
     if scored:
-        top = max(r["score"] for r in scored)
-        lines += [
-            "```mermaid",
-            CHART_THEME,
-            "xychart-beta",
-            f'    title "{series}: eval loss on the series eval set, by run"',
-            f"    x-axis [{', '.join(str(i + 1) for i in range(len(scored)))}]",
-            f'    y-axis "eval loss" 0 --> {top * 1.05:.3f}',
-            "    line [" + ", ".join(f"{r['score']:.4f}" for r in scored) + "]",
-            "```",
-            "",
-        ]
+        points = [(str(i), r["score"]) for i, r in enumerate(scored, 1)]
+        title = f"{series}: eval loss on the series eval set, by run"
+        lines += [*mermaid_line(title, "eval loss", points, max(y for _, y in points)), ""]
     lines += ["| # | run | dataset | eval loss | warm start from | verdict |", "|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         score = "-" if r["score"] is None else f"{r['score']:.4f}"

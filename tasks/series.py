@@ -245,11 +245,15 @@ def trim_checkpoints(storage: str, run: str, keep: int) -> list[str]:
         return []
     doomed = [url for _, url in ckpt.list_checkpoints(Layout(storage).checkpoints_dir(run))[keep:]]
     for url in doomed:
-        fs, path = fs_and_path(url)
-        fs.rm(path, recursive=True)
+        _remove_folder(url)
     if doomed:
         log.info("run %s succeeded: deleted %d older checkpoint(s), kept %d", run, len(doomed), keep)
     return doomed
+
+
+def _remove_folder(url: str) -> None:
+    fs, path = fs_and_path(url)
+    fs.rm(path, recursive=True)
 
 
 def _trim_runs(storage: str, rec: dict[str, Any], keep_runs: int | None) -> None:
@@ -263,8 +267,7 @@ def _trim_runs(storage: str, rec: dict[str, Any], keep_runs: int | None) -> None
     for e in done[: max(0, len(done) - keep_runs)]:
         final = Layout(storage).final_model(e["run"])
         if exists(final):
-            fs, path = fs_and_path(final)
-            fs.rm(path, recursive=True)
+            _remove_folder(final)
             e["final_deleted_at"] = time.time()
             log.info("series %s: deleted the final model of run %s (series.keep_runs=%d)", rec["series"], e["run"],
                      keep_runs)  # fmt: skip
