@@ -115,3 +115,17 @@ def final_weights_hash(cfg: Config) -> str:
 
     state = load(read_bytes(join(Layout(cfg.storage).final_model(cfg.name), "model.safetensors")))
     return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
+
+
+def until_finished(cfg: Config, logs: list[Path] = (), timeout_s: float = 300) -> dict:
+    """The run's registry once it is succeeded or failed; on a time-out, what it says and the tails of ``logs``."""
+
+    def finished():
+        reg = registry.load(cfg.storage, cfg.name)
+        return reg if reg and reg["state"] in ("succeeded", "failed") else None
+
+    try:
+        return wait_for(f"run {cfg.name} to finish", finished, timeout_s=timeout_s, every_s=0.5)
+    except TimeoutError:
+        tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in logs)
+        raise AssertionError(f"{registry.describe(cfg.storage, cfg.name)}\n{tails}") from None

@@ -36,6 +36,7 @@ from tests.chaos.harness import (
     rank0_pid,
     start_run,
     start_training,
+    until_finished,
     wait_for,
     wait_job,
 )
@@ -80,17 +81,6 @@ class WatchdogLoop:
 
     def actions(self) -> list[str]:
         return [o.action if hasattr(o, "action") else f"error: {o}" for o in self.outcomes]
-
-
-def until_finished(cfg: Config, timeout_s: float = 300) -> dict:
-    def finished():
-        reg = registry.load(cfg.storage, cfg.name)
-        return reg if reg and reg["state"] in ("succeeded", "failed") else None
-
-    try:
-        return wait_for(f"run {cfg.name} to finish", finished, timeout_s=timeout_s, every_s=0.5)
-    except TimeoutError:
-        raise AssertionError(registry.describe(cfg.storage, cfg.name)) from None
 
 
 def ray_train_jobs(handle: ClusterHandle, cfg: Config) -> list[str]:

@@ -32,6 +32,7 @@ from tests.chaos.harness import (
     rank0_pid,
     start_run,
     train_worker_pids,
+    until_finished,
     wait_for,
 )
 from tests.conftest import ROOT
@@ -84,18 +85,6 @@ def watched_config(storage: Path, name: str) -> Config:
     return chaos_config(storage, name, **WATCHED)
 
 
-def until_done(cfg: Config, watchdog_logs: list[Path], timeout_s: float = 300) -> dict:
-    def finished():
-        reg = registry.load(cfg.storage, cfg.name)
-        return reg if reg and reg["state"] in ("succeeded", "failed") else None
-
-    try:
-        return wait_for(f"run {cfg.name} to finish", finished, timeout_s=timeout_s, every_s=0.5)
-    except TimeoutError:
-        tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in watchdog_logs)
-        raise AssertionError(f"{registry.describe(cfg.storage, cfg.name)}\n{tails}") from None
-
-
 def check_recovered(cfg: Config, reg: dict, baseline: str, kind: str, fault_at: float, scenario: str) -> dict:
     """The run finished by exactly one restart, bit-identical to the baseline; its cost goes into the report."""
     status = registry.describe(cfg.storage, cfg.name)
@@ -129,7 +118,7 @@ def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, base
     fault_at = time.time()
     os.kill(pid, signal.SIGKILL)
 
-    reg = until_done(cfg, watchdogs)
+    reg = until_finished(cfg, watchdogs)
     incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 the job driver")
     # Ray SIGTERMs the orphaned workers: they save a just-in-time checkpoint, so little or nothing is lost.
     assert incident["resumed_step"] >= incident["failed_step"] - cfg.checkpoint.every_steps
@@ -143,7 +132,7 @@ def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, wat
     fault_at = time.time()
     os.kill(victim, signal.SIGSTOP)
     try:
-        reg = until_done(cfg, watchdogs)
+        reg = until_finished(cfg, watchdogs)
     finally:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
@@ -174,7 +163,7 @@ def test_worker_killed_while_a_checkpoint_is_written_resumes_from_the_previous_o
     os.kill(victim, signal.SIGKILL)
     caught_mid_write = not (partial / "manifest.json").exists()
 
-    reg = until_done(cfg, watchdogs)
+    reg = until_finished(cfg, watchdogs)
     incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 during a checkpoint write")
     if caught_mid_write:
         assert incident["resumed_step"] < ckpt.checkpoint_step(partial.name), "a half-written checkpoint was loaded"
@@ -190,6 +179,6 @@ def test_whole_cluster_stopped_is_reprovisioned_and_resumed(ray_cluster, baselin
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
-    reg = until_done(cfg, watchdogs)
+    reg = until_finished(cfg, watchdogs)
     incident = check_recovered(cfg, reg, baseline, "cluster-unreachable", fault_at, "kill -9 every process of the head")
     assert incident["reprovisioned"], "the watchdog started the local head again"
