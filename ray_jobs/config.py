@@ -343,10 +343,7 @@ class Config(_Section):
     def resolved(self, dataset_id: str, at: float) -> Config:
         """This config with its run name template resolved (and its series named, so the run's recorded config
         still knows its series)."""
-        out = self.model_copy(deep=True)
-        out.series.name = self.series_name
-        out.name = render_name(self.name, name_values(dataset_id, at))
-        return out
+        return self.named(render_name(self.name, name_values(dataset_id, at)))
 
     def named(self, run: str) -> Config:
         """This config as the run a template resolved to (known from elsewhere: the series registry)."""

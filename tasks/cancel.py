@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from ray_jobs.config import ConfigError
-from tasks import registry
+from tasks import registry, series
 from tasks.cluster import ClusterError
 from tasks.logs import run_logger
 from tasks.params import run_config
@@ -57,8 +57,6 @@ def _current_attempt(flow_run):
     except (ConfigError, OSError):
         return None
     if cfg.is_template:  # resolved after staging: the series registry knows what this flow run named its run
-        from tasks import series
-
         run = series.run_of_flow_run(cfg.storage, cfg.series_name, str(flow_run.id))
         if run is None:
             return None

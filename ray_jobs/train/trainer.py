@@ -114,7 +114,6 @@ class Trainer:
         self.last_checkpoint_step = -1
         self.last_checkpoint_time = time.monotonic()
         self.checkpoint_owed = False  # one is due but waits for the previous write to land
-        self.deferred_since: int | None = None  # the step it was first due at, while deferred
         self.stalls_s: list[float] = []  # training-thread time blocked per checkpoint
         self.rows_materialized = 0  # training rows turned into batches (resume must not build skipped ones)
         self.last_step_at = time.time()
@@ -296,12 +295,14 @@ class Trainer:
             preemption.checkpoint_saved()
             raise preemption.Preempted(f"preempted: just-in-time checkpoint at step {step} saved")
         every = self.cfg.checkpoint.every_steps
+        was_owed = self.checkpoint_owed
         self.checkpoint_owed |= not last and bool((every and step % every == 0) or a.time_due)
         if self.checkpoint_owed and self.pending is not None:
             # The previous write is still in flight (a slow or unavailable store): keep training and take this
             # checkpoint at the first step after it landed, instead of freezing every rank until it does. Every
             # rank knows: ``pending`` is cleared on all ranks together once rank 0 says the write is done.
-            self._log_deferred(step)
+            if not was_owed and self.rt.rank == 0:
+                log.warning("checkpoint due at step %d deferred: the previous write is still in flight", step)
         elif self.checkpoint_owed:
             row["ckpt_stall_s"] = self.checkpoint(sync=not self.cfg.checkpoint.async_write)
         self._log(row)
@@ -315,11 +316,6 @@ class Trainer:
         self.writer.close()
 
     # -- checkpoints ----------------------------------------------------------------------------------------
-    def _log_deferred(self, step: int) -> None:
-        if self.rt.rank == 0 and self.deferred_since is None:
-            log.warning("checkpoint due at step %d deferred: the previous write is still in flight", step)
-        self.deferred_since = self.deferred_since or step
-
     def checkpoint(self, sync: bool) -> float:
         """Snapshot state into host memory and hand it to the writer; returns the seconds training was blocked."""
         started = time.monotonic()
@@ -333,7 +329,7 @@ class Trainer:
         self.pending = (self.loop.step, {"step": self.loop.step, "eval_loss": self.last_eval})
         self.last_checkpoint_step = self.loop.step
         self.last_checkpoint_time = time.monotonic()
-        self.checkpoint_owed, self.deferred_since = False, None
+        self.checkpoint_owed = False
         if sync:
             self._report_pending()
             self._phase("training")
