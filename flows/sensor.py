@@ -21,6 +21,7 @@ from prefect import flow
 from prefect.events import emit_event
 
 from ray_jobs.config import absolute_url
+from ray_jobs.data.fingerprint import file_version
 from ray_jobs.data.staging import list_sources
 from ray_jobs.storage import fs_and_path, join, read_json, write_json_atomic
 from tasks.logs import run_logger
@@ -34,8 +35,7 @@ def fingerprint(source: str) -> dict[str, Any]:
     for url in list_sources(source, "source"):
         fs, path = fs_and_path(url)
         info = fs.info(path)
-        version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
-        files.append({"file": url, "size": info.get("size"), "version": str(version)})
+        files.append({"file": url, "size": info.get("size"), "version": file_version(info)})
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
     return {"source": source, "fingerprint": digest, "files": files}
 

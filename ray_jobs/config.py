@@ -63,6 +63,15 @@ class DataConfig(_Section):
     """Target size of one Parquet shard on storage, in MB."""
     min_shards: int = Field(8, ge=1)
     """Write at least this many train shards, so up to this many ranks each read shards of their own."""
+    workers: int = Field(0, ge=0)
+    """Processes that validate and tokenize in parallel while staging; 0 = one per CPU core. Staged shards are the
+    same for any number."""
+    verify_sources: bool = False
+    """Hash every source file in full on every staging, even when its size and version marker (mtime locally, ETag on
+    S3) match what an earlier staging hashed. Off: a restage of unchanged sources reads none of their bytes."""
+    work_dir: str = "/tmp/unbroken/staging"
+    """Folder on the staging machine for staging's spill and progress files (about the packed size of the dataset
+    on disk, never in memory); a killed staging resumes from there."""
     cache_dir: str = "/tmp/unbroken/cache"
     """Node-local folder where each node keeps the shards its ranks read (the same path on every node)."""
     cache_max_gb: float = Field(100.0, gt=0)

@@ -116,6 +116,20 @@ def download_dir(url: str, local_dir: str | os.PathLike) -> Path:
     return local
 
 
+def upload_file(local: str | os.PathLike, url: str) -> None:
+    """Copy a local file to ``url`` without holding it in memory; readers see all of it or nothing (as above)."""
+    fs, path = fs_and_path(url)
+    if is_local(url):
+        import shutil
+
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        shutil.copyfile(local, tmp)
+        os.replace(tmp, path)
+    else:
+        fs.put_file(str(local), path)
+
+
 def upload_dir(local_dir: str | os.PathLike, url: str) -> None:
     """Publish a local folder at ``url`` so that it appears complete or not at all.
 
@@ -151,6 +165,10 @@ class Layout:
 
     def dataset_manifest(self, dataset_id: str) -> str:
         return join(self.dataset_dir(dataset_id), "manifest.json")
+
+    # datasets/sources/<key>.json : the sha256 staging read for a source file's (url, size, version)
+    def source_index(self) -> str:
+        return join(self.root, "datasets", "sources")
 
     # models/<name>/ : base models unbroken built (the built-in tiny model)
     def model_dir(self, name: str) -> str:

@@ -14,6 +14,8 @@ import io
 import math
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ray_jobs.data.tokenize import IGNORE_INDEX
 from ray_jobs.storage import join, write_bytes_atomic
 
@@ -28,28 +30,80 @@ class Rows(NamedTuple):
     positions: list[list[int]]
 
 
+class Examples(NamedTuple):
+    """Tokenized examples, flat: every example's ids then labels back to back, and each example's length."""
+
+    ids: np.ndarray  # int32 [sum(lengths)]
+    labels: np.ndarray  # int32 [sum(lengths)]
+    lengths: np.ndarray  # int64 [examples]
+
+    @classmethod
+    def of(cls, examples: list[tuple[list[int], list[int]]]) -> Examples:
+        lengths = np.fromiter((len(ids) for ids, _ in examples), dtype=np.int64, count=len(examples))
+        flat = lambda k: np.fromiter((t for ex in examples for t in ex[k]), dtype=np.int32, count=int(lengths.sum()))  # noqa: E731
+        return cls(flat(0), flat(1), lengths)
+
+
+class Packer:
+    """Greedy in-order packing into fixed-length rows, fed a batch at a time; an example never straddles two rows.
+
+    Rows come out as int32 arrays ``[rows, 3, seq_len]`` (ids, labels, positions). The row being filled is carried
+    from one batch to the next (and in :meth:`state`, so a resumed staging packs exactly as an unbroken one).
+    """
+
+    def __init__(self, seq_len: int, pad_id: int, state: dict[str, Any] | None = None):
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.cur = np.asarray((state or {}).get("row", [[], [], []]), dtype=np.int32).reshape(3, -1)
+
+    def state(self) -> dict[str, Any]:
+        return {"row": self.cur.tolist()}
+
+    def add(self, ex: Examples) -> np.ndarray:
+        """Pack a batch of examples; the rows it completed (the last, partly filled row stays open)."""
+        done, fill, starts = [], self.cur.shape[1], np.concatenate([[0], np.cumsum(ex.lengths)])
+        row = self._new_row(self.cur)
+        for i, n in enumerate(ex.lengths.tolist()):
+            if fill + n > self.seq_len:
+                done.append(self._close(row, fill))
+                row, fill = self._new_row(None), 0
+            lo, hi = starts[i], starts[i] + n
+            row[0, fill : fill + n] = ex.ids[lo:hi]
+            row[1, fill : fill + n] = ex.labels[lo:hi]
+            row[1, fill] = IGNORE_INDEX  # nothing in the example precedes its first token
+            row[2, fill : fill + n] = np.arange(n, dtype=np.int32)
+            fill += n
+        self.cur = row[:, :fill].copy()
+        return np.stack(done) if done else np.empty((0, 3, self.seq_len), dtype=np.int32)
+
+    def finish(self) -> np.ndarray:
+        """The open row, padded (no rows when it is empty)."""
+        fill = self.cur.shape[1]
+        if not fill:
+            return np.empty((0, 3, self.seq_len), dtype=np.int32)
+        out = self._close(self._new_row(self.cur), fill)[None]
+        self.cur = self.cur[:, :0]
+        return out
+
+    def _new_row(self, head: np.ndarray | None) -> np.ndarray:
+        row = np.empty((3, self.seq_len), dtype=np.int32)
+        if head is not None:
+            row[:, : head.shape[1]] = head
+        return row
+
+    def _close(self, row: np.ndarray, fill: int) -> np.ndarray:
+        """Pad the row to ``seq_len``; the padding is a run of its own (positions from 0), never a target."""
+        pad = self.seq_len - fill
+        row[0, fill:] = self.pad_id
+        row[1, fill:] = IGNORE_INDEX
+        row[2, fill:] = np.arange(pad, dtype=np.int32)
+        return row
+
+
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> Rows:
-    """Greedy in-order packing into fixed-length rows; an example never straddles two rows."""
-    rows = Rows([], [], [])
-    cur = Rows([], [], [])
-    for ids, labels in examples:
-        if len(cur.ids) + len(ids) > seq_len:
-            _close_row(rows, cur, seq_len, pad_id)
-            cur = Rows([], [], [])
-        cur.ids.extend(ids)
-        cur.labels.extend([IGNORE_INDEX] + labels[1:])
-        cur.positions.extend(range(len(ids)))
-    if cur.ids:
-        _close_row(rows, cur, seq_len, pad_id)
-    return rows
-
-
-def _close_row(rows: Rows, cur: Rows, seq_len: int, pad_id: int) -> None:
-    """Pad the row to ``seq_len``; the padding is a run of its own (positions from 0), never a target."""
-    pad = seq_len - len(cur.ids)
-    rows.ids.append(cur.ids + [pad_id] * pad)
-    rows.labels.append(cur.labels + [IGNORE_INDEX] * pad)
-    rows.positions.append(cur.positions + list(range(pad)))
+    """All of ``examples`` packed (see :class:`Packer`), as lists."""
+    packer = Packer(seq_len, pad_id)
+    rows = np.concatenate([packer.add(Examples.of(examples)), packer.finish()]) if examples else np.empty((0, 3, 0))
+    return Rows(*(rows[:, k, :].tolist() for k in range(3)))
 
 
 def shard_count(n_rows: int, seq_len: int, shard_mb: float, min_shards: int) -> int:
@@ -58,25 +112,31 @@ def shard_count(n_rows: int, seq_len: int, shard_mb: float, min_shards: int) -> 
     return max(1, min(n_rows, max(by_size, min_shards)))
 
 
-def write_shards(split: str, rows: Rows, n_shards: int, out_dir: str) -> list[dict[str, Any]]:
-    """Rows into ``n_shards`` contiguous Parquet shards under ``out_dir``; their manifest entries (with sha256)."""
-    bounds = [round(i * len(rows.ids) / n_shards) for i in range(n_shards + 1)]
-    entries = []
-    for i in range(n_shards):
-        lo, hi = bounds[i], bounds[i + 1]
-        data = _parquet_bytes([col[lo:hi] for col in rows])
-        name = f"{split}-{i:05d}.parquet"
-        write_bytes_atomic(join(out_dir, name), data)
-        entries.append({"file": name, "rows": hi - lo, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    return entries
+def shard_bounds(n_rows: int, n_shards: int) -> list[int]:
+    """Row boundaries of ``n_shards`` contiguous shards of ``n_rows`` rows: shard ``i`` is rows [b[i], b[i+1])."""
+    return [round(i * n_rows / n_shards) for i in range(n_shards + 1)]
 
 
-def _parquet_bytes(columns: list[list[list[int]]]) -> bytes:
+def write_shard(split: str, i: int, rows: np.ndarray, out_dir: str) -> dict[str, Any]:
+    """Rows ``[n, 3, seq_len]`` as Parquet shard ``i`` of ``split`` under ``out_dir``; its manifest entry."""
+    data = parquet_bytes(rows)
+    name = f"{split}-{i:05d}.parquet"
+    write_bytes_atomic(join(out_dir, name), data)
+    return {"file": name, "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def parquet_bytes(rows: np.ndarray) -> bytes:
+    """One zstd Parquet file with a ``list<int32>`` column per kind of row content (no per-row Python objects)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    n, _, seq_len = rows.shape
+    offsets = pa.array(np.arange(0, (n + 1) * seq_len, seq_len, dtype=np.int32))
     table = pa.table(
-        {name: pa.array(col, type=pa.list_(pa.int32())) for name, col in zip(COLUMNS, columns, strict=True)}
+        {
+            name: pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(rows[:, k, :]).reshape(-1)))
+            for k, name in enumerate(COLUMNS)
+        }
     )
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
-from ray_jobs.data.sources import SourceFile, StagingError
+from ray_jobs.data.sources import SourceFile, StagingError, position_unit
 
 
 class RecordProblem(ValueError):
@@ -64,6 +64,11 @@ class Reject:
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, self.unit: self.line, "reason": self.reason, "text": self.text}
 
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Reject:
+        unit = "row" if "row" in obj else "line"
+        return cls(obj["file"], obj[unit], obj["reason"], obj.get("text", ""), unit)
+
 
 Renderer = Callable[[list[dict]], Rendered]
 
@@ -71,28 +76,34 @@ Renderer = Callable[[list[dict]], Rendered]
 def parse_records(
     src: SourceFile, data: DataConfig, split: str = "train", render: Renderer | None = None
 ) -> tuple[list[Record], list[Reject]]:
-    """Check every record of one source file; each becomes a Record or a Reject, none is lost.
+    """Check every record of one source file held in memory; each becomes a Record or a Reject, none is lost.
 
     ``render`` renders chat messages with the tokenizer's chat template; only ``chat`` needs it.
     """
+    objects = _rows(src) if src.unit == "row" else line_objects(enumerate(src.data.split(b"\n"), start=1))
+    return check_objects(objects, src.url, data, split, render)
+
+
+def check_objects(
+    objects: Iterable[tuple[int, Any, str | None, str]], url: str, data: DataConfig, split: str, render: Renderer | None
+) -> tuple[list[Record], list[Reject]]:
+    """Records and rejects of decoded objects ``(position, object, problem, preview)`` of source file ``url``."""
     records: list[Record] = []
     rejects: list[Reject] = []
-    for pos, obj, problem, preview in _objects(src):
+    unit = position_unit(url)
+    for pos, obj, problem, preview in objects:
         try:
             if problem:
                 raise RecordProblem(problem)
-            records.append(_record(obj, data, render, src.url, pos, split))
+            records.append(_record(obj, data, render, url, pos, split))
         except RecordProblem as e:
-            rejects.append(Reject(src.url, pos, str(e), preview, src.unit))
+            rejects.append(Reject(url, pos, str(e), preview, unit))
     return records, rejects
 
 
-def _objects(src: SourceFile) -> Iterator[tuple[int, Any, str | None, str]]:
-    """(position, object, problem, preview) for each record: JSONL lines (blank ones are not records) or Parquet rows."""
-    if src.unit == "row":
-        yield from _rows(src)
-        return
-    for lineno, raw in enumerate(src.data.split(b"\n"), start=1):
+def line_objects(lines: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, Any, str | None, str]]:
+    """(line number, object, problem, preview) of JSONL lines; blank lines are not records."""
+    for lineno, raw in lines:
         if not raw.strip():
             continue
         preview = raw[:200].decode("utf-8", errors="replace")
@@ -107,6 +118,12 @@ def _objects(src: SourceFile) -> Iterator[tuple[int, Any, str | None, str]]:
             yield lineno, None, f"invalid JSON: {e.msg} (column {e.colno})", preview
 
 
+def row_objects(rows: Iterable[tuple[int, dict]]) -> Iterator[tuple[int, Any, None, str]]:
+    """(row number, row, None, preview) of a columnar file's rows."""
+    for i, row in rows:
+        yield i, row, None, json.dumps(row, default=str)[:200]
+
+
 def _rows(src: SourceFile) -> Iterator[tuple[int, Any, None, str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -117,8 +134,7 @@ def _rows(src: SourceFile) -> Iterator[tuple[int, Any, None, str]]:
         rows = table.to_pylist()
     except Exception as e:  # pyarrow raises several types for a damaged file
         raise StagingError(f"{src.url}: not a readable {'Arrow' if arrow else 'Parquet'} file: {e}") from e
-    for i, row in enumerate(rows, start=1):
-        yield i, row, None, json.dumps(row, default=str)[:200]
+    yield from row_objects(enumerate(rows, start=1))
 
 
 def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos: int, split: str) -> Record:

@@ -1,10 +1,16 @@
-"""Finding and reading source files: a file, a folder of JSONL/Parquet files, or a ``save_to_disk`` folder."""
+"""Finding and reading source files: a file, a folder of JSONL/Parquet files, or a ``save_to_disk`` folder.
+
+Staging reads a source as a stream of batches (:func:`read_batches`), each ending at a :class:`Position` it can be
+restarted from, so memory is one batch whatever the file's size and a killed staging resumes where it was.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray_jobs.storage import as_url, fs_and_path
 
@@ -67,3 +73,74 @@ def read_sources(url: str, field_name: str) -> list[SourceFile]:
         except OSError as e:
             raise StagingError(f"{u}: cannot read: {e}") from e
     return out
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where to resume reading a file: ``offset`` bytes (JSONL) or rows (columnar) in, next record number ``next``."""
+
+    offset: int = 0
+    next: int = 1
+
+
+@dataclass
+class SourceBatch:
+    """Consecutive records of one file: ``(line, raw bytes)`` for JSONL, ``(row, dict)`` for Parquet/Arrow."""
+
+    url: str
+    items: list[tuple[int, Any]]
+    end: Position
+
+
+def read_batches(url: str, start: Position = Position(), batch_bytes: int = 4 << 20) -> Iterator[SourceBatch]:
+    """The records of one file from ``start`` on: about ``batch_bytes`` of JSONL, or one record batch of rows."""
+    fs, path = fs_and_path(url)
+    try:
+        with fs.open(path, "rb") as f:
+            if position_unit(url) == "line":
+                yield from _line_batches(url, f, start, batch_bytes)
+            else:
+                yield from _row_batches(url, f, start)
+    except OSError as e:
+        raise StagingError(f"{url}: cannot read: {e}") from e
+
+
+def _line_batches(url: str, f, start: Position, batch_bytes: int) -> Iterator[SourceBatch]:
+    """Whole lines only: a batch ends at its last newline and the bytes after it open the next batch."""
+    f.seek(start.offset)
+    offset, lineno, rest = start.offset, start.next, b""
+    while True:
+        block = f.read(batch_bytes)
+        if not block:
+            if rest:  # a last line with no newline after it
+                yield SourceBatch(url, [(lineno, rest)], Position(offset + len(rest), lineno + 1))
+            return
+        buf = rest + block
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            rest = buf
+            continue
+        lines, rest = buf[:cut].split(b"\n"), buf[cut + 1 :]
+        offset += cut + 1
+        yield SourceBatch(url, list(enumerate(lines, start=lineno)), Position(offset, lineno + len(lines)))
+        lineno += len(lines)
+
+
+def _row_batches(url: str, f, start: Position) -> Iterator[SourceBatch]:
+    """Rows of a Parquet file or an Arrow stream (``save_to_disk``), read a record batch at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrow = url.endswith(".arrow")
+    try:
+        batches = pa.ipc.open_stream(f) if arrow else pq.ParquetFile(f).iter_batches(batch_size=8192)
+        row = 0
+        for batch in batches:
+            rows = batch.to_pylist()
+            skip = max(0, min(len(rows), start.offset - row))
+            row += len(rows)
+            if skip < len(rows):
+                items = list(enumerate(rows[skip:], start=row - len(rows) + skip + 1))
+                yield SourceBatch(url, items, Position(row, row + 1))
+    except (pa.ArrowException, ValueError) as e:  # pyarrow raises several types for a damaged file
+        raise StagingError(f"{url}: not a readable {'Arrow' if arrow else 'Parquet'} file: {e}") from e

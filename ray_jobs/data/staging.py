@@ -1,11 +1,18 @@
 """Stage a dataset: read source records, validate each one, tokenize, pack, write Parquet shards + manifest.
 
-The stages live in their own modules (sources, records, tokenize, pack); this one runs them in order and owns
-what spans them: the dataset id, the train/eval split, the reject policy and the manifest.
+The stages live in their own modules (sources, records, tokenize, pack, workers, spill); this one runs them in order
+and owns what spans them: the dataset id, the reject policy and the manifest.
 
-The dataset id is a content hash of (source fingerprint, tokenizer fingerprint, staging config), so staging the
-same thing again is a cache hit that writes nothing. Shards are written first and ``manifest.json`` last: a
-crash mid-staging leaves no manifest, never a manifest pointing at missing shards.
+Staging streams: sources are read a batch at a time, validated and tokenized in a pool of processes (results taken
+in source order), packed, and spilled to local disk as int32 rows; once every source was read the rows are cut into
+shards. Memory is a few batches plus one shard, whatever the dataset's size, and the output is byte-identical to
+what reading everything into memory wrote (the shard boundaries need the total row count, hence the spill).
+
+The dataset id is a content hash of (source sha256s, tokenizer fingerprint, staging config), so staging the same
+thing again is a cache hit that writes nothing; a source's sha256 comes from its size and version marker when an
+earlier staging hashed that version (``fingerprint``), so a cache hit reads no source bytes. Shards are written
+first and ``manifest.json`` last: a crash mid-staging leaves no manifest, never a manifest pointing at missing
+shards, and the next staging resumes from the spill's progress.
 
 A bad record is never dropped silently: it is written to ``rejects.jsonl`` with file, line and reason, and unless
 ``data.max_reject_fraction`` allows it, staging fails naming the first few ``file:line: reason``.
@@ -15,15 +22,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ray_jobs.config import DataConfig
-from ray_jobs.data.pack import Rows, pack, shard_count, write_shards
+from ray_jobs.data.fingerprint import Source, describe, resolve_hashes
+from ray_jobs.data.pack import pack, shard_count
 from ray_jobs.data.records import Record, Reject, parse_records, record_in_eval
-from ray_jobs.data.sources import SourceFile, StagingError, list_sources, position_unit, read_sources
-from ray_jobs.data.tokenize import IGNORE_INDEX, Tokenized, chat_renderer, tokenizer_fingerprint
-from ray_jobs.storage import Layout, exists, join, read_json, write_bytes_atomic, write_json_atomic
+from ray_jobs.data.sources import (
+    Position,
+    SourceBatch,
+    SourceFile,
+    StagingError,
+    list_sources,
+    position_unit,
+    read_batches,
+    read_sources,
+)
+from ray_jobs.data.spill import SPLITS, Spill
+from ray_jobs.data.tokenize import IGNORE_INDEX, chat_renderer, tokenizer_fingerprint
+from ray_jobs.data.workers import BatchWork, pool_size, results
+from ray_jobs.storage import Layout, exists, join, read_json, upload_file, write_json_atomic
 
 # What other modules import from here (the stages' own modules are the homes).
 __all__ = [
@@ -33,6 +54,8 @@ __all__ = [
 
 # 2: pairs tokenized as one text, chat learns assistant turns by offsets, shards carry position_ids.
 STAGING_VERSION = 2
+BATCH_BYTES = 4 << 20  # of JSONL source per batch handed to a worker
+COMMIT_BATCHES = 8  # progress is recorded every this many batches (and at the end of every source file)
 
 
 @dataclass
@@ -41,25 +64,27 @@ class StageResult:
     manifest_url: str
     cache_hit: bool
     manifest: dict[str, Any]
+    sources_read: int = 0  # source files whose bytes were read to learn their sha256 (0: fingerprints sufficed)
 
 
 def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str) -> StageResult:
     """Stage ``data`` onto ``storage`` with ``tokenizer``; a cache hit when the same inputs were staged before."""
-    sources = {"train": read_sources(data.train, "data.train")}
+    sources = {"train": describe(data.train, "data.train")}
     if data.eval:
-        sources["eval"] = read_sources(data.eval, "data.eval")
+        sources["eval"] = describe(data.eval, "data.eval")
+    read = resolve_hashes(sources, storage, data.verify_sources)
     tok_fp = tokenizer_fingerprint(tokenizer)
     ds_id = dataset_id(sources, tok_fp, data)
     layout = Layout(storage)
     manifest_url = layout.dataset_manifest(ds_id)
     if exists(manifest_url):
-        return StageResult(ds_id, manifest_url, True, read_json(manifest_url))
+        return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
     manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, layout.dataset_dir(ds_id))
     write_json_atomic(manifest_url, manifest)
-    return StageResult(ds_id, manifest_url, False, manifest)
+    return StageResult(ds_id, manifest_url, False, manifest, read)
 
 
-def dataset_id(sources: dict[str, list[SourceFile]], tok_fp: str, data: DataConfig) -> str:
+def dataset_id(sources: dict[str, list[Source]], tok_fp: str, data: DataConfig) -> str:
     spec = {
         "version": STAGING_VERSION,
         "sources": {k: [f.sha256 for f in v] for k, v in sources.items()},
@@ -83,101 +108,93 @@ def staging_config(data: DataConfig) -> dict[str, Any]:
 
 
 def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir) -> dict[str, Any]:
-    render = chat_renderer(tokenizer, tokenizer_name, data.train_on) if data.format == "chat" else None
-    records, rejects = _validate_all(sources, data, render)
-    total = len(records) + len(rejects)
-    tokenized = _tokenize(tokenizer, _split(records, data, sources), data)
-    rejects += tokenized["train"].rejects + tokenized["eval"].rejects
-    _enforce_reject_policy(rejects, total, data, out_dir, sources)
-    if not tokenized["train"].examples:
-        raise StagingError(f"data.train: no usable records in {_names(sources['train'])}")
-    if not tokenized["eval"].examples:
-        raise StagingError("the eval split is empty: raise data.eval_fraction or set data.eval")
+    if tokenizer.eos_token_id is None:
+        raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
+    work = BatchWork(tokenizer, tokenizer_name, data)
+    work.render()  # a chat format with no chat template fails here, before any source is read
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = {split: pack(t.examples, data.seq_len, pad) for split, t in tokenized.items()}
-    shards = {split: _write_split(split, r, data, out_dir) for split, r in rows.items()}
-    _write_rejects(rejects, out_dir)
+    spill = Spill(Path(data.work_dir) / ds_id, ds_id, data.seq_len, pad)
+    if spill.reading:
+        _read_all(spill, work, sources, data)
+    _check_counts(spill, data, out_dir, sources)
+    shards = {split: spill.write_split(split, _shards(spill, split, data), out_dir) for split in SPLITS}
+    upload_file(spill.rejects_file(), join(out_dir, "rejects.jsonl"))
     tok_info = {"name_or_path": tokenizer_name, "fingerprint": tok_fp, "vocab_size": len(tokenizer),
                 "pad_token_id": pad, "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
-    return {
+    manifest = {
         "dataset_id": ds_id,
         "staging_version": STAGING_VERSION,
         "seq_len": data.seq_len,
-        "sources": {
-            k: [{"url": f.url, "bytes": len(f.data), "sha256": f.sha256} for f in v] for k, v in sources.items()
-        },
+        "sources": {k: [{"url": f.url, "bytes": f.size, "sha256": f.sha256} for f in v] for k, v in sources.items()},
         "tokenizer": tok_info,
         "staging_config": staging_config(data),
-        "counts": _counts(total, rejects, tokenized, rows),
+        "counts": _counts(spill),
         "shards": shards,
     }
+    spill.remove()
+    return manifest
 
 
-def _tokenize(tokenizer, splits: tuple[list[Record], list[Record]], data: DataConfig) -> dict[str, Tokenized]:
-    # a chat rendering already holds the template's special tokens; adding the tokenizer's would double BOS
-    specials = data.format != "chat"
+def _read_all(spill: Spill, work: BatchWork, sources: dict[str, list[Source]], data: DataConfig) -> None:
+    """Every source batch through the workers into the spill, recording progress as it goes."""
+    files = [(split, f) for split, fs in sources.items() for f in fs]
+    workers = pool_size(data, sum(f.size for _, f in files))
+    for n, ((i, end, last), result) in enumerate(results(work, _batches(files, *spill.start), workers), start=1):
+        spill.add(result)
+        if last or n % COMMIT_BATCHES == 0:
+            spill.commit(i + 1, Position()) if last else spill.commit(i, end)
+    spill.end_reading()
+
+
+def _batches(files: list[tuple[str, Source]], first: int, at: Position) -> Iterator[tuple[tuple, str, SourceBatch]]:
+    """``((file index, end position, last of its file), split, batch)`` from file ``first`` at ``at`` on."""
+    for i in range(first, len(files)):
+        split, src = files[i]
+        batches = read_batches(src.url, at if i == first else Position(), BATCH_BYTES)
+        batch = next(batches, None)
+        while batch is not None:
+            following = next(batches, None)
+            yield (i, batch.end, following is None), split, batch
+            batch = following
+
+
+def _shards(spill: Spill, split: str, data: DataConfig) -> int:
+    return shard_count(spill.rows(split), data.seq_len, data.shard_mb, data.min_shards if split == "train" else 1)
+
+
+def _counts(spill: Spill) -> dict[str, int]:
+    c = spill.counts
     return {
-        name: Tokenized(tokenizer, recs, data.seq_len, add_special_tokens=specials)
-        for name, recs in zip(("train", "eval"), splits, strict=True)
+        "records": c["records"],
+        "rejects": c["rejects"],
+        "train_examples": c["train_examples"],
+        "eval_examples": c["eval_examples"],
+        "train_rows": spill.rows("train"),
+        "eval_rows": spill.rows("eval"),
+        "train_tokens": c["train_tokens"],
+        "train_target_tokens": c["train_target_tokens"],
     }
 
 
-def _write_split(split: str, rows: Rows, data: DataConfig, out_dir: str) -> list[dict[str, Any]]:
-    min_shards = data.min_shards if split == "train" else 1
-    return write_shards(split, rows, shard_count(len(rows.ids), data.seq_len, data.shard_mb, min_shards), out_dir)
-
-
-def _counts(total: int, rejects: list[Reject], tokenized: dict[str, Tokenized], rows: dict[str, Rows]) -> dict:
-    return {
-        "records": total,
-        "rejects": len(rejects),
-        "train_examples": len(tokenized["train"].examples),
-        "eval_examples": len(tokenized["eval"].examples),
-        "train_rows": len(rows["train"].ids),
-        "eval_rows": len(rows["eval"].ids),
-        "train_tokens": sum(len(ids) for ids, _ in tokenized["train"].examples),
-        "train_target_tokens": sum(sum(1 for x in lab if x != IGNORE_INDEX) for lab in rows["train"].labels),
-    }
-
-
-def _validate_all(sources, data, render) -> tuple[list[Record], list[Reject]]:
-    records: list[Record] = []
-    rejects: list[Reject] = []
-    for split, files in sources.items():
-        for f in files:
-            recs, rejs = parse_records(f, data, split, render)
-            records += recs
-            rejects += rejs
-    return records, rejects
-
-
-def _split(records: list[Record], data: DataConfig, sources) -> tuple[list[Record], list[Record]]:
-    if "eval" in sources:
-        return [r for r in records if r.split == "train"], [r for r in records if r.split == "eval"]
-    ev = [record_in_eval(r, data.eval_fraction) for r in records]
-    return [r for r, e in zip(records, ev, strict=True) if not e], [r for r, e in zip(records, ev, strict=True) if e]
-
-
-def _enforce_reject_policy(rejects, total, data, out_dir, sources) -> None:
+def _check_counts(spill: Spill, data: DataConfig, out_dir: str, sources: dict[str, list[Source]]) -> None:
+    """The reject policy, then a train and an eval split that are not empty."""
+    total, rejected = spill.counts["records"], spill.counts["rejects"]
     if total == 0:
         raise StagingError(f"no records found in {_names([f for v in sources.values() for f in v])} (empty input)")
-    if not rejects or len(rejects) / total <= data.max_reject_fraction:
-        return
-    url = _write_rejects(rejects, out_dir)
-    first = "\n".join(f"  {r.where}: {r.reason}" for r in rejects[:5])
-    more = f"\n  ... and {len(rejects) - 5} more" if len(rejects) > 5 else ""
-    raise StagingError(
-        f"{len(rejects)} of {total} records rejected ({len(rejects) / total:.1%}), over "
-        f"data.max_reject_fraction={data.max_reject_fraction}:\n{first}{more}\nall rejects: {url}"
-    )
+    if rejected and rejected / total > data.max_reject_fraction:
+        url = join(out_dir, "rejects.jsonl")
+        upload_file(spill.rejects_file(), url)
+        first = "\n".join(f"  {r.where}: {r.reason}" for r in spill.first_rejects(5))
+        more = f"\n  ... and {rejected - 5} more" if rejected > 5 else ""
+        raise StagingError(
+            f"{rejected} of {total} records rejected ({rejected / total:.1%}), over "
+            f"data.max_reject_fraction={data.max_reject_fraction}:\n{first}{more}\nall rejects: {url}"
+        )
+    if not spill.counts["train_examples"]:
+        raise StagingError(f"data.train: no usable records in {_names(sources['train'])}")
+    if not spill.counts["eval_examples"]:
+        raise StagingError("the eval split is empty: raise data.eval_fraction or set data.eval")
 
 
-def _write_rejects(rejects: list[Reject], out_dir: str) -> str:
-    url = join(out_dir, "rejects.jsonl")
-    body = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
-    write_bytes_atomic(url, body.encode())
-    return url
-
-
-def _names(files: list[SourceFile]) -> str:
+def _names(files: list[Source]) -> str:
     return ", ".join(f.url for f in files)

@@ -1,0 +1,114 @@
+"""Source fingerprints: what a store says about a file's version, and the sha256 an earlier staging read for it.
+
+The dataset id hashes each source file's sha256 (content-addressed: the same bytes give the same id wherever and
+however they are staged). Reading a 10 GB source just to learn that nothing changed is the waste this module removes:
+the first staging of a file records ``(url, size, version) -> sha256`` in a small index on storage, where ``version``
+is what the store keeps for free (mtime locally, ETag and version id on S3), and later stagings take the sha256 from
+there with one metadata call per file. ``data.verify_sources`` hashes in full every time instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ray_jobs.data.sources import StagingError, list_sources
+from ray_jobs.storage import Layout, fs_and_path, join, read_json, write_json_atomic
+
+_HASH_BLOCK = 8 << 20
+
+
+@dataclass
+class Source:
+    """One source file: where it is, its size and version marker, and (once known) the sha256 of its bytes."""
+
+    url: str
+    size: int
+    version: str
+    sha256: str = ""
+    settled: bool = True  # False: changed too recently for its version marker to tell one write from the next
+
+
+# A file system's mtime ticks coarsely (a few ms on Linux): two writes of the same size within one tick share a
+# version. Like git's "racily clean" rule, a file changed this recently is hashed every time and never indexed.
+SETTLE_S = 2.0
+
+
+def file_version(info: dict[str, Any]) -> str:
+    """The store's own change marker for a file: ETag (+ version id) on object stores, mtime on a file system."""
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return f"{etag}:{info['VersionId']}" if info.get("VersionId") else str(etag)
+    return str(info.get("mtime") or info.get("LastModified") or info.get("last_modified") or "")
+
+
+def describe(url: str, field_name: str) -> list[Source]:
+    """The files of a source with their size and version marker (one metadata call each, no reads)."""
+    out = []
+    for u in list_sources(url, field_name):
+        fs, path = fs_and_path(u)
+        try:
+            info = fs.info(path)
+        except OSError as e:
+            raise StagingError(f"{u}: cannot read: {e}") from e
+        mtime = info.get("mtime")
+        settled = info.get("ETag") is not None or not isinstance(mtime, float) or time.time() - mtime > SETTLE_S
+        out.append(Source(u, int(info.get("size") or 0), file_version(info), settled=settled))
+    return out
+
+
+def hash_file(url: str) -> str:
+    """sha256 of a file, read in blocks (memory stays one block whatever the file's size)."""
+    fs, path = fs_and_path(url)
+    h = hashlib.sha256()
+    try:
+        with fs.open(path, "rb") as f:
+            while block := f.read(_HASH_BLOCK):
+                h.update(block)
+    except OSError as e:
+        raise StagingError(f"{url}: cannot read: {e}") from e
+    return h.hexdigest()
+
+
+class SourceIndex:
+    """``<storage>/datasets/sources/<key>.json``: the sha256 staging read for a (url, size, version)."""
+
+    def __init__(self, storage: str):
+        self.dir = Layout(storage).source_index()
+
+    def _url(self, src: Source) -> str:
+        key = hashlib.sha256(f"{src.url}\0{src.size}\0{src.version}".encode()).hexdigest()[:32]
+        return join(self.dir, f"{key}.json")
+
+    def lookup(self, src: Source) -> str:
+        """The recorded sha256, or "" when this version of the file was never hashed (or its entry is unreadable)."""
+        if not src.version or not src.settled:  # no change marker, or one that cannot tell yet: nothing to trust
+            return ""
+        try:
+            entry = read_json(self._url(src))
+        except (OSError, ValueError):
+            return ""
+        same = (entry.get("url"), entry.get("size"), entry.get("version")) == (src.url, src.size, src.version)
+        return entry.get("sha256", "") if same else ""
+
+    def remember(self, src: Source) -> None:
+        if src.version and src.settled:
+            entry = {"url": src.url, "size": src.size, "version": src.version, "sha256": src.sha256}
+            write_json_atomic(self._url(src), entry)
+
+
+def resolve_hashes(sources: dict[str, list[Source]], storage: str, verify: bool) -> int:
+    """Fill in every source's sha256: from the index where its version was hashed before (unless ``verify``), else
+    by reading it. Returns the number of files read."""
+    index = SourceIndex(storage)
+    read = 0
+    for files in sources.values():
+        for src in files:
+            src.sha256 = "" if verify else index.lookup(src)
+            if not src.sha256:
+                src.sha256 = hash_file(src.url)
+                index.remember(src)
+                read += 1
+    return read

@@ -1,0 +1,165 @@
+"""Staging's work folder on local disk: packed rows and rejects spilled to files, and how far staging got.
+
+Shards are cut at row counts that depend on the whole dataset (``shard_count``/``shard_bounds``), so rows can only be
+written as shards once every source was read. Until then they wait here, as raw int32 (the size of the packed data,
+on disk: memory holds one batch). ``progress.json`` is written after the files it vouches for were flushed, and says
+which source file and position comes next, the packers' open rows, the counts, and the shards already written: a
+killed staging truncates the files to what progress recorded and goes on from there, ending byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_jobs.data.pack import Packer, shard_bounds, write_shard
+from ray_jobs.data.records import Reject
+from ray_jobs.data.sources import Position
+from ray_jobs.data.tokenize import IGNORE_INDEX
+from ray_jobs.data.workers import BatchResult
+
+SPLITS = ("train", "eval")
+# rejects.jsonl lists records that failed validation first, then those too long or unrepresentable once tokenized
+REJECT_KINDS = ("invalid", "train", "eval")
+_COUNTS = ("records", "rejects", "train_examples", "eval_examples", "train_tokens", "train_target_tokens")
+
+
+class Spill:
+    """The resumable state of one dataset's staging, in ``folder``."""
+
+    def __init__(self, folder: Path, dataset_id: str, seq_len: int, pad_id: int):
+        self.folder, self.seq_len = folder, seq_len
+        folder.mkdir(parents=True, exist_ok=True)
+        self.progress = self._load(dataset_id)
+        self.packers = {s: Packer(seq_len, pad_id, self.progress["packers"].get(s)) for s in SPLITS}
+        self._files = {}
+        for name, size in self.progress["sizes"].items():
+            with open(self._path(name), "ab") as f:
+                f.truncate(size)  # bytes written after the last progress record are written again
+            self._files[name] = open(self._path(name), "ab")  # noqa: SIM115 -- kept open across batches
+
+    # -- what progress says
+    @property
+    def reading(self) -> bool:
+        return self.progress["phase"] == "read"
+
+    @property
+    def start(self) -> tuple[int, Position]:
+        return self.progress["file"], Position(**self.progress["position"])
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.progress["counts"]
+
+    def rows(self, split: str) -> int:
+        return self.progress["sizes"][f"{split}.rows"] // (3 * self.seq_len * 4)
+
+    # -- reading sources
+    def add(self, result: BatchResult) -> None:
+        c = self.counts
+        c["records"] += result.records
+        self._rejects("invalid", result.invalid)
+        for split in SPLITS:
+            ex = result.examples[split]
+            self._rejects(split, result.token_rejects[split])
+            c[f"{split}_examples"] += len(ex.lengths)
+            if split == "train":
+                c["train_tokens"] += int(ex.lengths.sum())
+            self._rows(split, self.packers[split].add(ex))
+
+    def commit(self, file_index: int, position: Position) -> None:
+        """Record that every source before ``file_index``, and that file up to ``position``, is in the spill."""
+        self.progress.update(file=file_index, position=position.__dict__)
+        self._save()
+
+    def end_reading(self) -> None:
+        for split in SPLITS:
+            self._rows(split, self.packers[split].finish())
+        self.progress["phase"] = "shard"
+        self._save()
+
+    # -- writing shards
+    def write_split(self, split: str, n_shards: int, out_dir: str) -> list[dict[str, Any]]:
+        """The split's rows as ``n_shards`` Parquet shards (those written before a kill are kept)."""
+        n = self.rows(split)
+        done = self.progress["shards"].setdefault(split, [])
+        rows = np.memmap(self._path(f"{split}.rows"), np.int32, "r", shape=(n, 3, self.seq_len)) if n else None
+        bounds = shard_bounds(n, n_shards)
+        for i in range(len(done), n_shards):
+            done.append(write_shard(split, i, np.asarray(rows[bounds[i] : bounds[i + 1]]), out_dir))
+            self._save()
+        return done
+
+    def first_rejects(self, k: int) -> list[Reject]:
+        out: list[Reject] = []
+        for kind in REJECT_KINDS:
+            with open(self._path(f"rejects-{kind}.jsonl"), "rb") as f:
+                for line in f:
+                    if len(out) == k:
+                        return out
+                    out.append(Reject.from_json(json.loads(line)))
+        return out
+
+    def rejects_file(self) -> Path:
+        """Every reject in one file, in rejects.jsonl's order."""
+        self._flush()
+        out = self.folder / "rejects.jsonl"
+        with open(out, "wb") as dst:
+            for kind in REJECT_KINDS:
+                with open(self._path(f"rejects-{kind}.jsonl"), "rb") as src:
+                    shutil.copyfileobj(src, dst)
+        return out
+
+    def remove(self) -> None:
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    # -- internals
+    def _rows(self, split: str, rows: np.ndarray) -> None:
+        if len(rows):
+            self._write(f"{split}.rows", rows.tobytes())
+            if split == "train":
+                self.counts["train_target_tokens"] += int((rows[:, 1, :] != IGNORE_INDEX).sum())
+
+    def _rejects(self, kind: str, rejects: list[Reject]) -> None:
+        if rejects:
+            self.counts["rejects"] += len(rejects)
+            body = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
+            self._write(f"rejects-{kind}.jsonl", body.encode())
+
+    def _write(self, name: str, data: bytes) -> None:
+        self._files[name].write(data)
+        self.progress["sizes"][name] += len(data)
+
+    def _flush(self) -> None:
+        for f in self._files.values():
+            f.flush()
+
+    def _save(self) -> None:
+        self._flush()  # the files first: progress vouches for their sizes
+        self.progress["packers"] = {s: p.state() for s, p in self.packers.items()}
+        tmp = self.folder / "progress.json.tmp"
+        tmp.write_text(json.dumps(self.progress))
+        os.replace(tmp, self.folder / "progress.json")
+
+    def _path(self, name: str) -> Path:
+        return self.folder / name
+
+    def _load(self, dataset_id: str) -> dict[str, Any]:
+        try:
+            progress = json.loads((self.folder / "progress.json").read_text())
+            if progress.get("dataset_id") == dataset_id:
+                return progress
+        except (OSError, ValueError):
+            pass
+        names = [f"{s}.rows" for s in SPLITS] + [f"rejects-{k}.jsonl" for k in REJECT_KINDS]
+        return {
+            "dataset_id": dataset_id, "phase": "read", "file": 0, "position": Position().__dict__, "packers": {},
+            "sizes": dict.fromkeys(names, 0), "counts": dict.fromkeys(_COUNTS, 0), "shards": {},
+        }  # fmt: skip
