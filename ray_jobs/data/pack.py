@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ray_jobs.data.tokenize import IGNORE_INDEX
+from ray_jobs.data.tokenize import IGNORE_INDEX, Examples
 from ray_jobs.storage import join, write_bytes_atomic
 
 COLUMNS = ("input_ids", "labels", "position_ids")
@@ -28,20 +28,6 @@ class Rows(NamedTuple):
     ids: list[list[int]]
     labels: list[list[int]]
     positions: list[list[int]]
-
-
-class Examples(NamedTuple):
-    """Tokenized examples, flat: every example's ids then labels back to back, and each example's length."""
-
-    ids: np.ndarray  # int32 [sum(lengths)]
-    labels: np.ndarray  # int32 [sum(lengths)]
-    lengths: np.ndarray  # int64 [examples]
-
-    @classmethod
-    def of(cls, examples: list[tuple[list[int], list[int]]]) -> Examples:
-        lengths = np.fromiter((len(ids) for ids, _ in examples), dtype=np.int64, count=len(examples))
-        flat = lambda k: np.fromiter((t for ex in examples for t in ex[k]), dtype=np.int32, count=int(lengths.sum()))  # noqa: E731
-        return cls(flat(0), flat(1), lengths)
 
 
 class Packer:

@@ -113,10 +113,16 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     work = BatchWork(tokenizer, tokenizer_name, data)
     work.render()  # a chat format with no chat template fails here, before any source is read
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    spill = Spill(Path(data.work_dir) / ds_id, ds_id, data.seq_len, pad)
-    if spill.reading:
-        _read_all(spill, work, sources, data)
-    _check_counts(spill, data, out_dir, sources)
+    # the spill names source files (rejects do): the same bytes under other names are another staging
+    where = hashlib.sha256(json.dumps({k: [f.url for f in v] for k, v in sources.items()}).encode()).hexdigest()[:8]
+    spill = Spill(Path(data.work_dir) / f"{ds_id}-{where}", ds_id, data.seq_len, pad)
+    try:
+        if spill.reading:
+            _read_all(spill, work, sources, data)
+        _check_counts(spill, data, out_dir, sources)
+    except StagingError:
+        spill.remove()  # bad data: the next staging is of fixed data, or under another policy; either reads afresh
+        raise
     shards = {split: spill.write_split(split, _shards(spill, split, data), out_dir) for split in SPLITS}
     upload_file(spill.rejects_file(), join(out_dir, "rejects.jsonl"))
     tok_info = {"name_or_path": tokenizer_name, "fingerprint": tok_fp, "vocab_size": len(tokenizer),

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import NamedTuple
+
+import numpy as np
 
 from ray_jobs.data.records import Record, RecordProblem, Reject, Rendered
 from ray_jobs.data.sources import StagingError, position_unit
@@ -17,15 +20,44 @@ from ray_jobs.data.sources import StagingError, position_unit
 IGNORE_INDEX = -100
 
 
+class Examples(NamedTuple):
+    """Tokenized examples, flat: every example's ids then labels back to back, and each example's length."""
+
+    ids: np.ndarray  # int32 [sum(lengths)]
+    labels: np.ndarray  # int32 [sum(lengths)]
+    lengths: np.ndarray  # int64 [examples]
+
+    @classmethod
+    def of(cls, examples: list[tuple[list[int], list[int]]]) -> Examples:
+        ids = [np.asarray(i, dtype=np.int32) for i, _ in examples]
+        labels = [np.asarray(lab, dtype=np.int32) for _, lab in examples]
+        return cls._join(ids, labels)
+
+    @classmethod
+    def _join(cls, ids: list[np.ndarray], labels: list[np.ndarray]) -> Examples:
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        empty = np.empty(0, dtype=np.int32)
+        return cls(np.concatenate(ids) if ids else empty, np.concatenate(labels) if labels else empty, lengths)
+
+    def as_lists(self) -> list[tuple[list[int], list[int]]]:
+        bounds = np.concatenate([[0], np.cumsum(self.lengths)])
+        return [
+            (self.ids[a:b].tolist(), self.labels[a:b].tolist()) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+
+
 class Tokenized:
-    """Token ids and per-token labels (IGNORE_INDEX where not learned) of records; unfit records become rejects."""
+    """Token ids and per-token labels (IGNORE_INDEX where not learned) of records; unfit records become rejects.
+
+    Per record the work is numpy over its tokens (no Python loop per token): staging tokenizes every record once.
+    """
 
     def __init__(self, tokenizer, records: list[Record], seq_len: int, add_special_tokens: bool = True):
         if tokenizer.eos_token_id is None:
             raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
         self.eos, self.eos_text, self.unk = tokenizer.eos_token_id, tokenizer.eos_token, tokenizer.unk_token_id
-        self.examples: list[tuple[list[int], list[int]]] = []
         self.rejects: list[Reject] = []
+        kept_ids, kept_labels = [], []
         encoded = _encode(tokenizer, [r.text for r in records], add_special_tokens)
         for rec, (ids, offsets) in zip(records, encoded, strict=True):
             ids, labels = self._example(rec, ids, offsets)
@@ -33,25 +65,33 @@ class Tokenized:
             if problem:
                 self.rejects.append(Reject(rec.file, rec.line, problem, rec.text[:200], position_unit(rec.file)))
             else:
-                self.examples.append((ids, labels))
+                kept_ids.append(ids)
+                kept_labels.append(labels)
+        self.flat = Examples._join(kept_ids, kept_labels)
 
-    def _example(self, rec: Record, ids: list[int], offsets: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    @property
+    def examples(self) -> list[tuple[list[int], list[int]]]:
+        """The kept examples as ``(ids, labels)`` lists."""
+        return self.flat.as_lists()
+
+    def _example(self, rec: Record, ids: list[int], offsets: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         learn = list(rec.learn)
         eos = self._needs_eos(rec.text, ids)
         if eos and learn and learn[-1][1] >= len(rec.text.rstrip()):
             # the EOS we add ends the final reply, so whitespace the template left before it is part of the reply
             learn[-1] = (learn[-1][0], len(rec.text))
-        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, learned_mask(offsets, learn), strict=True)]
+        arr = np.asarray(ids + [self.eos] if eos else ids, dtype=np.int32)
+        mask = learned_mask_array(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), learn)
         if eos:  # the final reply is always learned, and so is the EOS that ends it
-            return ids + [self.eos], labels + [self.eos]
-        return list(ids), labels
+            mask = np.append(mask, True)
+        return arr, np.where(mask, arr, np.int32(IGNORE_INDEX)).astype(np.int32)
 
     def _needs_eos(self, text: str, ids: list[int]) -> bool:
         """Whether the text still lacks an EOS: one the tokenizer added, or one the text (a template) wrote itself."""
         return not (ids[-1:] == [self.eos] or text.rstrip().endswith(self.eos_text))
 
-    def _problem(self, ids: list[int], seq_len: int) -> str | None:
-        if self.unk is not None and self.unk in ids:
+    def _problem(self, ids: np.ndarray, seq_len: int) -> str | None:
+        if self.unk is not None and bool((ids == self.unk).any()):
             return "contains characters the tokenizer cannot represent (would become <unk>)"
         if len(ids) > seq_len:
             return f"record is {len(ids)} tokens, longer than data.seq_len ({seq_len})"
@@ -67,6 +107,17 @@ def learned_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
             prev = any(e > a and s < b for a, b in spans)
         out.append(prev)
     return out
+
+
+def learned_mask_array(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """:func:`learned_mask` over an ``[n, 2]`` offsets array, in numpy (what staging runs; the same answer)."""
+    start, end = offsets[:, 0], offsets[:, 1]
+    hit = np.zeros(len(offsets), dtype=bool)
+    for a, b in spans:
+        hit |= (end > a) & (start < b)
+    last_real = np.where(start < end, np.arange(len(offsets)), -1)
+    np.maximum.accumulate(last_real, out=last_real)
+    return np.where(last_real >= 0, hit[np.maximum(last_real, 0)], False)
 
 
 def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[tuple[list[int], list[tuple[int, int]]]]:

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
-from ray_jobs.data.pack import Examples
 from ray_jobs.data.records import Record, Reject, check_objects, line_objects, record_in_eval, row_objects
 from ray_jobs.data.sources import SourceBatch, position_unit
-from ray_jobs.data.tokenize import Tokenized, chat_renderer
+from ray_jobs.data.tokenize import Examples, Tokenized, chat_renderer
 
 # Below this much source, starting worker processes (each imports transformers) costs more than it saves.
 POOL_MIN_BYTES = 8 << 20
@@ -56,7 +55,7 @@ class BatchWork:
         for name, recs in zip(("train", "eval"), self._split(records), strict=True):
             # a chat rendering already holds the template's special tokens; adding the tokenizer's would double BOS
             tok = Tokenized(self.tokenizer, recs, self.data.seq_len, add_special_tokens=self.data.format != "chat")
-            out.examples[name], out.token_rejects[name] = Examples.of(tok.examples), tok.rejects
+            out.examples[name], out.token_rejects[name] = tok.flat, tok.rejects
         return out
 
     def _split(self, records: list[Record]) -> tuple[list[Record], list[Record]]:
