@@ -1,0 +1,163 @@
+"""Streaming staging: the same bytes as the in-memory path, any pool size, resumable after kill -9, cheap cache hits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ray_jobs.data.fingerprint as fingerprint
+import ray_jobs.data.staging as staging
+from ray_jobs.config import DataConfig
+from ray_jobs.data.staging import stage
+from ray_jobs.data.tokenize import learned_mask, learned_mask_array
+from ray_jobs.model.builtin import train_char_tokenizer
+from tests.conftest import ROOT, SAMPLE_DATA
+from tests.unit.staging_cases import outputs, run_cases
+
+GOLDEN = json.loads((Path(__file__).parent / "staging_golden.json").read_text())
+
+
+def test_streaming_staging_writes_what_the_in_memory_path_wrote(tmp_path: Path) -> None:
+    assert run_cases(tmp_path, work_dir=str(tmp_path / "work")) == GOLDEN
+
+
+def test_a_pool_of_workers_and_tiny_batches_change_nothing(tmp_path: Path, monkeypatch) -> None:
+    """Batches of ~3 KB cut records across every kind of boundary (rows, shards, progress records)."""
+    monkeypatch.setattr(staging, "BATCH_BYTES", 3000)
+    monkeypatch.setattr(staging, "COMMIT_BATCHES", 1)
+    only = {"pairs-mixed-separate-eval", "text-parquet"}
+    got = run_cases(tmp_path, only, workers=2, work_dir=str(tmp_path / "work"))
+    assert got == {k: GOLDEN[k] for k in only}
+    assert not any((tmp_path / "work").iterdir()), "a finished staging leaves no spill behind"
+
+
+def test_numpy_learned_mask_is_the_reference_mask() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(0, 12))
+        starts = np.sort(rng.integers(0, 30, n))
+        widths = rng.integers(0, 4, n) * (rng.random(n) > 0.2)  # some tokens have no characters (special tokens)
+        offsets = [(int(s), int(s + w)) for s, w in zip(starts, widths, strict=True)]
+        spans = [(int(a), int(a + rng.integers(1, 10))) for a in rng.integers(0, 30, int(rng.integers(0, 3)))]
+        got = learned_mask_array(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans).tolist()
+        assert got == learned_mask(offsets, spans), (offsets, spans)
+
+
+KILLABLE = """
+import json, sys, time
+import ray_jobs.data.spill as spill
+import ray_jobs.data.staging as staging
+from ray_jobs.config import DataConfig
+from ray_jobs.model.builtin import train_char_tokenizer
+if __name__ == "__main__":
+    staging.BATCH_BYTES, staging.COMMIT_BATCHES = 4000, 1
+    slow = float(sys.argv[3])
+    for name in ("commit", "_save"):  # every progress record takes a while, so a kill lands mid-staging
+        real = getattr(spill.Spill, name)
+        setattr(spill.Spill, name, lambda self, *a, _real=real: (time.sleep(slow), _real(self, *a))[1])
+    init = spill.Spill.__init__
+    def report(self, *a):  # where this staging starts: a resumed one says so
+        init(self, *a)
+        print("START", json.dumps(self.progress), flush=True)
+    spill.Spill.__init__ = report
+    data = DataConfig(train=sys.argv[1], seq_len=64, shard_mb=0.01, min_shards=2, work_dir=sys.argv[2] + "/work")
+    staging.stage(data, train_char_tokenizer(), "builtin", sys.argv[2])
+"""
+
+
+def _staged(storage: Path) -> dict[str, str]:
+    (ds,) = [p for p in (storage / "datasets").iterdir() if p.name.startswith("ds-")]
+    return outputs(ds, [])
+
+
+def _kill_when(storage: Path, ready, slow: float) -> dict:
+    """Start a staging into ``storage``, kill -9 it once ``ready(progress)`` holds, then stage to the end again;
+    the progress the second staging started from."""
+    cmd = [sys.executable, "-c", KILLABLE, str(SAMPLE_DATA), str(storage), str(slow)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env)
+    deadline = time.monotonic() + 120
+    progress_files = lambda: list((storage / "work").glob("*/progress.json"))  # noqa: E731
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if progress_files() and ready(json.loads(progress_files()[0].read_text())):
+                break
+        except ValueError:
+            pass
+        time.sleep(0.02)
+    assert proc.poll() is None, "staging ended before the kill"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert progress_files(), "the killed staging left its progress"
+    assert not list(storage.glob("datasets/ds-*/manifest.json")), "and no manifest: the dataset is not staged"
+    out = subprocess.run([*cmd[:-1], "0"], env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.split("START ", 1)[1].splitlines()[0])
+
+
+@pytest.mark.parametrize(
+    "phase",
+    [
+        pytest.param(lambda p: p["phase"] == "read" and p["position"]["offset"] > 60_000, id="while-reading"),
+        pytest.param(lambda p: len(p["shards"].get("train", [])) >= 3, id="while-writing-shards"),
+    ],
+)
+def test_staging_killed_mid_way_resumes_and_ends_identical(tmp_path: Path, phase) -> None:
+    whole = tmp_path / "whole"
+    subprocess.run(
+        [sys.executable, "-c", KILLABLE, str(SAMPLE_DATA), str(whole), "0"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
+    killed = tmp_path / "killed"
+    resumed_from = _kill_when(killed, phase, slow=0.05)
+    assert phase(resumed_from), "the second staging went on from where the first was killed"
+    assert _staged(killed) == _staged(whole)
+
+
+def test_a_cache_hit_reads_no_source_bytes_until_the_file_changes(tmp_path: Path, monkeypatch) -> None:
+    src = tmp_path / "d.jsonl"
+    src.write_bytes(SAMPLE_DATA.read_bytes())
+    past = time.time() - 60
+    os.utime(src, (past, past))  # settled: older than fingerprint.SETTLE_S
+    tok, data = train_char_tokenizer(), DataConfig(train=str(src), seq_len=64, work_dir=str(tmp_path / "w"))
+    first = stage(data, tok, "builtin", str(tmp_path / "s"))
+    assert not first.cache_hit and first.sources_read == 1
+
+    def no_reads(*a, **k):
+        raise AssertionError("a source was read")
+
+    with monkeypatch.context() as m:
+        m.setattr(fingerprint, "hash_file", no_reads)
+        m.setattr(staging, "read_batches", no_reads)
+        again = stage(data, tok, "builtin", str(tmp_path / "s"))
+    assert again.cache_hit and again.sources_read == 0 and again.dataset_id == first.dataset_id
+
+    os.utime(src, (past + 1, past + 1))  # touched, same bytes: hashed again, still the same dataset
+    touched = stage(data, tok, "builtin", str(tmp_path / "s"))
+    assert touched.cache_hit and touched.sources_read == 1 and touched.dataset_id == first.dataset_id
+
+    verify = stage(data.model_copy(update={"verify_sources": True}), tok, "builtin", str(tmp_path / "s"))
+    assert verify.cache_hit and verify.sources_read == 1
+
+
+def test_a_file_rewritten_within_one_mtime_tick_is_never_taken_from_the_index(tmp_path: Path) -> None:
+    """Same size, same mtime, other bytes: a just-written file is hashed every time, so the change is seen."""
+    src = tmp_path / "d.jsonl"
+    tok = train_char_tokenizer()
+    data = DataConfig(train=str(src), seq_len=64, eval_fraction=0.5, work_dir=str(tmp_path / "w"))
+    lines = [json.dumps({"input": f"{i}+{i}=", "target": str(2 * i)}) for i in range(40)]
+    src.write_text("\n".join(lines) + "\n")
+    stamp = os.stat(src).st_mtime_ns
+    first = stage(data, tok, "builtin", str(tmp_path / "s"))
+    src.write_text("\n".join(lines[::-1]) + "\n")  # the same size
+    os.utime(src, ns=(stamp, stamp))  # and the same mtime, as two writes within one tick get
+    second = stage(data, tok, "builtin", str(tmp_path / "s"))
+    assert second.dataset_id != first.dataset_id and second.sources_read == 1
