@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from ray_jobs.config import Config, from_json, load_config  # noqa: E402
 from ray_jobs.data.cache import ShardCache  # noqa: E402
-from ray_jobs.data.reading import Cursor, RankSampler, load_rows, rank_shards  # noqa: E402
+from ray_jobs.data.reading import Cursor, RankSampler, open_rows, rank_shards  # noqa: E402
 from ray_jobs.data.staging import stage  # noqa: E402
 from ray_jobs.model.loading import load_tokenizer  # noqa: E402
 
@@ -108,16 +108,14 @@ def bare_worker(rank: int, cfg_json: str, manifest: dict, model_path: str, warmu
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir)
-    columns = load_rows(cache, rank_shards(manifest["shards"]["train"], rank, WORLD), manifest["seq_len"])
-    ids, labels, positions = columns[0], columns[1], columns[2] if len(columns) > 2 else None
-    sampler, cursor = RankSampler(len(ids), cfg.train.seed, rank), Cursor()
+    rows = open_rows(cache, rank_shards(manifest["shards"]["train"], rank, WORLD), manifest["seq_len"])
+    sampler, cursor = RankSampler(len(rows), cfg.train.seed, rank), Cursor()
     pad = manifest["tokenizer"]["pad_token_id"]
     tokens, started = 0, None
     for step in range(1, cfg.train.max_steps):  # the unbroken window ends at max_steps - 1
         idx, cursor = sampler.take(cursor, cfg.train.micro_batch_size)
-        batch = {"input_ids": torch.from_numpy(ids[idx]), "labels": torch.from_numpy(labels[idx])}
-        if positions is not None:
-            batch["position_ids"] = torch.from_numpy(positions[idx])
+        names = ("input_ids", "labels", "position_ids")
+        batch = {k: torch.from_numpy(v) for k, v in zip(names, rows.take(idx), strict=True)}
         model(**batch).loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or float("inf"))
         opt.step()

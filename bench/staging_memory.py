@@ -26,14 +26,15 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = (
+_TEXT = (
     "the of and to in is that for it as with was on be by this are from or have an they which one you were all we "
     "her she there would their will when who him been has more if no out so what up said about into than them can "
     "only other time new some could these two may first then do any like my now over such our man me even most made "
     "after also did many before must through back years where much your way well down should because each just "
     "those people how too little state good very make world still own see men work long get here between both life "
     "being under never day same another know while last might us great old year off come since against go came right"
-).split()
+)
+WORDS = _TEXT.split()
 
 
 def make_data(path: Path, megabytes: int, seed: int = 0) -> int:

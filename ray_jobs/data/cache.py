@@ -49,6 +49,20 @@ class ShardCache:
         self._store(local, data, entry["sha256"])
         return local
 
+    def rows_path(self, entry: dict[str, Any], seq_len: int) -> Path:
+        """Path of the shard decoded to a raw ``.npy`` (int32 ``[rows, 3, seq_len]``) for memory-mapping; written
+        once from the verified Parquet copy, and renamed into place so a half-written one never exists."""
+        from ray_jobs.data.reading import decode_shard
+
+        parquet = self.local_path(entry)
+        decoded = parquet.with_name(f"{parquet.name}.{entry['sha256'][:16]}.npy")
+        if not decoded.exists():
+            self._make_room(entry["rows"] * 3 * seq_len * 4)
+            tmp = decoded.with_name(f"{decoded.name}.tmp-{uuid.uuid4().hex[:8]}.npy")
+            decode_shard(parquet, seq_len, tmp)
+            os.replace(tmp, decoded)
+        return decoded
+
     def _make_room(self, incoming: int) -> None:
         import shutil
 

@@ -1,5 +1,9 @@
 """Reading staged shards on a worker: per-rank rows and a resumable cursor.
 
+A worker's rows are memory-mapped, never loaded: the node cache keeps each shard decoded once as a raw int32
+``.npy`` beside its Parquet file, and :class:`ShardRows` gathers just the rows a batch asks for from those maps. A
+worker's memory is the batch (and an 8-byte permutation entry per row of its own), whatever the dataset's size.
+
 Shards are assigned to ranks deterministically (rank ``r`` of ``w`` reads train shards ``r, r+w, ...``).
 The order of a rank's rows in an epoch is a permutation seeded by (seed, rank, epoch), so the position in
 the data is fully described by a :class:`Cursor` (epoch, position) and resuming jumps straight to it: no batch
@@ -26,31 +30,66 @@ def rank_shards(entries: list[dict[str, Any]], rank: int, world_size: int) -> li
     return entries[rank::world_size]
 
 
-def load_rows(
-    cache: ShardCache, entries: list[dict[str, Any]], seq_len: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Concatenate the rows of some shards into (input_ids, labels, position_ids) int64 arrays [rows, seq_len].
+class ShardRows:
+    """The rows of some shards in order, as one indexable set; ``take`` gathers rows (copying only those)."""
+
+    def __init__(self, parts: list[np.ndarray], seq_len: int):
+        self.parts, self.seq_len = parts, seq_len  # each [rows, 3, seq_len] int32, memory-mapped
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def take(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids, labels, position_ids) int64 arrays ``[len(idx), seq_len]`` of rows ``idx``."""
+        idx = np.asarray(idx, dtype=np.int64)
+        out = np.empty((len(idx), 3, self.seq_len), dtype=np.int32)
+        part = np.searchsorted(self.starts, idx, side="right") - 1
+        for k in np.unique(part):
+            sel = part == k
+            out[sel] = self.parts[k][idx[sel] - self.starts[k]]
+        wide = out.astype(np.int64)
+        return wide[:, 0], wide[:, 1], wide[:, 2]
+
+
+def open_rows(cache: ShardCache, entries: list[dict[str, Any]], seq_len: int) -> ShardRows:
+    """The rows of ``entries`` memory-mapped from the node cache (each shard fetched and decoded on first use).
 
     Position ids restart at 0 for every packed example; passed to the model, they keep examples from attending
     to each other. Shards from staging version 1 have none: every row then counts 0..seq_len-1, as it was trained.
     """
+    return ShardRows([np.load(cache.rows_path(e, seq_len), mmap_mode="r") for e in entries], seq_len)
+
+
+def load_rows(
+    cache: ShardCache, entries: list[dict[str, Any]], seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every row of ``entries`` in memory as (input_ids, labels, position_ids) int64 arrays (small sets only)."""
+    rows = open_rows(cache, entries, seq_len)
+    return rows.take(np.arange(len(rows)))
+
+
+def decode_shard(parquet_path, seq_len: int, out_path) -> None:
+    """Write a Parquet shard's rows to ``out_path`` as one int32 ``.npy`` array ``[rows, 3, seq_len]`` (ids, labels,
+    positions), a column of a row group at a time: memory holds one column chunk, not the shard."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    ids, labels, positions = [], [], []
-    for e in entries:
-        table = pq.read_table(cache.local_path(e), memory_map=True)
-        ids.append(_column(table, "input_ids", seq_len))
-        labels.append(_column(table, "labels", seq_len))
-        if "position_ids" in table.column_names:
-            positions.append(_column(table, "position_ids", seq_len))
-        else:
-            positions.append(np.broadcast_to(np.arange(seq_len, dtype=np.int64), ids[-1].shape).copy())
-    return np.concatenate(ids), np.concatenate(labels), np.concatenate(positions)
-
-
-def _column(table, name: str, seq_len: int) -> np.ndarray:
-    flat = table.column(name).combine_chunks().flatten().to_numpy()
-    return flat.reshape(-1, seq_len).astype(np.int64)
+    pf = pq.ParquetFile(parquet_path, memory_map=True)
+    out = np.lib.format.open_memmap(out_path, mode="w+", dtype=np.int32, shape=(pf.metadata.num_rows, 3, seq_len))
+    row = 0
+    for rg in range(pf.num_row_groups):
+        n = pf.metadata.row_group(rg).num_rows
+        for k, name in enumerate(("input_ids", "labels", "position_ids")):
+            if name in pf.schema_arrow.names:
+                column = pf.read_row_group(rg, columns=[name]).column(0).combine_chunks()
+                out[row : row + n, k, :] = column.flatten().to_numpy().reshape(-1, seq_len)
+            else:  # staging version 1: positions count 0..seq_len-1 in every row
+                out[row : row + n, k, :] = np.arange(seq_len, dtype=np.int32)
+        row += n
+    out.flush()
+    del out
+    pa.default_memory_pool().release_unused()  # Arrow's allocator keeps freed chunks; a worker should not
 
 
 @dataclass

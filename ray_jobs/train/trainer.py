@@ -20,11 +20,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.config import Config, from_json
 from ray_jobs.data.cache import ShardCache
-from ray_jobs.data.reading import Cursor, RankSampler, load_rows, rank_shards
+from ray_jobs.data.reading import Cursor, RankSampler, ShardRows, open_rows, rank_shards
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout, upload_dir, write_json_atomic
 from ray_jobs.train import faults, preemption
@@ -130,9 +132,9 @@ class Trainer:
         seq_len = self.manifest["seq_len"]
         mine = rank_shards(self.manifest["shards"]["train"], self.rt.rank, self.rt.world_size)
         # position ids restart per packed example: with them (and no KV cache) the model attends within examples only
-        self.train_ids, self.train_labels, self.train_pos = load_rows(self.cache, mine, seq_len)
-        self.eval_all = load_rows(self.cache, self.manifest["shards"]["eval"], seq_len)
-        self.sampler = RankSampler(len(self.train_ids), self.cfg.train.seed, self.rt.rank)
+        self.train_rows = open_rows(self.cache, mine, seq_len)  # memory-mapped: rows are read as batches take them
+        self.eval_rows = open_rows(self.cache, self.manifest["shards"]["eval"], seq_len)
+        self.sampler = RankSampler(len(self.train_rows), self.cfg.train.seed, self.rt.rank)
         self.pad_id = self.manifest["tokenizer"]["pad_token_id"]
 
     # -- resume ---------------------------------------------------------------------------------------------
@@ -234,9 +236,7 @@ class Trainer:
         for micro in range(t.grad_accum_steps):
             idx, self.cursor = self.sampler.take(self.cursor, t.micro_batch_size)
             self.rows_materialized += len(idx)
-            ids = torch.from_numpy(self.train_ids[idx]).to(self.device)
-            labels = torch.from_numpy(self.train_labels[idx]).to(self.device)
-            pos = torch.from_numpy(self.train_pos[idx]).to(self.device)
+            ids, labels, pos = (torch.from_numpy(x).to(self.device) for x in self.train_rows.take(idx))
             with self._grad_sync(micro == t.grad_accum_steps - 1), self.autocast():
                 # use_cache=False: transformers ignores packed position_ids while it builds a KV cache
                 loss = self.model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
@@ -386,17 +386,16 @@ class Trainer:
             "elapsed_s": self.loop.elapsed_s,
         }
 
-    def evaluate(self, rows: tuple | None = None) -> float:
-        """Mean loss per target token over the eval split (or ``rows``: ids, labels, positions); ranks take slices
-        and run equally many batches."""
+    def evaluate(self, rows: ShardRows | None = None) -> float:
+        """Mean loss per target token over the eval split (or ``rows``); each rank reads only its slice of the rows
+        (every ``world_size``-th), and all run equally many batches."""
         import torch
 
         self._phase("evaluating")
-        ids_all, labels_all, pos_all = rows or self.eval_all
-        mine = slice(self.rt.rank, None, self.rt.world_size)
-        ids, labels, pos = ids_all[mine], labels_all[mine], pos_all[mine]
+        rows = rows or self.eval_rows
+        mine = np.arange(self.rt.rank, len(rows), self.rt.world_size)
         mb = self.cfg.train.micro_batch_size
-        per_rank = -(-len(ids_all) // self.rt.world_size)
+        per_rank = -(-len(rows) // self.rt.world_size)
         batches = -(-per_rank // mb)
         if self.cfg.train.eval_max_batches:
             batches = min(batches, self.cfg.train.eval_max_batches)
@@ -406,10 +405,11 @@ class Trainer:
         with torch.no_grad(), self.autocast():
             for b in range(batches):
                 lo = b * mb
-                real = lo < len(ids)  # a rank out of rows runs a throwaway batch so collectives stay in step
-                x = torch.from_numpy(ids[lo : lo + mb] if real else ids_all[:mb]).to(self.device)
-                y = torch.from_numpy(labels[lo : lo + mb] if real else labels_all[:mb]).to(self.device)
-                p = torch.from_numpy(pos[lo : lo + mb] if real else pos_all[:mb]).to(self.device)
+                real = lo < len(mine)  # a rank out of rows runs a throwaway batch so collectives stay in step
+                x, y, p = (
+                    torch.from_numpy(a).to(self.device)
+                    for a in rows.take(mine[lo : lo + mb] if real else np.arange(min(mb, len(rows))))
+                )
                 loss = model(input_ids=x, labels=y, position_ids=p, use_cache=False).loss.item()
                 if real:
                     n = int((y[:, 1:] != IGNORE_INDEX).sum())
@@ -444,7 +444,7 @@ class Trainer:
             return None
         cache = ShardCache(self.cfg.storage, manifest["dataset_id"], self.cfg.data.cache_dir,
                            self.cfg.data.cache_max_gb * 1e9)  # fmt: skip
-        loss = self.evaluate(load_rows(cache, manifest["shards"]["eval"], manifest["seq_len"]))
+        loss = self.evaluate(open_rows(cache, manifest["shards"]["eval"], manifest["seq_len"]))
         if self.rt.rank == 0:
             body = {"dataset_id": manifest["dataset_id"], "eval_loss": loss, "step": self.loop.step}
             write_json_atomic(self.layout.score(self.cfg.name), body)

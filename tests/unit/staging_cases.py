@@ -63,13 +63,26 @@ def build_inputs(folder: Path) -> dict[str, tuple[dict[str, Any], str]]:
     return {
         "pairs-sample": ({"train": str(SAMPLE_DATA), "seq_len": 64, "shard_mb": 0.05, "min_shards": 2}, "char"),
         "pairs-mixed-separate-eval": (
-            {"train": str(folder / "mixed.jsonl"), "eval": str(folder / "mixed-eval.jsonl"), "seq_len": 48,
-             "shard_mb": 0.02, "min_shards": 3, "max_reject_fraction": 0.5},
+            {
+                "train": str(folder / "mixed.jsonl"),
+                "eval": str(folder / "mixed-eval.jsonl"),
+                "seq_len": 48,
+                "shard_mb": 0.02,
+                "min_shards": 3,
+                "max_reject_fraction": 0.5,
+            },
             "char",
         ),  # fmt: skip
         "text-parquet": (
-            {"train": str(folder / "texts.parquet"), "format": "text", "seq_len": 128, "shard_mb": 0.03,
-             "min_shards": 2, "max_reject_fraction": 0.01, "eval_fraction": 0.1},
+            {
+                "train": str(folder / "texts.parquet"),
+                "format": "text",
+                "seq_len": 128,
+                "shard_mb": 0.03,
+                "min_shards": 2,
+                "max_reject_fraction": 0.01,
+                "eval_fraction": 0.1,
+            },
             "char",
         ),  # fmt: skip
         "chat-sample": ({"train": str(CHAT_DATA), "format": "chat", "seq_len": 256, "min_shards": 2}, "smollm2"),

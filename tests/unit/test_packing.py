@@ -113,6 +113,6 @@ def test_load_rows_returns_staged_positions_and_counts_old_shards_from_zero(tmp_
 
     old = tmp_path / "old.parquet"  # staging version 1 wrote no position_ids
     pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4]] * 2, "labels": [[X, 2, 3, 4]] * 2}), old)
-    entry = {"file": "old.parquet", "bytes": old.stat().st_size}
+    entry = {"file": "old.parquet", "bytes": old.stat().st_size, "rows": 2, "sha256": "0" * 64}
     cache.local_path = lambda e: old  # the cache is not what is tested here
     assert load_rows(cache, [entry], 4)[2].tolist() == [[0, 1, 2, 3]] * 2
