@@ -1,17 +1,25 @@
-"""What a checkpoint holds, how it is written (in the background, manifest last) and how it is trusted.
+"""What a checkpoint holds, how it is written (each rank its own part, in the background, manifest last) and how
+it is trusted.
 
-One checkpoint is one folder ``<storage>/ray/<run>/checkpoint-step-<step>/`` written by rank 0 alone:
+One checkpoint is one folder ``<storage>/ray/<run>/checkpoint-step-<step>/``:
 
-    model.safetensors   model weights (full, a tied tensor once; only the trainable weights for LoRA runs)
-    optim.pt            optimizer state (full, also under FSDP), loaded with ``torch.load(weights_only=True)``
-    state.json          loop state, LR scheduler, every rank's data cursor and RNG states, the config used
-    manifest.json       written last: format, step, sha256 + size of every file above
+    state.json                      rank 0: loop state, LR scheduler, last eval, the config used
+    rank-<r>.json                   every rank: its data cursor and RNG streams
+    model.safetensors, optim.pt     DDP / one process: the replicated weights and optimizer state, once (rank 0)
+    model-rank-<r>.safetensors,     FSDP: each rank's own shards of weights and optimizer state, never gathered
+    optim-rank-<r>.pt
+    manifest.json                   rank 0, last, once every rank's write finished: size + sha256 of every file
 
-A folder without a readable manifest, or whose files don't match it, is never loaded: the loader says why and
-falls back to the previous valid checkpoint. Nothing is unpickled beyond ``weights_only`` tensors.
+Each rank serializes and writes its own files on a background thread and reports their size and sha256 (computed
+as written, never by reading back). A folder without a readable manifest, or whose files don't match it, is never
+loaded. Choosing a checkpoint reads only manifests and one listing (no tensor bytes); a rank then reads and
+verifies just the shared files and its own, and if any rank finds a file bad, all fall back to the previous one
+together. Nothing is unpickled beyond ``weights_only`` tensors. Format-1 checkpoints (one full copy written by
+rank 0) still load.
 
-The training thread only copies state into host memory (:func:`take_snapshot`); serializing and writing happen
-in :class:`AsyncWriter`'s thread, at most one write in flight.
+Why not torch.distributed.checkpoint: exact resume needs the same world size (no resharding to do), and its writers
+report no checksums, so the manifest would need a second read of every byte; this layout is DCP's idea (each rank
+writes its part, a metadata file last) with the sha256 our manifest needs.
 """
 
 from ray_jobs.checkpoint.format import (
@@ -21,26 +29,39 @@ from ray_jobs.checkpoint.format import (
     OPTIM_FILE,
     STATE_FILE,
     CheckpointInvalid,
-    Snapshot,
+    Part,
+    check,
     checkpoint_name,
     checkpoint_step,
     decode,
-    encode,
+    encode_file,
     find_latest_valid,
     list_checkpoints,
+    model_part,
+    optim_part,
+    owner,
+    rank_file,
+    rank_files,
+    read_files,
+    read_manifest,
     read_verified,
-    write,
+    write_manifest,
+    write_part,
 )  # fmt: skip
 from ray_jobs.checkpoint.state import (
     LoopState,
     RankState,
     load_model_state,
     load_optimizer_state,
+    load_sharded_model_state,
+    load_sharded_optimizer_state,
     model_state,
     optimizer_state,
     rank_state,
     rng_state,
     set_rng_state,
+    sharded_model_state,
+    sharded_optimizer_state,
     tied_aliases,
     trainable_names,
     unwrap,
@@ -49,8 +70,10 @@ from ray_jobs.checkpoint.writer import AsyncWriter
 
 __all__ = [
     "FORMAT", "MANIFEST_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_FILE", "AsyncWriter", "CheckpointInvalid",
-    "LoopState", "RankState", "Snapshot", "checkpoint_name", "checkpoint_step", "decode", "encode",
-    "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state", "model_state",
-    "optimizer_state", "rank_state", "read_verified", "rng_state", "set_rng_state", "tied_aliases", "trainable_names", "unwrap",
-    "write",
+    "LoopState", "Part", "RankState", "check", "checkpoint_name", "checkpoint_step", "decode", "encode_file",
+    "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state", "load_sharded_model_state",
+    "load_sharded_optimizer_state", "model_part", "model_state", "optim_part", "optimizer_state", "owner",
+    "rank_file", "rank_files", "rank_state", "read_files", "read_manifest", "read_verified", "rng_state",
+    "set_rng_state", "sharded_model_state", "sharded_optimizer_state", "tied_aliases", "trainable_names", "unwrap",
+    "write_manifest", "write_part",
 ]  # fmt: skip

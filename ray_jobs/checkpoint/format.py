@@ -15,7 +15,8 @@ from ray_jobs.storage import as_url, fs_and_path, join, read_bytes, write_bytes_
 
 log = logging.getLogger("unbroken.checkpoint")
 
-FORMAT = 1
+# 2: one part per rank (each rank's cursor/RNG; FSDP shards per rank), the manifest written by rank 0 after all.
+FORMAT = 2
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optim.pt"
 STATE_FILE = "state.json"
@@ -39,57 +40,106 @@ def checkpoint_step(url: str) -> int:
     return int(m.group(1))
 
 
-# -- snapshot, write, verify, read ----------------------------------------------------------------------------
+# -- what each rank writes -----------------------------------------------------------------------------------
+def rank_file(rank: int) -> str:
+    """Rank ``rank``'s own small state: its data cursor and RNG streams."""
+    return f"rank-{rank:05d}.json"
+
+
+def model_part(rank: int) -> str:
+    """Rank ``rank``'s shard of the weights (FSDP)."""
+    return f"model-rank-{rank:05d}.safetensors"
+
+
+def optim_part(rank: int) -> str:
+    """Rank ``rank``'s shard of the optimizer state (FSDP)."""
+    return f"optim-rank-{rank:05d}.pt"
+
+
+_OWNED = re.compile(r"(?:^|-)rank-(\d{5})\.")
+
+
+def owner(name: str) -> int | None:
+    """The rank a file belongs to, or None for a shared file (read by every rank)."""
+    m = _OWNED.search(name)
+    return int(m.group(1)) if m else None
+
+
 @dataclass
-class Snapshot:
-    """Everything one checkpoint holds, already in host memory (so training may go on while it is written)."""
+class Part:
+    """What one rank writes into a checkpoint, already in host memory (so training may go on while it is written):
+    file name -> ("safetensors", tensors) | ("torch", object) | ("json", object)."""
 
     step: int
-    model: dict[str, Any]
-    optim: dict[str, Any]
-    state: dict[str, Any]
+    files: dict[str, tuple[str, Any]]
 
 
-def encode(snap: Snapshot) -> dict[str, bytes]:
-    import torch
-    from safetensors.torch import save
+def encode_file(kind: str, obj: Any) -> bytes:
+    if kind == "safetensors":
+        from safetensors.torch import save
 
-    buf = io.BytesIO()
-    torch.save(snap.optim, buf)
-    return {
-        MODEL_FILE: save(snap.model),
-        OPTIM_FILE: buf.getvalue(),
-        STATE_FILE: json.dumps(snap.state, indent=1).encode(),
-    }
+        return save(obj)
+    if kind == "torch":
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+    return json.dumps(obj, indent=1).encode()
 
 
-def write(snap: Snapshot, url: str) -> dict[str, Any]:
-    """Write a checkpoint folder; ``manifest.json`` goes last, so a partial folder is never taken as valid."""
-    files = encode(snap)
-    for name, data in files.items():
+def write_part(part: Part, url: str) -> dict[str, dict[str, Any]]:
+    """Write one rank's files into the checkpoint folder; their size and sha256, computed as they are written."""
+    entries = {}
+    for name, (kind, obj) in part.files.items():
+        data = encode_file(kind, obj)
         write_bytes_atomic(join(url, name), data)
-    manifest = {
-        "format": FORMAT,
-        "step": snap.step,
-        "written_at": time.time(),
-        "files": {n: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()},
-    }
+        entries[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return entries
+
+
+def write_manifest(url: str, step: int, world_size: int, sharded: bool, entries: list[dict]) -> dict[str, Any]:
+    """Rank 0, once every rank's files are on storage: the manifest that makes the checkpoint exist."""
+    files = {name: meta for rank_entries in entries for name, meta in rank_entries.items()}
+    manifest = {"format": FORMAT, "step": step, "written_at": time.time(), "world_size": world_size,
+                "sharded": sharded, "files": dict(sorted(files.items()))}  # fmt: skip
     write_json_atomic(join(url, MANIFEST_FILE), manifest)
     return manifest
 
 
-def read_verified(url: str) -> dict[str, bytes]:
-    """Every file of a checkpoint, each checked against the manifest; raises CheckpointInvalid saying why not."""
+# -- verify, read ---------------------------------------------------------------------------------------------
+def read_manifest(url: str) -> dict[str, Any]:
     try:
         manifest = json.loads(read_bytes(join(url, MANIFEST_FILE)))
     except FileNotFoundError:
         raise CheckpointInvalid("no manifest.json (the write did not finish)") from None
     except (ValueError, OSError) as e:
         raise CheckpointInvalid(f"manifest.json is unreadable: {e}") from None
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in (1, FORMAT):
         raise CheckpointInvalid(f"unknown checkpoint format {manifest.get('format')!r}")
-    out = {}
+    return manifest
+
+
+def check(url: str) -> dict[str, Any]:
+    """The manifest, once every file it lists is on storage with the size it records: one listing, no file bytes
+    read (a reader still checks each file's sha256 as it loads it). Raises CheckpointInvalid saying why not."""
+    manifest = read_manifest(url)
+    fs, path = fs_and_path(url)
+    fs.invalidate_cache(path)
+    sizes = {p["name"].rstrip("/").rsplit("/", 1)[-1]: p.get("size") for p in fs.ls(path, detail=True)}
     for name, meta in manifest["files"].items():
+        if name not in sizes:
+            raise CheckpointInvalid(f"{name} is missing")
+        if sizes[name] != meta["bytes"]:
+            raise CheckpointInvalid(f"{name} is {sizes[name]} bytes, the manifest says {meta['bytes']}")
+    return manifest
+
+
+def read_files(url: str, manifest: dict[str, Any], names: list[str]) -> dict[str, bytes]:
+    """The named files of a checkpoint, each checked against the manifest's size and sha256."""
+    out = {}
+    for name in names:
+        meta = manifest["files"][name]
         try:
             data = read_bytes(join(url, name))
         except FileNotFoundError:
@@ -100,6 +150,17 @@ def read_verified(url: str) -> dict[str, bytes]:
             raise CheckpointInvalid(f"{name} does not match its sha256 in the manifest")
         out[name] = data
     return out
+
+
+def rank_files(manifest: dict[str, Any], rank: int) -> list[str]:
+    """What rank ``rank`` loads: the shared files and its own (a format-1 checkpoint is all shared)."""
+    return [n for n in manifest["files"] if owner(n) in (None, rank)]
+
+
+def read_verified(url: str) -> dict[str, bytes]:
+    """Every file of a checkpoint, each checked against the manifest; raises CheckpointInvalid saying why not."""
+    manifest = read_manifest(url)
+    return read_files(url, manifest, list(manifest["files"]))
 
 
 def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
@@ -118,18 +179,19 @@ def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def find_latest_valid(checkpoints_dir: str) -> tuple[str, dict[str, bytes]] | None:
-    """The newest checkpoint whose files all match its manifest (older ones are tried in turn), or None."""
+def find_latest_valid(checkpoints_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint whose manifest lists files all present at their size (older ones are tried in turn),
+    as (url, manifest), or None. Reads manifests and listings only, never a tensor."""
     for step, url in list_checkpoints(checkpoints_dir):
         try:
-            return url, read_verified(url)
+            return url, check(url)
         except CheckpointInvalid as e:
             log.warning("skipping checkpoint %s (step %d): %s; trying the previous one", url, step, e)
     return None
 
 
 def decode(files: dict[str, bytes]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(model state, optimizer state, state.json) of verified checkpoint files."""
+    """(model state, optimizer state, state.json) of a replicated (not sharded) checkpoint's verified files."""
     import torch
     from safetensors.torch import load
 

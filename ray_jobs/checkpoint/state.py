@@ -175,3 +175,68 @@ def load_optimizer_state(model, optimizer, osd: dict[str, Any], fsdp: bool) -> N
             index += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- FSDP, sharded: each rank saves and loads its own shards ---------------------------------------------------
+def sharded_model_state(model, trainable_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(this rank's local shards, the tensors FSDP does not shard) as CPU copies; no collective, nothing gathered."""
+    from torch.distributed.tensor import DTensor
+
+    aliases = tied_aliases(model)
+    keep = trainable_names(model) if trainable_only else None
+    local, replicated = {}, {}
+    for name, t in model.state_dict().items():
+        if name in aliases or (keep is not None and name not in keep):
+            continue
+        if isinstance(t, DTensor):
+            local[name] = t.to_local().detach().to("cpu", copy=True).contiguous()
+        else:
+            replicated[name] = t.detach().to("cpu", copy=True).contiguous()
+    return local, replicated
+
+
+def load_sharded_model_state(model, local: dict[str, Any], replicated: dict[str, Any], trainable_only: bool) -> None:
+    """Copy this rank's saved shards into its own shards of the weights (the same world size wrote them)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    targets = {n: t for n, t in model.state_dict().items() if n not in tied_aliases(model)}
+    if trainable_only:
+        targets = {n: t for n, t in targets.items() if n in trainable_names(model)}
+    saved = local | replicated
+    if set(saved) != set(targets):
+        raise CheckpointInvalid(f"checkpoint weights {sorted(set(saved) ^ set(targets))[:5]} do not match the model")
+    with torch.no_grad():
+        for name, t in saved.items():
+            dst = targets[name].to_local() if isinstance(targets[name], DTensor) else targets[name]
+            if dst.shape != t.shape:
+                raise CheckpointInvalid(f"{name}: this rank's shard is {tuple(dst.shape)}, saved {tuple(t.shape)}")
+            dst.copy_(t)
+
+
+def sharded_optimizer_state(optimizer) -> dict[str, Any]:
+    """The optimizer's own state with every DTensor replaced by this rank's local piece (CPU copies)."""
+    from torch.distributed.tensor import DTensor
+
+    osd = optimizer.state_dict()
+    local = {
+        i: {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in st.items()} for i, st in osd["state"].items()
+    }
+    return {"state": _cpu_copy(local), "param_groups": osd["param_groups"]}
+
+
+def load_sharded_optimizer_state(optimizer, saved: dict[str, Any]) -> None:
+    """Rebuild the optimizer's DTensor state from this rank's saved pieces, on each parameter's mesh and placement."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, st in saved["state"].items():
+        p = params[int(i)]
+        state[int(i)] = {
+            k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor) and k != "step"
+            else v
+            for k, v in st.items()
+        }
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})

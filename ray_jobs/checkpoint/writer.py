@@ -1,35 +1,40 @@
-"""Background checkpoint writes: the training thread hands over a host-memory snapshot; one write in flight."""
+"""Background checkpoint writes: the training thread hands over this rank's part in host memory; one write in flight.
+
+Every rank runs one: ranks write their own files in parallel, and serializing, hashing and uploading all happen on
+this thread, so the training thread only pays for the device-to-host copy.
+"""
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
-from ray_jobs.checkpoint.format import Snapshot, write
+from ray_jobs.checkpoint.format import Part, write_part
 
 
 class AsyncWriter:
-    """Writes snapshots on a background thread, one at a time; the trainer learns of completion via ``done()``."""
+    """Writes parts on a background thread, one at a time; the trainer learns of completion via ``done()``."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-ckpt")
-        self._inflight: tuple[Snapshot, str, Future] | None = None
+        self._inflight: tuple[str, Future] | None = None
 
-    def submit(self, snap: Snapshot, url: str) -> None:
+    def submit(self, part: Part, url: str) -> None:
         if self._inflight is not None:
             raise RuntimeError("a checkpoint write is already in flight; collect it first")
-        self._inflight = (snap, url, self._pool.submit(write, snap, url))
+        self._inflight = (url, self._pool.submit(write_part, part, url))
 
     def done(self) -> bool:
-        return self._inflight is not None and self._inflight[2].done()
+        """Whether nothing is being written (the write in flight, if any, has finished)."""
+        return self._inflight is None or self._inflight[1].done()
 
-    def collect(self) -> tuple[Snapshot, str] | None:
-        """Wait for the write in flight (if any); returns (snapshot, url) once it is on storage."""
+    def collect(self) -> dict[str, dict[str, Any]]:
+        """Wait for the write in flight (if any); the size and sha256 of each file it wrote."""
         if self._inflight is None:
-            return None
-        snap, url, fut = self._inflight
+            return {}
+        _, fut = self._inflight
         self._inflight = None
-        fut.result()  # re-raise a failed write here, on the training thread
-        return snap, url
+        return fut.result()  # re-raise a failed write here, on the training thread
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,10 +1,12 @@
-"""Where the training loop runs: Ray Train in production, a plain process in unit tests.
+"""Where the training loop runs: Ray Train in production, plain torch.distributed (torchrun) or a plain process in
+tests and benchmarks.
 
 The loop only talks to a :class:`Runtime`, so the same code trains in-process in a test and on a Ray cluster.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 
@@ -118,6 +120,30 @@ class RayRuntime:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src)  # NCCL: on the current device (set in bind_device)
         return box[0]
+
+
+class TorchRuntime(RayRuntime):
+    """Plain ``torch.distributed`` (torchrun, tests, benchmarks): the process group is already initialized; DDP/FSDP
+    and collectives as under Ray; ``reports`` records what the loop reported instead of telling a controller."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", self.rank))
+        cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+        self._device = bind_device(torch.device(f"cuda:{local}") if cuda else torch.device("cpu"))
+        self.reports: list[tuple[dict[str, Any], str | None]] = []
+
+    def prepare_model(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = model.to(self._device)
+        return DistributedDataParallel(model) if self.world_size > 1 else model
+
+    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+        self.reports.append((dict(metrics), checkpoint_url))
 
 
 class LocalRuntime:

@@ -11,6 +11,7 @@ the token count and three flags; every decision is taken from that agreed vector
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -121,6 +122,7 @@ class Trainer:
         self.last_step_at = time.time()
         self.tokens_per_s = 0.0
         self.resumed_from: str | None = None
+        self.bytes_resumed = 0  # checkpoint bytes this rank read to resume
         self.attempt = 0  # the job attempt (set from the job spec): tells a watcher whose heartbeat it reads
         self.started_step = 0  # where this process's training began; with first_step_at: time to first new step
         self.first_step_at: float | None = None
@@ -142,44 +144,77 @@ class Trainer:
         """Resume from the checkpoint rank 0 picks (see :func:`choose_resume`), else start fresh. Safe to run twice.
 
         One decision per start, made once and broadcast: if each rank picked its own "newest valid", one slow or
-        throttled read could send one rank to an older checkpoint, and the ranks would diverge or deadlock."""
+        throttled read could send one rank to an older checkpoint, and the ranks would diverge or deadlock. The
+        choice reads manifests only; each rank then reads and verifies the shared files and its own part. If any
+        rank finds one bad (a truncated or corrupt file), every rank falls back to the previous checkpoint together."""
         self._phase("loading")
-        choice: tuple[str | None, str] = (None, "")
-        files = None
-        if self.rt.rank == 0:
-            try:
-                url, reason, files = choose_resume(self.layout.checkpoints_dir(self.cfg.name), explicit_checkpoint)
-                choice = (url, reason)
-            except ckpt.CheckpointInvalid as e:
-                choice = (None, f"error: {e}")
-        url, reason = self.rt.broadcast_object(choice)
-        if reason.startswith("error: "):
-            raise ckpt.CheckpointInvalid(reason.removeprefix("error: "))
-        resumed_step = None
+        refused: list[str] = []
+        while True:
+            choice: tuple[str | None, str, dict | None] = (None, "", None)
+            if self.rt.rank == 0:
+                try:
+                    choice = choose_resume(self.layout.checkpoints_dir(self.cfg.name), explicit_checkpoint,
+                                           refused=refused)  # fmt: skip
+                except ckpt.CheckpointInvalid as e:
+                    choice = (None, f"error: {e}", None)
+            url, reason, manifest = self.rt.broadcast_object(choice)
+            if reason.startswith("error: "):
+                raise ckpt.CheckpointInvalid(reason.removeprefix("error: "))
+            if url is None or self._load_checkpoint(url, manifest):
+                break
+            log.warning("checkpoint %s: a rank could not load its part; falling back to the previous one", url)
+            refused.append(url)
         if url is None:
             log.info("rank %d: no valid checkpoint, starting fresh", self.rt.rank)
         else:
-            self.resumed_from = url
-            self._restore(files if files is not None else ckpt.read_verified(url))
-            resumed_step = self.last_checkpoint_step = self.loop.step
             log.info("rank %d: resumed from %s at step %d (%s; %s)", self.rt.rank, url, self.loop.step, reason,
                      self.cursor)  # fmt: skip
         if self.rt.rank == 0:
-            self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed_step)
+            self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), self.loop.step if url else None)
 
-    def _restore(self, files: dict[str, bytes]) -> None:
-        model_sd, optim_sd, state = ckpt.decode(files)
+    def _load_checkpoint(self, url: str, manifest: dict[str, Any]) -> bool:
+        """Read, verify and load this rank's part of a checkpoint; whether every rank managed to (collective)."""
+        files = None
+        try:
+            files = ckpt.read_files(url, manifest, ckpt.rank_files(manifest, self.rt.rank))
+            self.bytes_resumed = sum(len(d) for d in files.values())
+        except ckpt.CheckpointInvalid as e:
+            log.warning("rank %d: checkpoint %s: %s", self.rt.rank, url, e)
+        if self.rt.all_reduce_sum([float(files is None)])[0] > 0:
+            return False
+        self._restore(files, manifest)
+        self.resumed_from = url
+        self.last_checkpoint_step = self.loop.step
+        return True
+
+    def _restore(self, files: dict[str, bytes], manifest: dict[str, Any]) -> None:
+        import torch
+        from safetensors.torch import load
+
+        state = json.loads(files[ckpt.STATE_FILE])
         loop = LoopState(**state["loop"])
         if loop.world_size != self.rt.world_size:
             raise ckpt.CheckpointInvalid(
                 f"written by {loop.world_size} workers but this run has {self.rt.world_size}; "
                 "exact resume needs the same cluster.num_workers"
             )
-        ckpt.load_model_state(self.model, model_sd, self.fsdp, self.lora)
-        ckpt.load_optimizer_state(self.model, self.optimizer, optim_sd, self.fsdp)
+        if manifest.get("sharded", False) != self.fsdp and manifest["format"] > 1:
+            raise ckpt.CheckpointInvalid(
+                f"written with train.parallelism={'fsdp' if manifest.get('sharded') else 'ddp'}; resume with the same"
+            )
+        r = self.rt.rank
+        if manifest["format"] > 1 and self.fsdp:  # this rank's own shards only
+            shared = load(files[ckpt.MODEL_FILE]) if ckpt.MODEL_FILE in files else {}
+            ckpt.load_sharded_model_state(self.model, load(files[ckpt.model_part(r)]), shared, self.lora)
+            osd = torch.load(io.BytesIO(files[ckpt.optim_part(r)]), weights_only=True)
+            ckpt.load_sharded_optimizer_state(self.optimizer, osd)
+        else:
+            model_sd, optim_sd, _ = ckpt.decode(files)
+            ckpt.load_model_state(self.model, model_sd, self.fsdp, self.lora)
+            ckpt.load_optimizer_state(self.model, self.optimizer, optim_sd, self.fsdp)
         self.scheduler.load_state_dict(state["scheduler"])
         self.loop = loop
-        mine = state["ranks"][self.rt.rank]
+        mine = json.loads(files[ckpt.rank_file(r)]) if manifest["format"] > 1 else state["ranks"][r]
         self.cursor = Cursor(**mine["cursor"])
         ckpt.set_rng_state(mine["rng"])
         self.last_eval = state.get("last_eval_loss")
@@ -210,7 +245,9 @@ class Trainer:
                 self._after_step(agreed)
             if stop_at is None:
                 self._finish()
-            else:  # "died" here: a write in flight completes, but is never reported
+            else:  # "died" here: a write in flight completes (manifest and all), but is never reported
+                if self.pending is not None:
+                    self._report_pending(report=False)
                 self.writer.close()
         finally:
             preemption.training(False)
@@ -270,9 +307,10 @@ class Trainer:
         rank0 = self.rt.rank == 0
         every_min = self.cfg.checkpoint.every_minutes
         time_due = rank0 and every_min > 0 and time.monotonic() - self.last_checkpoint_time >= every_min * 60
-        write_done = rank0 and self.writer.done()
+        write_done = self.pending is not None and self.writer.done()  # this rank's part is on storage
         v = self.rt.all_reduce_sum([loss, tokens, float(write_done), float(time_due), float(preemption.requested())])
-        return Agreed(v[0] / self.rt.world_size, int(v[1]), grad_norm, v[2] > 0, v[3] > 0, v[4] > 0)
+        every_part = v[2] >= self.rt.world_size
+        return Agreed(v[0] / self.rt.world_size, int(v[1]), grad_norm, every_part, v[3] > 0, v[4] > 0)
 
     def _after_step(self, a: Agreed) -> None:
         t, step = self.cfg.train, self.loop.step
@@ -323,9 +361,7 @@ class Trainer:
             self._phase("checkpointing")  # the training thread waits for the write: not a training step's time
         if self.pending is not None:  # at most one write in flight: finish (and report) the previous one first
             self._report_pending()
-        snap = self._snapshot()
-        if self.rt.rank == 0:
-            self.writer.submit(snap, self._checkpoint_url(snap.step))
+        self.writer.submit(self._snapshot(), self._checkpoint_url(self.loop.step))  # every rank writes its part
         self.pending = (self.loop.step, {"step": self.loop.step, "eval_loss": self.last_eval})
         self.last_checkpoint_step = self.loop.step
         self.last_checkpoint_time = time.monotonic()
@@ -342,36 +378,44 @@ class Trainer:
 
         return join(self.layout.checkpoints_dir(self.cfg.name), ckpt.checkpoint_name(step))
 
-    def _snapshot(self) -> ckpt.Snapshot:
-        ranks = self.rt.all_gather_object(ckpt.rank_state(self.cursor))
-        model_sd = self._full_model_state()
-        optim_sd = ckpt.optimizer_state(self.model, self.optimizer, self.fsdp) if self._gathers else {}
-        state = {
-            "loop": asdict(self.loop),
-            "scheduler": self.scheduler.state_dict(),
-            "ranks": ranks,
-            "last_eval_loss": self.last_eval,
-            "config": json.loads(self.cfg.model_dump_json()),
-        }
-        return ckpt.Snapshot(self.loop.step, model_sd, optim_sd, state)
-
-    @property
-    def _gathers(self) -> bool:
-        """Whether this rank takes part in gathering full state: rank 0 only, but every rank under FSDP (a collective)."""
-        return self.fsdp or self.rt.rank == 0
+    def _snapshot(self) -> ckpt.Part:
+        """This rank's part of the checkpoint as host copies (the device-to-host copy is all training waits for)."""
+        r, files = self.rt.rank, {}
+        files[ckpt.rank_file(r)] = ("json", ckpt.rank_state(self.cursor))
+        if self.fsdp:  # each rank its own shards, nothing gathered
+            local, replicated = ckpt.sharded_model_state(self.model, self.lora)
+            files[ckpt.model_part(r)] = ("safetensors", local)
+            files[ckpt.optim_part(r)] = ("torch", ckpt.sharded_optimizer_state(self.optimizer))
+            if r == 0 and replicated:
+                files[ckpt.MODEL_FILE] = ("safetensors", replicated)
+        elif r == 0:  # DDP: the weights and optimizer state are the same on every rank: written once
+            files[ckpt.MODEL_FILE] = ("safetensors", ckpt.model_state(self.model, False, self.lora))
+            files[ckpt.OPTIM_FILE] = ("torch", ckpt.optimizer_state(self.model, self.optimizer, False))
+        if r == 0:
+            state = {
+                "loop": asdict(self.loop),
+                "scheduler": self.scheduler.state_dict(),
+                "last_eval_loss": self.last_eval,
+                "config": json.loads(self.cfg.model_dump_json()),
+            }
+            files[ckpt.STATE_FILE] = ("json", state)
+        return ckpt.Part(self.loop.step, files)
 
     def _full_model_state(self) -> dict[str, Any]:
-        """Full weights on rank 0 (empty elsewhere)."""
-        return ckpt.model_state(self.model, self.fsdp, self.lora) if self._gathers else {}
+        """Full weights on rank 0 (empty elsewhere; under FSDP a collective every rank joins)."""
+        return ckpt.model_state(self.model, self.fsdp, self.lora) if self.fsdp or self.rt.rank == 0 else {}
 
-    def _report_pending(self) -> None:
-        """Every rank reports the written checkpoint to Ray together (rank 0 first waits for the write)."""
+    def _report_pending(self, report: bool = True) -> None:
+        """Every rank together: wait for its own part, then rank 0 writes the manifest (the checkpoint now exists)
+        and all report it to Ray."""
         step, metrics = self.pending
-        url = None
+        parts = self.rt.all_gather_object(self.writer.collect())
+        url = self._checkpoint_url(step)
         if self.rt.rank == 0:
-            _, url = self.writer.collect()
+            ckpt.write_manifest(url, step, self.rt.world_size, self.fsdp, parts)
             log.info("checkpoint for step %d written: %s", step, url)
-        self.rt.report(metrics, url)
+        if report:
+            self.rt.report(metrics, url if self.rt.rank == 0 else None)
         self.pending = None
 
     # -- measuring ------------------------------------------------------------------------------------------
@@ -500,9 +544,10 @@ def start_heartbeat(cfg: Config, attempt: int) -> Heartbeat:
 
 
 def choose_resume(
-    checkpoints_dir: str, explicit: str | None, verify=None
-) -> tuple[str | None, str, dict[str, bytes] | None]:
-    """Which checkpoint this start resumes from: (url or None, why, its verified files).
+    checkpoints_dir: str, explicit: str | None, check=None, refused: list[str] = ()
+) -> tuple[str | None, str, dict[str, Any] | None]:
+    """Which checkpoint this start resumes from: (url or None, why, its manifest). Reads manifests and one listing
+    per checkpoint (``ckpt.check``), no tensor bytes; ``refused``: checkpoints a rank already failed to load.
 
     The explicit checkpoint (what the watchdog names for its attempt) is a floor, not a pin: the newest valid
     checkpoint at or after its step. On the attempt's first start that is the explicit one itself (the watchdog
@@ -510,24 +555,28 @@ def choose_resume(
     restart never rewinds past the newest valid checkpoint, and never needs the explicit one to still exist
     (retention deletes it once ``num_to_keep`` newer ones are reported). An explicit checkpoint that is invalid
     with nothing valid after it is an error, not a silent step back. Without one: the newest valid, or none."""
-    verify = verify or ckpt.read_verified
+    check = check or ckpt.check
     floor = ckpt.checkpoint_step(explicit) if explicit else None
     for step, url in ckpt.list_checkpoints(checkpoints_dir):
         if floor is not None and step < floor:
             break
         try:
-            files = verify(url)
+            if url in refused:
+                raise ckpt.CheckpointInvalid("a rank could not load its part")
+            manifest = check(url)
         except ckpt.CheckpointInvalid as e:
             log.warning("skipping checkpoint %s (step %d): %s", url, step, e)
             continue
         if explicit is None:
-            return url, "the newest valid checkpoint", files
+            return url, "the newest valid checkpoint", manifest
         same = url.rstrip("/") == explicit.rstrip("/")
-        return url, "the checkpoint named for this attempt" if same else f"newer than {explicit}", files
+        return url, "the checkpoint named for this attempt" if same else f"newer than {explicit}", manifest
     if explicit is None:
         return None, "no valid checkpoint", None
     try:  # not under this run's checkpoint folder (or listed late): read it where it is
-        return explicit, "the checkpoint named for this attempt", verify(explicit)
+        if explicit in refused:
+            raise ckpt.CheckpointInvalid("a rank could not load its part")
+        return explicit, "the checkpoint named for this attempt", check(explicit)
     except ckpt.CheckpointInvalid as e:
         raise ckpt.CheckpointInvalid(
             f"the checkpoint named to resume from, {explicit}, is not valid ({e}) and no valid checkpoint is newer"

@@ -1,0 +1,63 @@
+"""Two-process training runs on plain torch.distributed (gloo, CPU) for the sharded-checkpoint tests and benchmark.
+
+``run_world(fn, world, *args)`` starts ``world`` processes, each initializing the process group and calling
+``fn(rank, *args)``; what each returns comes back as a list, in rank order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from ray_jobs.config import Config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args: tuple, out) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out[rank] = fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args: Any) -> list[Any]:
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_entry, args=(world, _free_port(), fn, args, out), nprocs=world, join=True)
+        return [out[r] for r in range(world)]
+
+
+def full_weights_hash(trainer) -> str:
+    """sha256 of the full weights, the same on every rank (FSDP gathers them; a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    state = trainer.model.state_dict()
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+    full = {k.removeprefix("module."): v for k, v in full.items()}
+    return hashlib.sha256(b"".join(full[k].numpy().tobytes() for k in sorted(full))).hexdigest()
+
+
+def train_rank(rank: int, cfg: Config, manifest: dict, model: str, stop_at: int | None) -> dict[str, Any]:
+    """One rank of a run: resume or start, train (to ``stop_at``), and say where it resumed and what it read."""
+    from ray_jobs.train.runtime import TorchRuntime
+    from ray_jobs.train.trainer import Trainer
+
+    t = Trainer(cfg, manifest, model, TorchRuntime())
+    t.resume_or_start()
+    t.fit(stop_at=stop_at)
+    return {"step": t.loop.step, "resumed_from": t.resumed_from, "bytes_resumed": t.bytes_resumed,
+            "weights": full_weights_hash(t), "stalls_s": t.stalls_s}  # fmt: skip
