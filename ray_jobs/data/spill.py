@@ -88,11 +88,15 @@ class Spill:
         """The split's rows as ``n_shards`` Parquet shards (those written before a kill are kept)."""
         n = self.rows(split)
         done = self.progress["shards"].setdefault(split, [])
-        rows = np.memmap(self._path(f"{split}.rows"), np.int32, "r", shape=(n, 3, self.seq_len)) if n else None
-        bounds = shard_bounds(n, n_shards)
-        for i in range(len(done), n_shards):
-            done.append(write_shard(split, i, np.asarray(rows[bounds[i] : bounds[i + 1]]), out_dir))
-            self._save()
+        bounds, row_bytes = shard_bounds(n, n_shards), 3 * self.seq_len * 4
+        self._flush()
+        # read a shard's rows at a time (not a memory map of the whole spill: its pages would stay resident)
+        with open(self._path(f"{split}.rows"), "rb") as f:
+            for i in range(len(done), n_shards):
+                f.seek(bounds[i] * row_bytes)
+                rows = np.fromfile(f, np.int32, (bounds[i + 1] - bounds[i]) * 3 * self.seq_len)
+                done.append(write_shard(split, i, rows.reshape(-1, 3, self.seq_len), out_dir))
+                self._save()
         return done
 
     def first_rejects(self, k: int) -> list[Reject]:
