@@ -178,6 +178,10 @@ class Layout:
     def run_dir(self, run: str) -> str:
         return join(self.root, "runs", run)
 
+    # index/active-runs/<run> : a marker per run the watchdog looks after (so it never lists every run)
+    def active_index(self) -> str:
+        return join(self.root, "index", "active-runs")
+
     def run_registry(self, run: str) -> str:
         return join(self.run_dir(run), "run.json")
 

@@ -16,7 +16,8 @@ from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifa
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, read_bytes, write_json_atomic
+from ray_jobs.storage import Layout, write_json_atomic
+from ray_jobs.train.metrics import MetricsTail
 from tasks import jobsapi, registry
 from tasks.cluster import ClusterError, ClusterHandle, jobs_client
 from tasks.logs import run_logger
@@ -124,15 +125,8 @@ def submit_job(handle: ClusterHandle, submission_id: str, spec_url: str) -> str:
 
 
 def last_step(metrics_url: str) -> int:
-    """Newest step in metrics.jsonl (0 when there is none yet)."""
-    try:
-        lines = read_bytes(metrics_url).decode().strip().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):  # the newest line may be half-written (a writer mid-append on some stores)
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            return int(json.loads(line)["step"])
-    return 0
+    """Newest step in the metrics log (0 when there is none yet)."""
+    return MetricsTail(metrics_url).last_step()
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -243,14 +237,14 @@ def _stop_for_cancel(address: str, submission_id: str, log) -> None:
 async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, attempt: int, poll_s: float = 2.0) -> str:
     """Watch the training job: log tail into Prefect, a progress artifact (step / max_steps) while it runs, the
     registry's ``running`` state once Ray runs it."""
-    metrics_url = Layout(cfg.storage).metrics(cfg.name)
-    progress_id = None
+    metrics = MetricsTail(Layout(cfg.storage).metrics(cfg.name))  # each poll reads only what is new
+    progress_id, marked = None, False
 
     async def update_progress(status: str) -> None:
-        nonlocal progress_id
-        if status == "RUNNING":
-            await asyncio.to_thread(registry.mark_running, cfg.storage, cfg.name, attempt)
-        step = await asyncio.to_thread(last_step, metrics_url)
+        nonlocal progress_id, marked
+        if status == "RUNNING" and not marked:
+            marked = await asyncio.to_thread(registry.mark_running, cfg.storage, cfg.name, attempt)
+        step = await asyncio.to_thread(metrics.last_step)
         progress = min(100.0, 100.0 * step / cfg.train.max_steps)
         if progress_id is None:  # created on the first poll that can: an API outage at the start is no failure
             progress_id = await acreate_progress_artifact(

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, exists, fs_and_path, join, read_json, write_json_atomic
+from ray_jobs.storage import Layout, exists, fs_and_path, join, read_json, write_bytes_atomic, write_json_atomic
 from tasks import lease as leases
 
 STATES = ("submitted", "running", "recovering", "succeeded", "failed")
@@ -38,6 +38,18 @@ def load(storage: str, run: str) -> dict[str, Any] | None:
 def save(storage: str, run: str, reg: dict[str, Any]) -> None:
     reg["updated_at"] = time.time()
     write_json_atomic(Layout(storage).run_registry(run), reg)
+    _index(storage, run, reg.get("state") in ACTIVE)
+
+
+def _index(storage: str, run: str, active: bool) -> None:
+    """Keep ``index/active-runs/<run>`` in step with the run's state (after run.json: the registry is the truth)."""
+    marker = join(Layout(storage).active_index(), run)
+    if active:
+        write_bytes_atomic(marker, b"")
+    else:
+        fs, path = fs_and_path(marker)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(path)
 
 
 def update(storage: str, run: str, **fields: Any) -> dict[str, Any]:
@@ -63,8 +75,28 @@ def runs(storage: str) -> list[str]:
 
 
 def active_runs(storage: str) -> list[str]:
-    """Runs the watchdog must look after: submitted, running or recovering."""
-    return [r for r in runs(storage) if (reg := load(storage, r)) and reg.get("state") in ACTIVE]
+    """Runs the watchdog must look after: submitted, running or recovering. Read from the active-run index (one
+    listing and a registry per active run, however many runs ever finished); a storage without one yet (written
+    before the index existed) is scanned once to build it."""
+    fs, path = fs_and_path(Layout(storage).active_index())
+    fs.invalidate_cache(path)
+    try:
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    except FileNotFoundError:
+        names = None
+    indexed = set(names or ())
+    if ".built" not in indexed:
+        names = runs(storage)
+        write_bytes_atomic(join(Layout(storage).active_index(), ".built"), b"")
+    active = []
+    for run in (n for n in names if n != ".built"):
+        reg = load(storage, run)
+        is_active = reg is not None and reg.get("state") in ACTIVE
+        if is_active != (run in indexed):  # heals a crash between run.json and the index, and builds it
+            _index(storage, run, is_active)
+        if is_active:
+            active.append(run)
+    return active
 
 
 def current_attempt(reg: dict[str, Any]) -> dict[str, Any]:
@@ -227,16 +259,21 @@ def adopt(cfg: Config, attempt: int, message: str) -> dict[str, Any] | None:
         return reg
 
 
-def mark_running(storage: str, run: str, attempt: int) -> None:
+def mark_running(storage: str, run: str, attempt: int) -> bool:
     """The attempt's job is RUNNING (first time seen): ``submitted`` -> ``running``. Skipped while a watchdog
-    holds the run (the next poll, or the watchdog itself, does it)."""
+    holds the run (the next poll, or the watchdog itself, does it). True once nothing is left to do: a caller polls
+    until then, and takes the lease only when the registry still needs the change (one lease, not one a poll)."""
+    reg = load(storage, run)
+    if reg is None or not set_running(dict(reg, attempts=[dict(a) for a in reg["attempts"]]), attempt):
+        return True
     lease = leases.acquire(storage, run, ttl_s=30)
     if lease is None:
-        return
+        return False
     with lease:
         reg = load(storage, run)
         if reg is not None and set_running(reg, attempt):
             save(storage, run, reg)
+    return True
 
 
 def set_running(reg: dict[str, Any], attempt: int) -> bool:

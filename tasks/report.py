@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from prefect import task
@@ -10,22 +9,35 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, read_bytes
+from ray_jobs.storage import Layout
 from tasks.logs import run_logger
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
 CHART_POINTS = 60  # mermaid renders a few dozen points legibly
+TABLE_ROWS = 200  # rows of an artifact table (metrics, eval losses): long runs are thinned evenly
 # A line colour that stands out on the UI's code-block background (mermaid's default is a pale yellow).
 CHART_THEME = '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "#ff6b35"}}}}%%'
 
 
+def thin(items: list, limit: int) -> list:
+    """At most about ``limit`` of ``items``, evenly spaced, always keeping the first and the last: artifacts of a
+    100k-step run stay the size of a short run's."""
+    if len(items) <= limit:
+        return items
+    every = -(-len(items) // limit)
+    return items[::every] + ([items[-1]] if (len(items) - 1) % every else [])
+
+
 def metrics_table(cfg: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The logged steps, with the checkpoint (if any) written at each step."""
+    """The logged steps (thinned to ``TABLE_ROWS``), with the checkpoint (if any) written at each step."""
     from ray_jobs import checkpoint as ckpt
 
     saved = {step: url.rstrip("/").rsplit("/", 1)[-1] for step, url in ckpt.list_checkpoints(
         Layout(cfg.storage).checkpoints_dir(cfg.name))}  # fmt: skip
-    return [{**{k: r.get(k) for k in METRIC_COLUMNS}, "checkpoint": saved.get(r["step"], "")} for r in rows]
+    return [
+        {**{k: r.get(k) for k in METRIC_COLUMNS}, "checkpoint": saved.get(r["step"], "")}
+        for r in thin(rows, TABLE_ROWS)
+    ]
 
 
 def mermaid_line(title: str, y_label: str, points: list[tuple[str, float]], top: float) -> list[str]:
@@ -45,9 +57,7 @@ def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:
     """Train and eval loss by step as a mermaid ``xychart-beta`` line chart (the Prefect UI renders mermaid)."""
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    if len(train) > CHART_POINTS:  # evenly thinned, always keeping the last point
-        every = -(-len(train) // CHART_POINTS)
-        train = train[::every] + ([train[-1]] if (len(train) - 1) % every else [])
+    train, evals = thin(train, CHART_POINTS), thin(evals, TABLE_ROWS)
     top = max([r["loss"] for r in train] + [r["eval_loss"] for r in evals], default=0.0)
     points = [(str(r["step"]), r["loss"]) for r in train]
     lines = [
@@ -65,8 +75,9 @@ def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:
 
 
 def read_metrics(cfg: Config) -> list[dict[str, Any]]:
-    text = read_bytes(Layout(cfg.storage).metrics(cfg.name)).decode()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    from ray_jobs.train.metrics import read_rows
+
+    return read_rows(Layout(cfg.storage).metrics(cfg.name))
 
 
 def eval_examples(cfg: Config, limit: int, model_path: str) -> list[tuple[str, str, str]]:

@@ -1,36 +1,139 @@
-"""The run's metrics log on storage."""
+"""The run's metrics log on storage, written in O(new rows) and read incrementally.
+
+On a file system it is ``runs/<run>/metrics.jsonl``, appended to. Object stores cannot append, and rewriting the
+whole file at every logged step is quadratic in run length, so there the log is a folder of immutable segments
+``runs/<run>/metrics/g<generation>-keep<step>-<seq>.jsonl``: each write PUTs only the rows that are new. A resume
+starts a new generation whose name says which earlier rows still count (steps below ``keep``), so readers see the
+same consistent run a rewrite would have left, and no segment is ever changed. :class:`MetricsTail` reads only
+what is new since its last look (a segment once, or the bytes past its offset).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 from typing import Any
 
-from ray_jobs.storage import is_local, read_bytes, write_bytes_atomic
+from ray_jobs.storage import fs_and_path, is_local, join, read_bytes, write_bytes_atomic
 from ray_jobs.train.sidewrite import SideWriter
+
+_SEGMENT = re.compile(r"g(\d{6})-keep(\d{9})-(\d{6})\.jsonl$")
+
+
+def segments_dir(url: str) -> str:
+    """The object-store form of ``.../metrics.jsonl``: the folder ``.../metrics/`` of segments."""
+    return url.removesuffix(".jsonl")
+
+
+def _parse(data: bytes) -> list[dict[str, Any]]:
+    rows = []
+    for line in data.decode().splitlines():
+        with contextlib.suppress(ValueError):  # a half-written last line (a writer mid-append) is not a row yet
+            rows.append(json.loads(line))
+    return rows
+
+
+def _segments(url: str) -> list[tuple[tuple[int, int], int, str]]:
+    """((generation, seq), keep, url) of every segment, in write order."""
+    fs, path = fs_and_path(segments_dir(url))
+    fs.invalidate_cache(path)
+    try:
+        names = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        m = _SEGMENT.search(name)
+        if m:
+            found.append(((int(m.group(1)), int(m.group(3))), int(m.group(2)), join(segments_dir(url), m.group(0))))
+    return sorted(found)
+
+
+class MetricsTail:
+    """The log's rows, read incrementally: each ``poll`` reads only segments (or bytes) it has not read before."""
+
+    def __init__(self, url: str):
+        self.url, self.local = url, is_local(url)
+        self.rows: list[dict[str, Any]] = []
+        self._seen: set[str] = set()
+        self._generation = -1
+        self._offset = 0
+        self._inode = None
+        self.bytes_read = 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Every row so far (updated in place from what is new)."""
+        if self.local:
+            self._poll_file()
+        else:
+            self._poll_segments()
+        return self.rows
+
+    def last_step(self) -> int:
+        self.poll()
+        return int(self.rows[-1]["step"]) if self.rows else 0
+
+    def _poll_file(self) -> None:
+        fs, path = fs_and_path(self.url)
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            return
+        size, inode = info["size"], info.get("ino")
+        if size < self._offset or inode != self._inode:  # replaced (a resume rewrites it): read it from the start
+            self.rows, self._offset, self._inode = [], 0, inode
+        with fs.open(path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being appended waits for the next look
+        self._offset += len(whole)
+        self.bytes_read += len(whole)
+        self.rows += _parse(whole)
+
+    def _poll_segments(self) -> None:
+        for (generation, _), keep, url in _segments(self.url):
+            if url in self._seen:
+                continue
+            if generation != self._generation:  # a resume: rows from its step on were trained again
+                self.rows = [r for r in self.rows if r["step"] < keep]
+                self._generation = generation
+            data = read_bytes(url)
+            self.bytes_read += len(data)
+            self.rows += _parse(data)
+            self._seen.add(url)
+
+
+def read_rows(url: str) -> list[dict[str, Any]]:
+    """Every row of a run's metrics log (either form)."""
+    return MetricsTail(url).poll()
 
 
 class MetricsLog:
-    """``runs/<run>/metrics.jsonl``, written by rank 0: one JSON line per logged step.
+    """The metrics log, written by rank 0: one JSON line per logged step.
 
-    After a resume, lines past the resumed step are dropped, so the file always describes one consistent run;
-    a fresh start (``resumed_step`` None) starts an empty file. Rows are kept in memory and written from a side
-    thread (:class:`SideWriter`): a slow or unavailable store delays the file, never a training step, and the file
+    After a resume, rows past the resumed step no longer count, so the log always describes one consistent run;
+    a fresh start (``resumed_step`` None) starts an empty log. Rows are kept in memory and written from a side
+    thread (:class:`SideWriter`): a slow or unavailable store delays the log, never a training step, and the log
     catches up when the store answers again.
     """
 
     def __init__(self, url: str, resumed_step: int | None):
-        self.url = url
+        self.url, self.local = url, is_local(url)
         self.rows: list[dict[str, Any]] = []
         if resumed_step is not None:
-            with contextlib.suppress(FileNotFoundError):
-                lines = read_bytes(url).decode().splitlines()
-                self.rows = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= resumed_step]
+            self.rows = [r for r in read_rows(url) if r["step"] <= resumed_step]
         self._lock = threading.Lock()
-        self._written = 0  # rows[:_written] are on storage
+        self._rewrite = True  # a file: the first write replaces whatever it held
+        if not self.local:  # segments: a new generation keeping the rows up to the resumed step
+            earlier = _segments(url)
+            self._generation = (earlier[-1][0][0] + 1) if earlier else 0
+            self._keep = resumed_step + 1 if resumed_step is not None else 0
+            self._seq = 0
+        self._written = 0 if self.local else len(self.rows)  # rows[:_written] are on storage
+        self.bytes_written = 0
         self._writer = SideWriter(self._write, "unbroken-metrics").start()
-        self._rewrite = True  # the first write replaces whatever the file held
         self._writer.poke()
 
     def append(self, row: dict[str, Any]) -> None:
@@ -45,11 +148,24 @@ class MetricsLog:
     def _write(self) -> None:
         with self._lock:
             rows, start = list(self.rows), self._written
-        append, self._rewrite = is_local(self.url) and not self._rewrite, True  # a failed append: rewrite next time
-        if append:
-            with open(self.url, "a") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in rows[start:]))
-        else:  # object stores cannot append: rewrite the whole (small) file
-            write_bytes_atomic(self.url, "".join(json.dumps(r) + "\n" for r in rows).encode())
-        self._rewrite = False
+        if self.local:
+            self._write_file(rows, start)
+        elif len(rows) > start or self._seq == 0:  # the generation's first segment is written even if empty
+            body = "".join(json.dumps(r) + "\n" for r in rows[start:]).encode()
+            name = f"g{self._generation:06d}-keep{self._keep:09d}-{self._seq:06d}.jsonl"
+            write_bytes_atomic(join(segments_dir(self.url), name), body)
+            self.bytes_written += len(body)
+            self._seq += 1
         self._written = len(rows)
+
+    def _write_file(self, rows: list[dict[str, Any]], start: int) -> None:
+        append, self._rewrite = not self._rewrite, True  # a failed append: rewrite next time
+        if append:
+            body = "".join(json.dumps(r) + "\n" for r in rows[start:])
+            with open(self.url, "a") as f:
+                f.write(body)
+        else:
+            body = "".join(json.dumps(r) + "\n" for r in rows)
+            write_bytes_atomic(self.url, body.encode())
+        self.bytes_written += len(body)
+        self._rewrite = False

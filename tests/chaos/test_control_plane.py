@@ -9,7 +9,6 @@ and checks the run ends with exactly the attempts the scenario expects and weigh
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, read_bytes
+from ray_jobs.storage import Layout
+from ray_jobs.train.metrics import read_rows
 from tasks import registry
 from tasks.cluster import ClusterHandle, jobs_client
 from tasks.watchdog import check_run
@@ -201,7 +201,7 @@ def test_s3_storage_paused_for_30s_mid_run_training_goes_on_and_the_files_catch_
             resumed_at = time.time()
             reg = until_finished(cfg)
         check_one_attempt(reg, cfg, baseline, ray_cluster)
-        rows = [json.loads(line) for line in read_bytes(Layout(cfg.storage).metrics(cfg.name)).decode().splitlines()]
+        rows = read_rows(Layout(cfg.storage).metrics(cfg.name))
     during = [r["step"] for r in rows if paused_at + 2 < r["time"] < resumed_at - 2]
     assert len(during) >= 5, f"training logged only steps {during} while storage was away"
     assert [r["step"] for r in rows] == sorted({r["step"] for r in rows}), "every logged step once, in order"

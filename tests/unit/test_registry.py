@@ -69,3 +69,32 @@ def test_status_command_prints_attempts_heartbeat_and_final_model(tmp_path: Path
     missing = subprocess.run([sys.executable, "-m", "unbroken", "status", "nope", "--storage", str(tmp_path)],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert missing.returncode == 1 and "no run 'nope' under" in missing.stderr
+
+
+def test_the_watchdog_reads_only_active_runs_registries_however_many_runs_finished(tmp_path: Path, monkeypatch) -> None:
+    from ray_jobs.storage import write_json_atomic
+
+    storage = str(tmp_path)
+    for i in range(40):  # written before the index existed: the first look builds it
+        write_json_atomic(f"{storage}/runs/done-{i:02d}/run.json", {"state": "succeeded", "attempts": []})
+    write_json_atomic(f"{storage}/runs/old-active/run.json", {"state": "running", "attempts": []})
+    assert registry.active_runs(storage) == ["old-active"]
+    registry.save(storage, "new", {"state": "submitted", "attempts": []})
+    loads: list[str] = []
+    real = registry.load
+    monkeypatch.setattr(registry, "load", lambda s, run: loads.append(run) or real(s, run))
+    assert registry.active_runs(storage) == ["new", "old-active"]
+    assert sorted(loads) == ["new", "old-active"], "no finished run's registry is read"
+    monkeypatch.undo()
+    registry.save(storage, "new", {"state": "succeeded", "attempts": []})
+    assert registry.active_runs(storage) == ["old-active"]
+
+
+def test_mark_running_takes_the_lease_once_not_once_a_poll(tmp_path: Path, monkeypatch) -> None:
+    c = cfg(tmp_path)
+    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
+    taken: list[str] = []
+    real = registry.leases.acquire
+    monkeypatch.setattr(registry.leases, "acquire", lambda *a, **k: taken.append("lease") or real(*a, **k))
+    assert all(registry.mark_running(c.storage, c.name, 1) for _ in range(5))
+    assert taken == ["lease"] and registry.load(c.storage, c.name)["state"] == "running"

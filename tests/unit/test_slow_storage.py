@@ -10,9 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-from ray_jobs.storage import read_bytes
 from ray_jobs.train import metrics as metrics_mod
-from ray_jobs.train.metrics import MetricsLog
+from ray_jobs.train.metrics import MetricsLog, MetricsTail, read_rows
 from ray_jobs.train.sidewrite import SideWriter
 from tests.unit.test_trainer import checkpoints, named, setup, train, weights_hash  # noqa: F401 (setup: a fixture)
 
@@ -64,8 +63,7 @@ def test_metrics_logged_while_the_store_fails_land_in_order_once_it_answers(monk
     assert not log.flush(0.5)
     down.clear()
     assert log.flush(10)
-    rows = [json.loads(line) for line in read_bytes(url).decode().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_rows(url)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_failed_local_append_is_repaired_by_rewriting_the_file(tmp_path, monkeypatch) -> None:
@@ -100,19 +98,19 @@ def test_a_checkpoint_due_while_the_previous_write_is_in_flight_is_deferred_not_
     cfg, manifest, model = setup
     straight = weights_hash(train(named(cfg, "deferred-straight"), manifest, model))
     c = named(cfg, "deferred")
-    real_write, trainer_steps = writer.write, []
+    real_write, trainer_steps = writer.write_part, []
 
-    def slow_write(snap, url):
-        if snap.step == 10:  # the store hangs on this write until training is well past the next due step
+    def slow_write(part, url):
+        if part.step == 10:  # the store hangs on this write until training is well past the next due step
             deadline = time.monotonic() + 60
             while not trainer_steps or trainer_steps[-1] < 25:
                 assert time.monotonic() < deadline, "training waited for the write: the steps never came"
                 time.sleep(0.01)
-        real_write(snap, url)
+        return real_write(part, url)
 
     from ray_jobs.train import trainer as trainer_mod
 
-    monkeypatch.setattr(writer, "write", slow_write)
+    monkeypatch.setattr(writer, "write_part", slow_write)
     real_log = trainer_mod.Trainer._log
     monkeypatch.setattr(trainer_mod.Trainer, "_log", lambda self, row: (trainer_steps.append(row["step"]),
                                                                        real_log(self, row)))  # fmt: skip
@@ -122,3 +120,43 @@ def test_a_checkpoint_due_while_the_previous_write_is_in_flight_is_deferred_not_
     assert 10 in steps and 30 in steps and 20 not in steps, steps
     assert "checkpoint due at step 20 deferred" in caplog.text
     assert weights_hash(t) == straight, "when checkpoints are taken changes no weight"
+
+
+def _log_steps(log: MetricsLog, steps) -> list[int]:
+    """Append and flush one row at a time; the bytes each flush wrote."""
+    sizes = []
+    for step in steps:
+        before = log.bytes_written
+        log.append({"step": step, "loss": 1.0 / step, "lr": 0.001})
+        assert log.flush(5)
+        sizes.append(log.bytes_written - before)
+    return sizes
+
+
+def test_object_store_metrics_cost_o1_bytes_per_logged_step_and_resume_keeps_one_consistent_run() -> None:
+    url = "memory://unbroken-test/runs/segments/metrics.jsonl"
+    sizes = _log_steps(MetricsLog(url, resumed_step=None), range(1, 401))
+    assert max(sizes[300:]) <= 1.2 * max(sizes[:10]), "the 400th step costs what the 1st did (no whole-file rewrite)"
+    tail = MetricsTail(url)
+    assert [r["step"] for r in tail.poll()] == list(range(1, 401))
+    read = tail.bytes_read
+    tail.poll()
+    assert tail.bytes_read == read, "a look with nothing new reads nothing"
+    _log_steps(MetricsLog(url, resumed_step=250), range(251, 261))  # resumed at 250: steps 251.. trained again
+    assert [r["step"] for r in tail.poll()] == list(range(1, 261)), "the tail follows the resume"
+    assert [r["step"] for r in read_rows(url)] == list(range(1, 261))
+    MetricsLog(url, resumed_step=None).flush(5)  # a fresh start: the log is empty again
+    assert read_rows(url) == []
+
+
+def test_a_local_tail_reads_only_appended_bytes_and_follows_a_rewrite(tmp_path) -> None:
+    url = str(tmp_path / "metrics.jsonl")
+    log = MetricsLog(url, resumed_step=None)
+    _log_steps(log, range(1, 51))
+    tail = MetricsTail(url)
+    assert tail.last_step() == 50
+    first = tail.bytes_read
+    _log_steps(log, [51])
+    assert tail.last_step() == 51 and tail.bytes_read - first < 100
+    _log_steps(MetricsLog(url, resumed_step=10), [11])  # a resume rewrites the (shorter) file
+    assert [r["step"] for r in tail.poll()] == list(range(1, 12))
