@@ -175,6 +175,9 @@ class TrainConfig(_Section):
     weights are not bit-identical."""
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the final export; ``auto`` = the base model's own dtype (training always keeps fp32 weights)."""
+    export_shard_mb: float = Field(5000.0, gt=0)
+    """Largest safetensors file of the final export, in MB; a bigger model is split across files with an index
+    (``save_pretrained``'s ``max_shard_size``)."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """``ddp`` replicates the model on every worker; ``fsdp`` shards it (FSDP2) for models too big for one device."""
 

@@ -49,6 +49,7 @@ from ray_jobs.checkpoint.format import (
     write_part,
 )  # fmt: skip
 from ray_jobs.checkpoint.state import (
+    HostStaging,
     LoopState,
     RankState,
     load_model_state,
@@ -70,7 +71,7 @@ from ray_jobs.checkpoint.writer import AsyncWriter
 
 __all__ = [
     "FORMAT", "MANIFEST_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_FILE", "AsyncWriter", "CheckpointInvalid",
-    "LoopState", "Part", "RankState", "check", "checkpoint_name", "checkpoint_step", "decode", "encode_file",
+    "HostStaging", "LoopState", "Part", "RankState", "check", "checkpoint_name", "checkpoint_step", "decode", "encode_file",
     "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state", "load_sharded_model_state",
     "load_sharded_optimizer_state", "model_part", "model_state", "optim_part", "optimizer_state", "owner",
     "rank_file", "rank_files", "rank_state", "read_files", "read_manifest", "read_verified", "rng_state",

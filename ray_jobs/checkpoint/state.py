@@ -86,7 +86,29 @@ def tied_aliases(model) -> dict[str, str]:
     return aliases
 
 
-def model_state(model, fsdp: bool, trainable_only: bool) -> dict[str, Any]:
+class HostStaging:
+    """Host buffers a checkpoint's tensors are copied into, kept from one checkpoint to the next (as DCP's async
+    staging does): the copy then writes into memory that is already mapped instead of allocating and faulting in
+    a fresh copy of the model each time. Safe because a checkpoint is taken only after the previous write finished
+    (:class:`AsyncWriter` holds one write at a time and the trainer collects it first)."""
+
+    def __init__(self):
+        self._buffers: dict[str, Any] = {}
+
+    def __call__(self, key: str, t) -> Any:
+        t = t.detach()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._buffers[key] = t.to("cpu", copy=True).contiguous()
+            return buf
+        return buf.copy_(t)
+
+
+def _fresh(key: str, t) -> Any:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def model_state(model, fsdp: bool, trainable_only: bool, stage=_fresh) -> dict[str, Any]:
     """A CPU copy of the weights (complete on rank 0; under FSDP a collective every rank must join). A tied tensor
     is stored once (safetensors refuses shared tensors, and a copy each would double the embedding's size)."""
     aliases = tied_aliases(model)
@@ -99,29 +121,29 @@ def model_state(model, fsdp: bool, trainable_only: bool) -> dict[str, Any]:
         sd = unwrap(model).state_dict()
     sd = {k: v for k, v in sd.items() if k not in aliases and (keep is None or k in keep)}
     if not fsdp:  # FSDP's full state dict is already a host copy
-        sd = {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+        sd = {k: stage(k, v) for k, v in sd.items()}
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def optimizer_state(model, optimizer, fsdp: bool) -> dict[str, Any]:
+def optimizer_state(model, optimizer, fsdp: bool, stage=_fresh) -> dict[str, Any]:
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         return get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-    return _cpu_copy(optimizer.state_dict())
+    return _cpu_copy(optimizer.state_dict(), stage)
 
 
-def _cpu_copy(obj):
+def _cpu_copy(obj, stage=_fresh, key: str = "optim"):
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return stage(key, obj)
     if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
+        return {k: _cpu_copy(v, stage, f"{key}/{k}") for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_cpu_copy(v) for v in obj)
+        return type(obj)(_cpu_copy(v, stage, f"{key}/{i}") for i, v in enumerate(obj))
     return obj
 
 
@@ -178,7 +200,7 @@ def load_optimizer_state(model, optimizer, osd: dict[str, Any], fsdp: bool) -> N
 
 
 # -- FSDP, sharded: each rank saves and loads its own shards ---------------------------------------------------
-def sharded_model_state(model, trainable_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def sharded_model_state(model, trainable_only: bool, stage=_fresh) -> tuple[dict[str, Any], dict[str, Any]]:
     """(this rank's local shards, the tensors FSDP does not shard) as CPU copies; no collective, nothing gathered."""
     from torch.distributed.tensor import DTensor
 
@@ -189,9 +211,9 @@ def sharded_model_state(model, trainable_only: bool) -> tuple[dict[str, Any], di
         if name in aliases or (keep is not None and name not in keep):
             continue
         if isinstance(t, DTensor):
-            local[name] = t.to_local().detach().to("cpu", copy=True).contiguous()
+            local[name] = stage(name, t.to_local())
         else:
-            replicated[name] = t.detach().to("cpu", copy=True).contiguous()
+            replicated[name] = stage(name, t)
     return local, replicated
 
 
@@ -214,7 +236,7 @@ def load_sharded_model_state(model, local: dict[str, Any], replicated: dict[str,
             dst.copy_(t)
 
 
-def sharded_optimizer_state(optimizer) -> dict[str, Any]:
+def sharded_optimizer_state(optimizer, stage=_fresh) -> dict[str, Any]:
     """The optimizer's own state with every DTensor replaced by this rank's local piece (CPU copies)."""
     from torch.distributed.tensor import DTensor
 
@@ -222,7 +244,7 @@ def sharded_optimizer_state(optimizer) -> dict[str, Any]:
     local = {
         i: {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in st.items()} for i, st in osd["state"].items()
     }
-    return {"state": _cpu_copy(local), "param_groups": osd["param_groups"]}
+    return {"state": _cpu_copy(local, stage), "param_groups": osd["param_groups"]}
 
 
 def load_sharded_optimizer_state(optimizer, saved: dict[str, Any]) -> None:

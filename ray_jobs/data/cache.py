@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
@@ -98,4 +99,9 @@ class ShardCache:
 
 
 def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes under ``path``; a file another worker on the node renames or evicts meanwhile is simply not counted."""
+    total = 0
+    for p in path.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            total += p.stat().st_size if p.is_file() else 0
+    return total

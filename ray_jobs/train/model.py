@@ -57,21 +57,79 @@ def _needs_tying(model, modules_to_save: list[str]) -> bool:
 
 
 def export_model(cfg: Config, model_path: str, state: dict[str, Any]):
-    """The final model as a plain HF model in ``train.export_dtype``: the base model with the trained weights
-    (LoRA merged in), tied embeddings still tied."""
-    import torch
-
+    """The final model as a plain HF model in ``train.export_dtype`` built from a full state dict: the base model
+    with the trained weights (LoRA merged in). Only FSDP + LoRA needs this (a second model instance); every other
+    run exports its trained model in place (:func:`finish_in_place`, :func:`write_sharded_export`)."""
     model = load_model_fp32(model_path, cfg.data.cache_dir)
-    tied = ties_embeddings(model)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg)
         ckpt.load_model_state(model, state, fsdp=False, trainable_only=True)
-        model = model.merge_and_unload()
     else:
         ckpt.load_model_state(model, state, fsdp=False, trainable_only=False)
+    return finish_in_place(cfg, model_path, model)
+
+
+def finish_in_place(cfg: Config, model_path: str, model):
+    """The trained model itself made the export: LoRA merged into its layers (peft merges layer by layer), cast to
+    ``train.export_dtype`` parameter by parameter -- no second copy of the model. Tied embeddings stay tied."""
+    import torch
+
+    tied = ties_embeddings(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if cfg.model.lora is not None:
+        model = model.merge_and_unload()
     if tied and not ties_embeddings(model):
         raise RuntimeError("the merged model lost its tied input/output embeddings; refusing to export it untied")
     return model.to(getattr(torch, export_dtype(cfg, model_path)))
+
+
+def write_sharded_export(cfg: Config, model_path: str, model, rank: int, folder: str) -> None:
+    """An FSDP model's weights as HF sharded safetensors, gathered one tensor at a time (every rank takes part in
+    each gather; rank 0 writes a file each time ``train.export_shard_mb`` fills): memory holds one file's worth,
+    never the whole model. What ``save_pretrained(max_shard_size=...)`` writes, without the full state dict."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    dtype = getattr(torch, export_dtype(cfg, model_path))
+    state = model.state_dict()
+    names = [n for n in state if n not in ckpt.tied_aliases(model)]
+    files = _plan_files(names, {n: state[n].numel() * dtype.itemsize for n in names}, cfg.train.export_shard_mb)
+    weight_map = {}
+    for i, group in enumerate(files):
+        name = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = {}
+        for n in group:
+            t = state[n].full_tensor() if isinstance(state[n], DTensor) else state[n]  # a collective
+            if rank == 0:
+                tensors[n] = t.detach().to("cpu", dtype).contiguous()
+            weight_map[n] = name
+        if rank == 0:
+            save_file(tensors, f"{folder}/{name}", metadata={"format": "pt"})
+    if rank == 0:
+        if len(files) > 1:
+            total = sum(state[n].numel() * dtype.itemsize for n in names)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(f"{folder}/model.safetensors.index.json", "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        model.config.dtype = dtype
+        model.config.save_pretrained(folder)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(folder)
+
+
+def _plan_files(names: list[str], sizes: dict[str, int], shard_mb: float) -> list[list[str]]:
+    """Tensors in order into files of at most ``shard_mb`` MB (a bigger tensor gets a file of its own)."""
+    files: list[list[str]] = [[]]
+    used = 0
+    for n in names:
+        if files[-1] and used + sizes[n] > shard_mb * 1e6:
+            files.append([])
+            used = 0
+        files[-1].append(n)
+        used += sizes[n]
+    return files
 
 
 def export_dtype(cfg: Config, model_path: str) -> str:

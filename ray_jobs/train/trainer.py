@@ -33,7 +33,7 @@ from ray_jobs.storage import Layout, upload_dir, write_json_atomic
 from ray_jobs.train import faults, preemption
 from ray_jobs.train.heartbeat import Heartbeat
 from ray_jobs.train.metrics import MetricsLog
-from ray_jobs.train.model import build_model, export_model
+from ray_jobs.train.model import build_model, export_model, finish_in_place, write_sharded_export
 from ray_jobs.train.runtime import Runtime
 
 log = logging.getLogger("unbroken.train")
@@ -112,6 +112,7 @@ class Trainer:
         self.cursor = Cursor()
         self.metrics: MetricsLog | None = None
         self.writer = ckpt.AsyncWriter()
+        self.staging = ckpt.HostStaging()  # host buffers reused by every checkpoint's device-to-host copy
         self.pending: tuple[int, dict[str, Any]] | None = None  # started, not yet reported (known to all ranks)
         self.last_eval: float | None = None
         self.last_checkpoint_step = -1
@@ -383,14 +384,14 @@ class Trainer:
         r, files = self.rt.rank, {}
         files[ckpt.rank_file(r)] = ("json", ckpt.rank_state(self.cursor))
         if self.fsdp:  # each rank its own shards, nothing gathered
-            local, replicated = ckpt.sharded_model_state(self.model, self.lora)
+            local, replicated = ckpt.sharded_model_state(self.model, self.lora, self.staging)
             files[ckpt.model_part(r)] = ("safetensors", local)
-            files[ckpt.optim_part(r)] = ("torch", ckpt.sharded_optimizer_state(self.optimizer))
+            files[ckpt.optim_part(r)] = ("torch", ckpt.sharded_optimizer_state(self.optimizer, self.staging))
             if r == 0 and replicated:
                 files[ckpt.MODEL_FILE] = ("safetensors", replicated)
         elif r == 0:  # DDP: the weights and optimizer state are the same on every rank: written once
-            files[ckpt.MODEL_FILE] = ("safetensors", ckpt.model_state(self.model, False, self.lora))
-            files[ckpt.OPTIM_FILE] = ("torch", ckpt.optimizer_state(self.model, self.optimizer, False))
+            files[ckpt.MODEL_FILE] = ("safetensors", ckpt.model_state(self.model, False, self.lora, self.staging))
+            files[ckpt.OPTIM_FILE] = ("torch", ckpt.optimizer_state(self.model, self.optimizer, False, self.staging))
         if r == 0:
             state = {
                 "loop": asdict(self.loop),
@@ -400,10 +401,6 @@ class Trainer:
             }
             files[ckpt.STATE_FILE] = ("json", state)
         return ckpt.Part(self.loop.step, files)
-
-    def _full_model_state(self) -> dict[str, Any]:
-        """Full weights on rank 0 (empty elsewhere; under FSDP a collective every rank joins)."""
-        return ckpt.model_state(self.model, self.fsdp, self.lora) if self.fsdp or self.rt.rank == 0 else {}
 
     def _report_pending(self, report: bool = True) -> None:
         """Every rank together: wait for its own part, then rank 0 writes the manifest (the checkpoint now exists)
@@ -496,22 +493,31 @@ class Trainer:
         return loss
 
     def export_final(self) -> str | None:
-        """Rank 0 writes the final HF folder (merged weights in ``train.export_dtype``, tokenizer, model card) to
-        ``runs/<run>/final``."""
+        """The final HF folder (merged weights in ``train.export_dtype``, tokenizer, model card) at
+        ``runs/<run>/final``, made from the trained model itself: in place under DDP (rank 0), gathered a tensor at
+        a time under FSDP (every rank joins, rank 0 writes); only FSDP + LoRA still builds a second model to merge."""
         self._phase("exporting")
-        state = self._full_model_state()
-        if self.rt.rank != 0:
-            return None
-        model = export_model(self.cfg, self.model_path, state)
         url = self.layout.final_model(self.cfg.name)
         with tempfile.TemporaryDirectory(prefix="unbroken-final-") as d:
-            model.save_pretrained(d)
+            if self.fsdp and not self.lora:
+                write_sharded_export(self.cfg, self.model_path, self.model, self.rt.rank, d)
+            elif self.fsdp:
+                state = ckpt.model_state(self.model, True, True)  # the adapters only: small, gathered
+                if self.rt.rank == 0:
+                    self._save(export_model(self.cfg, self.model_path, state), d)
+            elif self.rt.rank == 0:
+                self._save(finish_in_place(self.cfg, self.model_path, unwrap(self.model)), d)
+            if self.rt.rank != 0:
+                return None
             load_tokenizer(self.model_path, self.cfg.data.cache_dir).save_pretrained(d)
             (Path(d) / "README.md").write_text(model_card(self.cfg, self.manifest, self.loop, self.metrics))
             upload_dir(d, url)
         log.info("final model written to %s", url)
         self._phase("done")
         return url
+
+    def _save(self, model, folder: str) -> None:
+        model.save_pretrained(folder, max_shard_size=f"{self.cfg.train.export_shard_mb}MB")
 
 
 def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: MetricsLog | None) -> str:

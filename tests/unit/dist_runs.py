@@ -61,3 +61,15 @@ def train_rank(rank: int, cfg: Config, manifest: dict, model: str, stop_at: int 
     t.fit(stop_at=stop_at)
     return {"step": t.loop.step, "resumed_from": t.resumed_from, "bytes_resumed": t.bytes_resumed,
             "weights": full_weights_hash(t), "stalls_s": t.stalls_s}  # fmt: skip
+
+
+def train_and_export_rank(rank: int, cfg: Config, manifest: dict, model: str) -> dict[str, Any]:
+    """One rank of a run trained to the end and exported; rank 0 also says where the export went."""
+    from ray_jobs.train.runtime import TorchRuntime
+    from ray_jobs.train.trainer import Trainer
+
+    t = Trainer(cfg, manifest, model, TorchRuntime())
+    t.resume_or_start()
+    t.fit()
+    weights = full_weights_hash(t)
+    return {"weights": weights, "final": t.export_final()}

@@ -111,3 +111,25 @@ def test_choosing_a_checkpoint_reads_no_tensor_bytes(setup, monkeypatch, caplog)
     assert url.endswith(ckpt.checkpoint_name(10)) and manifest_read["step"] == 10
     assert reads and all(r.endswith("manifest.json") for r in reads), reads
     assert any("optim-rank-00000.pt" in r.message for r in caplog.records), "the skipped one is named, and why"
+
+
+def test_an_fsdp_export_is_gathered_a_tensor_at_a_time_into_sharded_safetensors_hf_loads(setup, straight) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.dist_runs import train_and_export_rank
+
+    cfg, manifest, model = setup
+    c = named(cfg, "export-fsdp", "fsdp")
+    c.train.export_shard_mb, c.train.export_dtype = 0.02, "float32"  # a small model: several files and an index
+    ranks = run_world(train_and_export_rank, WORLD, c, manifest, model)
+    final = Path(ranks[0]["final"])
+    assert ranks[1]["final"] is None and ranks[0]["weights"] == straight["fsdp"]
+    index = json.loads((final / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    import hashlib
+
+    sd = loaded.state_dict()
+    digest = hashlib.sha256(b"".join(sd[k].numpy().tobytes() for k in sorted(sd))).hexdigest()
+    assert digest == straight["fsdp"], "the export holds exactly the trained weights"
