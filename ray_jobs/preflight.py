@@ -3,9 +3,13 @@
 1. Checks the job can run at all: the cluster has the CPUs/GPUs for ``cluster.num_workers`` workers and the
    dataset has a train shard for every rank, so a job that could never start fails now with a clear message
    instead of pending forever.
-2. Warms the node-local shard cache: on every alive node a node-affinity Ray task copies the dataset's shards
-   into ``data.cache_dir`` and verifies each checksum. Workers then read locally; a restarted job finds the
-   cache warm. (Which node hosts which rank is Ray's choice, so each node gets every shard a rank might read.)
+2. Warms the node-local shard cache with what each node's ranks will read, nothing more: it reserves a placement
+   group shaped like the trainer's (``num_workers`` bundles, PACK), reads which node got which bundle, and predicts
+   the ranks as Ray Train assigns them (grouped by node, nodes in the order of their first bundle). A node-affinity
+   Ray task per node then copies its ranks' train shards (and the eval shards, which every rank slices) into
+   ``data.cache_dir``, verifying each checksum. The trainer's own placement group is made later and may land
+   otherwise; a rank on an unwarmed node fetches its shards itself on first use, so a wrong guess costs time, never
+   correctness. When no placement group can be had in time, every node gets every shard, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 
 from ray_jobs.config import from_json
 from ray_jobs.data.cache import ShardCache
+from ray_jobs.data.reading import rank_shards
 from ray_jobs.storage import read_json
 
 
@@ -41,12 +46,53 @@ def check_fit(cfg, total: dict[str, float], manifest: dict) -> list[str]:
     return problems
 
 
-def warm_node(storage: str, dataset_id: str, cache_dir: str, max_bytes: float, entries: list[dict]) -> dict:
+def predict_ranks(bundle_nodes: list[str]) -> dict[str, list[int]]:
+    """Node -> the world ranks Ray Train gives its workers: grouped by node, nodes in the order of their first bundle
+    (``WorkerGroup._assign_worker_ranks`` on CPU; GPU ids only reorder ranks within a node)."""
+    out: dict[str, list[int]] = {}
+    for node in bundle_nodes:
+        out.setdefault(node, [])
+    rank = 0
+    for node in out:
+        n = bundle_nodes.count(node)
+        out[node] = list(range(rank, rank + n))
+        rank += n
+    return out
+
+
+def node_entries(manifest: dict, ranks: dict[str, list[int]], world: int) -> dict[str, list[dict]]:
+    """The shards each node's ranks read: their train shards, and every eval shard."""
+    train = manifest["shards"]["train"]
+    return {node: [e for r in rs for e in rank_shards(train, r, world)] + manifest["shards"]["eval"]
+            for node, rs in ranks.items()}  # fmt: skip
+
+
+def trainer_placement(cfg, timeout_s: float = 30.0) -> list[str] | None:
+    """The node of each bundle of a placement group shaped like the trainer's, or None if none is had in time."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    bundle = {"CPU": cfg.cluster.cpus_per_worker} | ({"GPU": 1} if cfg.cluster.use_gpu else {})
+    pg = placement_group([bundle] * cfg.cluster.num_workers, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+        nodes = placement_group_table(pg)["bundles_to_node_id"]
+        return [nodes[i] for i in range(cfg.cluster.num_workers)]
+    except ray.exceptions.GetTimeoutError:
+        return None
+    finally:
+        remove_placement_group(pg)
+
+
+def warm_node(
+    storage: str, dataset_id: str, cache_dir: str, max_bytes: float, entries: list[dict], seq_len: int
+) -> dict:
+    """Fetch (and verify) shards into this node's cache and decode each for memory-mapping, as a worker would."""
     import ray
 
     cache = ShardCache(storage, dataset_id, cache_dir, max_bytes)
     for e in entries:
-        cache.local_path(e)
+        cache.rows_path(e, seq_len)
     return {"node": ray.get_runtime_context().get_node_id()[:12], **cache.counters(), "evicted": cache.evicted}
 
 
@@ -65,14 +111,26 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("PREFLIGHT FAILED: " + "; ".join(problems), flush=True)
         return 2
-    entries = manifest["shards"]["train"] + manifest["shards"]["eval"]
+    bundles = trainer_placement(cfg)
+    if bundles is None:
+        everything = manifest["shards"]["train"] + manifest["shards"]["eval"]
+        plan = {n["NodeID"]: everything for n in ray.nodes() if n["Alive"]}
+        print("PREFLIGHT PLACEMENT unknown (no placement group in time): every node gets every shard", flush=True)
+    else:
+        ranks = predict_ranks(bundles)
+        plan = node_entries(manifest, ranks, cfg.cluster.num_workers)
+        print("PREFLIGHT PLACEMENT " + json.dumps({n[:12]: r for n, r in ranks.items()}), flush=True)
     task = ray.remote(num_cpus=0)(warm_node)
     refs = [
-        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, cfg.data.cache_max_gb * 1e9, entries
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            cfg.storage,
+            manifest["dataset_id"],
+            cfg.data.cache_dir,
+            cfg.data.cache_max_gb * 1e9,
+            entries,
+            manifest["seq_len"],
         )
-        for n in ray.nodes()
-        if n["Alive"]
+        for node, entries in plan.items()
     ]
     for r in ray.get(refs):
         print("PREFLIGHT CACHE " + json.dumps(r), flush=True)
