@@ -84,21 +84,23 @@ def eval_examples(cfg: Config, limit: int, model_path: str) -> list[tuple[str, s
     """Up to ``limit`` (shown, prompt, target) triples from the held-out eval split, in source order: the prompt as
     staging rendered it (a chat's conversation up to the final reply, template applied), what a person would read as
     the question, and the expected completion."""
-    from ray_jobs.data.staging import parse_records, read_sources, record_in_eval
+    from ray_jobs.data.records import batch_records
+    from ray_jobs.data.sources import list_sources, read_batches
+    from ray_jobs.data.staging import record_in_eval
 
     if cfg.data.eval:
-        files, keep = read_sources(cfg.data.eval, "data.eval"), lambda r: True
+        urls, keep = list_sources(cfg.data.eval, "data.eval"), lambda r: True
     else:
-        files, keep = read_sources(cfg.data.train, "data.train"), lambda r: record_in_eval(r, cfg.data.eval_fraction)
+        urls, keep = list_sources(cfg.data.train, "data.train"), lambda r: record_in_eval(r, cfg.data.eval_fraction)
     render = _chat_renderer(cfg, model_path) if cfg.data.format == "chat" else None
-    out = []
-    for f in files:
-        out += [
-            (r.shown or r.prompt, r.prompt, r.target) for r in parse_records(f, cfg.data, render=render)[0] if keep(r)
-        ]
-        if len(out) >= limit:
-            break
-    return out[:limit]
+    out: list[tuple[str, str, str]] = []
+    for url in urls:  # a batch at a time, stopping once there are enough: memory stays one batch
+        for batch in read_batches(url):
+            out += [(r.shown or r.prompt, r.prompt, r.target) for r in batch_records(batch, cfg.data, "train", render)[0]
+                    if keep(r)]  # fmt: skip
+            if len(out) >= limit:
+                return out[:limit]
+    return out
 
 
 def _chat_renderer(cfg: Config, model_path: str):

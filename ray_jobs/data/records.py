@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
-from ray_jobs.data.sources import SourceFile, StagingError, position_unit
+from ray_jobs.data.sources import SourceBatch, SourceFile, StagingError, position_unit
 
 
 class RecordProblem(ValueError):
@@ -99,6 +99,14 @@ def check_objects(
         except RecordProblem as e:
             rejects.append(Reject(url, pos, str(e), preview, unit))
     return records, rejects
+
+
+def batch_records(
+    batch: SourceBatch, data: DataConfig, split: str, render: Renderer | None
+) -> tuple[list[Record], list[Reject]]:
+    """Records and rejects of one batch of a source file (see ``sources.read_batches``)."""
+    objects = row_objects(batch.items) if position_unit(batch.url) == "row" else line_objects(batch.items)
+    return check_objects(objects, batch.url, data, split, render)
 
 
 def line_objects(lines: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, Any, str | None, str]]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
-from ray_jobs.data.records import Record, Reject, check_objects, line_objects, record_in_eval, row_objects
-from ray_jobs.data.sources import SourceBatch, position_unit
+from ray_jobs.data.records import Record, Reject, batch_records, record_in_eval
+from ray_jobs.data.sources import SourceBatch
 from ray_jobs.data.tokenize import Examples, Tokenized, chat_renderer
 
 # Below this much source, starting worker processes (each imports transformers) costs more than it saves.
@@ -49,8 +49,7 @@ class BatchWork:
         return self._render
 
     def __call__(self, batch: SourceBatch, split: str) -> BatchResult:
-        objects = row_objects(batch.items) if position_unit(batch.url) == "row" else line_objects(batch.items)
-        records, invalid = check_objects(objects, batch.url, self.data, split, self.render())
+        records, invalid = batch_records(batch, self.data, split, self.render())
         out = BatchResult(len(records) + len(invalid), invalid, {})
         for name, recs in zip(("train", "eval"), self._split(records), strict=True):
             # a chat rendering already holds the template's special tokens; adding the tokenizer's would double BOS
