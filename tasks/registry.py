@@ -37,8 +37,12 @@ def load(storage: str, run: str) -> dict[str, Any] | None:
 
 def save(storage: str, run: str, reg: dict[str, Any]) -> None:
     reg["updated_at"] = time.time()
+    active = reg.get("state") in ACTIVE
+    if active:  # the marker first: a crash in between leaves a marker the next look checks, never a hidden run
+        _index(storage, run, True)
     write_json_atomic(Layout(storage).run_registry(run), reg)
-    _index(storage, run, reg.get("state") in ACTIVE)
+    if not active:
+        _index(storage, run, False)
 
 
 def _index(storage: str, run: str, active: bool) -> None:
@@ -85,9 +89,9 @@ def active_runs(storage: str) -> list[str]:
     except FileNotFoundError:
         names = None
     indexed = set(names or ())
-    if ".built" not in indexed:
+    built = ".built" in indexed
+    if not built:
         names = runs(storage)
-        write_bytes_atomic(join(Layout(storage).active_index(), ".built"), b"")
     active = []
     for run in (n for n in names if n != ".built"):
         reg = load(storage, run)
@@ -96,6 +100,8 @@ def active_runs(storage: str) -> list[str]:
             _index(storage, run, is_active)
         if is_active:
             active.append(run)
+    if not built:  # only once every run was looked at: a scan cut short is redone next time
+        write_bytes_atomic(join(Layout(storage).active_index(), ".built"), b"")
     return active
 
 

@@ -45,6 +45,7 @@ from ray_jobs.checkpoint.format import (
     read_files,
     read_manifest,
     read_verified,
+    refuse,
     write_manifest,
     write_part,
 )  # fmt: skip
@@ -74,7 +75,7 @@ __all__ = [
     "HostStaging", "LoopState", "Part", "RankState", "check", "checkpoint_name", "checkpoint_step", "decode", "encode_file",
     "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state", "load_sharded_model_state",
     "load_sharded_optimizer_state", "model_part", "model_state", "optim_part", "optimizer_state", "owner",
-    "rank_file", "rank_files", "rank_state", "read_files", "read_manifest", "read_verified", "rng_state",
+    "rank_file", "rank_files", "rank_state", "read_files", "read_manifest", "read_verified", "refuse", "rng_state",
     "set_rng_state", "sharded_model_state", "sharded_optimizer_state", "tied_aliases", "trainable_names", "unwrap",
     "write_manifest", "write_part",
 ]  # fmt: skip

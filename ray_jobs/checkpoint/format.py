@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -133,6 +134,13 @@ def check(url: str) -> dict[str, Any]:
         if sizes[name] != meta["bytes"]:
             raise CheckpointInvalid(f"{name} is {sizes[name]} bytes, the manifest says {meta['bytes']}")
     return manifest
+
+
+def refuse(url: str) -> None:
+    """Take a checkpoint out of consideration: its manifest moves aside (kept, for a person to look at)."""
+    fs, path = fs_and_path(join(url, MANIFEST_FILE))
+    with contextlib.suppress(FileNotFoundError):
+        fs.mv(path, path.removesuffix(".json") + ".refused.json")
 
 
 def read_files(url: str, manifest: dict[str, Any], names: list[str]) -> dict[str, bytes]:

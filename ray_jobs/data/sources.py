@@ -21,6 +21,10 @@ class StagingError(ValueError):
     """Data that cannot be staged; the message names the file (and line) at fault."""
 
 
+class SourceUnreadable(StagingError):
+    """A source the store did not serve (a transient failure, maybe): not the data's fault."""
+
+
 def position_unit(url: str) -> str:
     """How a record's position in a source file is counted: JSONL lines, or rows of a columnar file."""
     return "row" if url.endswith((".parquet", ".arrow")) else "line"
@@ -102,7 +106,7 @@ def read_batches(url: str, start: Position = Position(), batch_bytes: int = 4 <<
             else:
                 yield from _row_batches(url, f, start)
     except OSError as e:
-        raise StagingError(f"{url}: cannot read: {e}") from e
+        raise SourceUnreadable(f"{url}: cannot read: {e}") from e
 
 
 def _line_batches(url: str, f, start: Position, batch_bytes: int) -> Iterator[SourceBatch]:

@@ -38,6 +38,9 @@ class Spill:
         self.progress = self._load(dataset_id)
         self.packers = {s: Packer(seq_len, pad_id, self.progress["packers"].get(s)) for s in SPLITS}
         self._files = {}
+        if any(self._size(name) < size for name, size in self.progress["sizes"].items()):
+            self.progress = self._fresh(dataset_id)  # files shorter than progress says (a host crash): start over
+            self.packers = {s: Packer(seq_len, pad_id) for s in SPLITS}
         for name, size in self.progress["sizes"].items():
             with open(self._path(name), "ab") as f:
                 f.truncate(size)  # bytes written after the last progress record are written again
@@ -144,6 +147,13 @@ class Spill:
     def _flush(self) -> None:
         for f in self._files.values():
             f.flush()
+            os.fsync(f.fileno())  # on disk before progress.json says so, or a host crash leaves holes
+
+    def _size(self, name: str) -> int:
+        try:
+            return self._path(name).stat().st_size
+        except FileNotFoundError:
+            return 0
 
     def _save(self) -> None:
         self._flush()  # the files first: progress vouches for their sizes
@@ -162,6 +172,10 @@ class Spill:
                 return progress
         except (OSError, ValueError):
             pass
+        return self._fresh(dataset_id)
+
+    @staticmethod
+    def _fresh(dataset_id: str) -> dict[str, Any]:
         names = [f"{s}.rows" for s in SPLITS] + [f"rejects-{k}.jsonl" for k in REJECT_KINDS]
         return {
             "dataset_id": dataset_id, "phase": "read", "file": 0, "position": Position().__dict__, "packers": {},

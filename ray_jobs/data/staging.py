@@ -20,6 +20,7 @@ A bad record is never dropped silently: it is written to ``rejects.jsonl`` with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from ray_jobs.data.sources import (
     Position,
     SourceBatch,
     SourceFile,
+    SourceUnreadable,
     StagingError,
     list_sources,
     position_unit,
@@ -79,9 +81,26 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str) -> Sta
     manifest_url = layout.dataset_manifest(ds_id)
     if exists(manifest_url):
         return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
-    manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, layout.dataset_dir(ds_id))
-    write_json_atomic(manifest_url, manifest)
+    with _one_staging(Path(data.work_dir), ds_id):  # another staging of this dataset on this machine: wait for it
+        if exists(manifest_url):
+            return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
+        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, layout.dataset_dir(ds_id))
+        write_json_atomic(manifest_url, manifest)
     return StageResult(ds_id, manifest_url, False, manifest, read)
+
+
+@contextlib.contextmanager
+def _one_staging(work_dir: Path, ds_id: str):
+    """An exclusive lock per dataset on the staging machine: two stagings must never share a spill."""
+    import fcntl
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with open(work_dir / f"{ds_id}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def dataset_id(sources: dict[str, list[Source]], tok_fp: str, data: DataConfig) -> str:
@@ -120,6 +139,8 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
         if spill.reading:
             _read_all(spill, work, sources, data)
         _check_counts(spill, data, out_dir, sources)
+    except SourceUnreadable:
+        raise  # a store that failed to answer: the spill stays, the next staging goes on from it
     except StagingError:
         spill.remove()  # bad data: the next staging is of fixed data, or under another policy; either reads afresh
         raise
@@ -147,9 +168,20 @@ def _read_all(spill: Spill, work: BatchWork, sources: dict[str, list[Source]], d
     workers = pool_size(data, sum(f.size for _, f in files))
     for n, ((i, end, last), result) in enumerate(results(work, _batches(files, *spill.start), workers), start=1):
         spill.add(result)
-        if last or n % COMMIT_BATCHES == 0:
-            spill.commit(i + 1, Position()) if last else spill.commit(i, end)
+        if last:
+            _unchanged(files[i][1])
+            spill.commit(i + 1, Position())
+        elif n % COMMIT_BATCHES == 0:
+            spill.commit(i, end)
     spill.end_reading()
+
+
+def _unchanged(src: Source) -> None:
+    """The file read is the file the dataset id was computed from (a writer may have replaced it meanwhile)."""
+    (now,) = describe(src.url, "data")
+    if (now.size, now.version) != (src.size, src.version):
+        raise StagingError(f"{src.url} changed while it was being staged (size/version {src.size}/{src.version} -> "
+                           f"{now.size}/{now.version}); stage again once it is complete")  # fmt: skip
 
 
 def _batches(files: list[tuple[str, Source]], first: int, at: Position) -> Iterator[tuple[tuple, str, SourceBatch]]:

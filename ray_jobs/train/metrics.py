@@ -94,7 +94,7 @@ class MetricsTail:
 
     def _poll_segments(self) -> None:
         for (generation, _), keep, url in _segments(self.url):
-            if url in self._seen:
+            if url in self._seen or generation < self._generation:  # a stale writer's late segment: not this run
                 continue
             if generation != self._generation:  # a resume: rows from its step on were trained again
                 self.rows = [r for r in self.rows if r["step"] < keep]
@@ -131,6 +131,7 @@ class MetricsLog:
             self._generation = (earlier[-1][0][0] + 1) if earlier else 0
             self._keep = resumed_step + 1 if resumed_step is not None else 0
             self._seq = 0
+            self._segment: tuple[int, bytes] | None = None  # (rows it covers, body) of a segment being written
         self._written = 0 if self.local else len(self.rows)  # rows[:_written] are on storage
         self.bytes_written = 0
         self._writer = SideWriter(self._write, "unbroken-metrics").start()
@@ -150,13 +151,19 @@ class MetricsLog:
             rows, start = list(self.rows), self._written
         if self.local:
             self._write_file(rows, start)
-        elif len(rows) > start or self._seq == 0:  # the generation's first segment is written even if empty
-            body = "".join(json.dumps(r) + "\n" for r in rows[start:]).encode()
+            self._written = len(rows)
+            return
+        # A segment once tried keeps its body: a PUT that landed but reported failure is retried as it was (a
+        # reader may have read it); rows that came meanwhile go into the next one, in this same call.
+        while self._segment is not None or len(rows) > self._written or self._seq == 0:  # the first even if empty
+            if self._segment is None:
+                body = "".join(json.dumps(r) + "\n" for r in rows[self._written :]).encode()
+                self._segment = (len(rows), body)
+            upto, body = self._segment
             name = f"g{self._generation:06d}-keep{self._keep:09d}-{self._seq:06d}.jsonl"
             write_bytes_atomic(join(segments_dir(self.url), name), body)
             self.bytes_written += len(body)
-            self._seq += 1
-        self._written = len(rows)
+            self._seq, self._written, self._segment = self._seq + 1, upto, None
 
     def _write_file(self, rows: list[dict[str, Any]], start: int) -> None:
         append, self._rewrite = not self._rewrite, True  # a failed append: rewrite next time

@@ -79,7 +79,13 @@ def finish_in_place(cfg: Config, model_path: str, model):
         model = model.merge_and_unload()
     if tied and not ties_embeddings(model):
         raise RuntimeError("the merged model lost its tied input/output embeddings; refusing to export it untied")
+    _inference_config(model, model_path)
     return model.to(getattr(torch, export_dtype(cfg, model_path)))
+
+
+def _inference_config(model, model_path: str) -> None:
+    """Undo what training set on the config for itself: gradient checkpointing turns the KV cache off."""
+    model.config.use_cache = config_dict(model_path).get("use_cache", True)
 
 
 def write_sharded_export(cfg: Config, model_path: str, model, rank: int, folder: str) -> None:
@@ -114,6 +120,7 @@ def write_sharded_export(cfg: Config, model_path: str, model, rank: int, folder:
             with open(f"{folder}/model.safetensors.index.json", "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
         model.config.dtype = dtype
+        _inference_config(model, model_path)
         model.config.save_pretrained(folder)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(folder)

@@ -158,12 +158,18 @@ class Trainer:
                                            refused=refused)  # fmt: skip
                 except ckpt.CheckpointInvalid as e:
                     choice = (None, f"error: {e}", None)
+                except Exception as e:  # every rank must hear of it, or the others wait in the broadcast
+                    choice = (None, f"failed: {type(e).__name__}: {e}", None)
             url, reason, manifest = self.rt.broadcast_object(choice)
             if reason.startswith("error: "):
                 raise ckpt.CheckpointInvalid(reason.removeprefix("error: "))
+            if reason.startswith("failed: "):
+                raise RuntimeError(f"choosing a checkpoint to resume from {reason}")
             if url is None or self._load_checkpoint(url, manifest):
                 break
-            log.warning("checkpoint %s: a rank could not load its part; falling back to the previous one", url)
+            log.warning("checkpoint %s: a rank found its part bad; every rank falls back to the previous one", url)
+            if self.rt.rank == 0:
+                ckpt.refuse(url)  # so no later start (nor the watchdog) picks it again
             refused.append(url)
         if url is None:
             log.info("rank %d: no valid checkpoint, starting fresh", self.rt.rank)
@@ -174,19 +180,35 @@ class Trainer:
             self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), self.loop.step if url else None)
 
     def _load_checkpoint(self, url: str, manifest: dict[str, Any]) -> bool:
-        """Read, verify and load this rank's part of a checkpoint; whether every rank managed to (collective)."""
-        files = None
+        """Read, verify and load this rank's part of a checkpoint, every rank deciding together (collectives):
+        False when some rank found its part bad (all fall back); an error that is not the checkpoint's fault (a
+        read that failed, a checkpoint that does not fit this run) fails every rank, never a silent step back."""
+        files, bad, failed = None, 0.0, ""
         try:
             files = ckpt.read_files(url, manifest, ckpt.rank_files(manifest, self.rt.rank))
             self.bytes_resumed = sum(len(d) for d in files.values())
         except ckpt.CheckpointInvalid as e:
             log.warning("rank %d: checkpoint %s: %s", self.rt.rank, url, e)
-        if self.rt.all_reduce_sum([float(files is None)])[0] > 0:
+            bad = 1.0
+        except Exception as e:
+            failed = f"rank {self.rt.rank} could not read checkpoint {url}: {type(e).__name__}: {e}"
+        self._together(failed)
+        if self.rt.all_reduce_sum([bad])[0] > 0:
             return False
-        self._restore(files, manifest)
+        try:
+            self._restore(files, manifest)
+        except Exception as e:
+            failed = f"rank {self.rt.rank} could not load checkpoint {url}: {type(e).__name__}: {e}"
+        self._together(failed)
         self.resumed_from = url
         self.last_checkpoint_step = self.loop.step
         return True
+
+    def _together(self, failed: str) -> None:
+        """Raise on every rank if ``failed`` (a message) is set on any (a collective every rank enters)."""
+        if self.rt.all_reduce_sum([float(bool(failed))])[0] > 0:
+            reasons = [r for r in self.rt.all_gather_object(failed) if r]
+            raise RuntimeError("; ".join(reasons))
 
     def _restore(self, files: dict[str, bytes], manifest: dict[str, Any]) -> None:
         import torch
@@ -362,7 +384,10 @@ class Trainer:
             self._phase("checkpointing")  # the training thread waits for the write: not a training step's time
         if self.pending is not None:  # at most one write in flight: finish (and report) the previous one first
             self._report_pending()
-        self.writer.submit(self._snapshot(), self._checkpoint_url(self.loop.step))  # every rank writes its part
+        url = self._checkpoint_url(self.loop.step)
+        if self.rt.rank == 0:
+            ckpt.refuse(url)  # a folder written again (a step trained again) must not keep the old manifest meanwhile
+        self.writer.submit(self._snapshot(), url)  # every rank writes its part
         self.pending = (self.loop.step, {"step": self.loop.step, "eval_loss": self.last_eval})
         self.last_checkpoint_step = self.loop.step
         self.last_checkpoint_time = time.monotonic()
@@ -406,8 +431,18 @@ class Trainer:
         """Every rank together: wait for its own part, then rank 0 writes the manifest (the checkpoint now exists)
         and all report it to Ray."""
         step, metrics = self.pending
-        parts = self.rt.all_gather_object(self.writer.collect())
+        try:
+            written = self.writer.collect()
+        except Exception as e:  # this rank's part did not land: no rank may declare the checkpoint written
+            log.warning("rank %d: checkpoint for step %d not written: %s: %s", self.rt.rank, step, type(e).__name__, e)
+            written = None
+        parts = self.rt.all_gather_object(written)
+        self.pending = None
         url = self._checkpoint_url(step)
+        if any(p is None for p in parts):
+            log.warning("checkpoint for step %d abandoned (a rank's part failed); the next step takes one", step)
+            self.checkpoint_owed = True
+            return
         if self.rt.rank == 0:
             ckpt.write_manifest(url, step, self.rt.world_size, self.fsdp, parts)
             log.info("checkpoint for step %d written: %s", step, url)
@@ -562,6 +597,8 @@ def choose_resume(
     (retention deletes it once ``num_to_keep`` newer ones are reported). An explicit checkpoint that is invalid
     with nothing valid after it is an error, not a silent step back. Without one: the newest valid, or none."""
     check = check or ckpt.check
+    if explicit in refused:  # a rank read it and found it bad: the newest valid one is older, step back to it
+        explicit = None
     floor = ckpt.checkpoint_step(explicit) if explicit else None
     for step, url in ckpt.list_checkpoints(checkpoints_dir):
         if floor is not None and step < floor:
@@ -580,8 +617,6 @@ def choose_resume(
     if explicit is None:
         return None, "no valid checkpoint", None
     try:  # not under this run's checkpoint folder (or listed late): read it where it is
-        if explicit in refused:
-            raise ckpt.CheckpointInvalid("a rank could not load its part")
         return explicit, "the checkpoint named for this attempt", check(explicit)
     except ckpt.CheckpointInvalid as e:
         raise ckpt.CheckpointInvalid(

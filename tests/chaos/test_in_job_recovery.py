@@ -37,7 +37,7 @@ def test_kill_9_of_a_worker_after_the_first_checkpoint_ends_bit_identical(ray_cl
     cfg = chaos_config(tmp_path / "storage", "kill9")
     ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
     sid = start_training(ray_cluster, cfg)
-    wait_for("the first checkpoint", lambda: ckpt.list_checkpoints(ckpts))
+    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(ckpts))  # its manifest written
     victim = rank0_pid(cfg)
     at_kill, killed_at = heartbeat_step(cfg), time.time()
     kill(victim, signal.SIGKILL)
@@ -88,7 +88,7 @@ def test_fsdp_run_killed_mid_run_ends_bit_identical_and_exports(ray_cluster, tmp
 
     cfg = chaos_config(tmp_path / "b", "fsdp-kill9", **fsdp)
     sid = start_training(ray_cluster, cfg)
-    wait_for("the first checkpoint", lambda: ckpt.list_checkpoints(Layout(cfg.storage).checkpoints_dir(cfg.name)))
+    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name)))
     kill(rank0_pid(cfg), signal.SIGKILL)
     assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
     assert "resumed from" in job_logs(ray_cluster, sid)

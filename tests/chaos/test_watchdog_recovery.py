@@ -106,7 +106,7 @@ def check_recovered(cfg: Config, reg: dict, baseline: str, kind: str, fault_at: 
 
 def started_and_checkpointed(cfg: Config, past_step: int = 50) -> None:
     ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
-    wait_for("a checkpoint", lambda: ckpt.list_checkpoints(ckpts), timeout_s=180)
+    wait_for("a checkpoint", lambda: ckpt.find_latest_valid(ckpts), timeout_s=180)
     wait_for(f"step {past_step}", lambda: heartbeat_step(cfg) > past_step, timeout_s=120)
 
 
@@ -149,7 +149,7 @@ def test_worker_killed_while_a_checkpoint_is_written_resumes_from_the_previous_o
     cfg = watched_config(watched, "ckpt-kill")
     ckpts = Path(Layout(cfg.storage).checkpoints_dir(cfg.name))
     start_run(ray_cluster, cfg)
-    wait_for("the first checkpoint", lambda: ckpt.list_checkpoints(str(ckpts)), timeout_s=180)
+    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(str(ckpts)), timeout_s=180)
     victim = rank0_pid(cfg)  # rank 0 writes the checkpoints
 
     def writing():  # a checkpoint folder after the first whose manifest (written last) is not there yet

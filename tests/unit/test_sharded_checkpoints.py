@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from ray_jobs.model.builtin import build_builtin
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout
 from tests.conftest import ROOT, tiny_overrides
-from tests.unit.dist_runs import run_world, train_rank
+from tests.unit.dist_runs import run_world, train_and_export_rank, train_rank
 
 WORLD = 2
 
@@ -49,16 +50,38 @@ def newest(cfg: Config) -> Path:
 
 @pytest.fixture(scope="module")
 def straight(setup) -> dict[str, str]:
-    """The uninterrupted runs' final weights, per parallelism."""
+    """The uninterrupted runs' final weights, per parallelism (the FSDP one also exported, in small files)."""
     cfg, manifest, model = setup
-    return {p: run(named(cfg, f"straight-{p}", p), manifest, model)[0]["weights"] for p in ("ddp", "fsdp")}
+    fsdp = named(cfg, "straight-fsdp", "fsdp")
+    fsdp.train.export_shard_mb, fsdp.train.export_dtype = 0.02, "float32"  # a small model: several files + index
+    exported = run_world(train_and_export_rank, WORLD, fsdp, manifest, model)
+    ddp = run(named(cfg, "straight-ddp", "ddp"), manifest, model)[0]["weights"]
+    return {"ddp": ddp, "fsdp": exported[0]["weights"], "export": exported}
+
+
+@pytest.fixture(scope="module")
+def cut(setup) -> dict[str, Config]:
+    """A run of each parallelism stopped at step 25 (checkpoints at 10 and 20), once for the module."""
+    cfg, manifest, model = setup
+    out = {}
+    for p in ("ddp", "fsdp"):
+        out[p] = named(cfg, f"cut-{p}", p)
+        run(out[p], manifest, model, stop_at=25)  # checkpoints at 10 and 20, then "dies" at 25
+    return out
+
+
+def copy_run(src: Config, name: str) -> Config:
+    """Another run holding copies of ``src``'s checkpoints."""
+    c = src.model_copy(deep=True)
+    c.name = name
+    shutil.copytree(Layout(src.storage).checkpoints_dir(src.name), Layout(c.storage).checkpoints_dir(name))
+    return c
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_each_rank_writes_its_part_and_resume_is_bit_identical(setup, straight, parallelism: str) -> None:
+def test_each_rank_writes_its_part_and_resume_is_bit_identical(setup, straight, cut, parallelism: str) -> None:
     cfg, manifest, model = setup
-    c = named(cfg, f"cut-{parallelism}", parallelism)
-    run(c, manifest, model, stop_at=25)  # checkpoints at 10 and 20, then "dies" at 25
+    c = copy_run(cut[parallelism], f"resume-{parallelism}")
     folder = newest(c)
     files = json.loads((folder / "manifest.json").read_text())["files"]
     if parallelism == "fsdp":  # each rank's own shards; nothing gathered into one file
@@ -85,20 +108,17 @@ def test_each_rank_writes_its_part_and_resume_is_bit_identical(setup, straight, 
     ],
     ids=["truncated", "same-size-corrupt"],
 )
-def test_one_ranks_bad_part_sends_every_rank_back_to_the_previous_checkpoint(setup, straight, damage, why) -> None:
+def test_one_ranks_bad_part_sends_every_rank_back_to_the_previous_checkpoint(setup, straight, cut, damage, why) -> None:
     cfg, manifest, model = setup
-    c = named(cfg, f"bad-part-{why.split()[0]}", "fsdp")
-    run(c, manifest, model, stop_at=25)
+    c = copy_run(cut["fsdp"], f"bad-part-{why.split()[0]}")
     damage(newest(c) / "model-rank-00001.safetensors")
     resumed = run(c, manifest, model)
     assert all(r["resumed_from"].endswith(ckpt.checkpoint_name(10)) for r in resumed)
     assert resumed[0]["weights"] == straight["fsdp"], "resumed from step 10 and still ends where the straight run did"
 
 
-def test_choosing_a_checkpoint_reads_no_tensor_bytes(setup, monkeypatch, caplog) -> None:
-    cfg, manifest, model = setup
-    c = named(cfg, "choose", "fsdp")
-    run(c, manifest, model, stop_at=25)
+def test_choosing_a_checkpoint_reads_no_tensor_bytes(cut, monkeypatch, caplog) -> None:
+    c = copy_run(cut["fsdp"], "choose")
     damage = newest(c) / "optim-rank-00000.pt"
     damage.write_bytes(damage.read_bytes()[:-1])
     import ray_jobs.checkpoint.format as fmt
@@ -113,18 +133,13 @@ def test_choosing_a_checkpoint_reads_no_tensor_bytes(setup, monkeypatch, caplog)
     assert any("optim-rank-00000.pt" in r.message for r in caplog.records), "the skipped one is named, and why"
 
 
-def test_an_fsdp_export_is_gathered_a_tensor_at_a_time_into_sharded_safetensors_hf_loads(setup, straight) -> None:
+def test_an_fsdp_export_is_gathered_a_tensor_at_a_time_into_sharded_safetensors_hf_loads(straight) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.dist_runs import train_and_export_rank
-
-    cfg, manifest, model = setup
-    c = named(cfg, "export-fsdp", "fsdp")
-    c.train.export_shard_mb, c.train.export_dtype = 0.02, "float32"  # a small model: several files and an index
-    ranks = run_world(train_and_export_rank, WORLD, c, manifest, model)
+    ranks = straight["export"]
     final = Path(ranks[0]["final"])
-    assert ranks[1]["final"] is None and ranks[0]["weights"] == straight["fsdp"]
+    assert ranks[1]["final"] is None, "rank 0 writes the export"
     index = json.loads((final / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)

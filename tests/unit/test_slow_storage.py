@@ -160,3 +160,27 @@ def test_a_local_tail_reads_only_appended_bytes_and_follows_a_rewrite(tmp_path) 
     assert tail.last_step() == 51 and tail.bytes_read - first < 100
     _log_steps(MetricsLog(url, resumed_step=10), [11])  # a resume rewrites the (shorter) file
     assert [r["step"] for r in tail.poll()] == list(range(1, 12))
+
+
+def test_a_segment_whose_put_landed_but_failed_is_retried_as_it_was_and_new_rows_follow(monkeypatch) -> None:
+    url = "memory://unbroken-test/runs/landed/metrics.jsonl"
+    real, failed = metrics_mod.write_bytes_atomic, []
+
+    def lands_then_fails(u: str, data: bytes) -> None:
+        real(u, data)
+        if not failed and b'"step": 2' in data:  # the PUT landed, the client saw a timeout
+            failed.append(u)
+            raise TimeoutError("read timed out")
+
+    monkeypatch.setattr(metrics_mod, "write_bytes_atomic", lands_then_fails)
+    log = MetricsLog(url, resumed_step=None)
+    tail = MetricsTail(url)
+    log.append({"step": 1})
+    assert log.flush(5)
+    log.append({"step": 2})
+    time.sleep(0.3)  # the failed write has landed: a reader may see it now
+    tail.poll()
+    log.append({"step": 3})
+    assert log.flush(10) and failed
+    assert [r["step"] for r in tail.poll()] == [1, 2, 3], "the tail that read the landed segment misses nothing"
+    assert [r["step"] for r in read_rows(url)] == [1, 2, 3]

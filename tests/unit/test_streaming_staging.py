@@ -161,3 +161,50 @@ def test_a_file_rewritten_within_one_mtime_tick_is_never_taken_from_the_index(tm
     os.utime(src, ns=(stamp, stamp))  # and the same mtime, as two writes within one tick get
     second = stage(data, tok, "builtin", str(tmp_path / "s"))
     assert second.dataset_id != first.dataset_id and second.sources_read == 1
+
+
+def test_two_stagings_of_one_dataset_at_once_never_share_a_spill(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    monkeypatch.setattr(staging, "BATCH_BYTES", 20_000)  # many batches: the two would interleave without the lock
+    tok = train_char_tokenizer()
+    data = DataConfig(train=str(SAMPLE_DATA), seq_len=64, shard_mb=0.05, min_shards=2, work_dir=str(tmp_path / "w"))
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(stage(data, tok, "b", str(tmp_path / "s"))))
+               for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.cache_hit for r in results) == [False, True], "one staged, the other waited and found it staged"
+    golden = {k: v for k, v in GOLDEN["pairs-sample"]["files"].items() if k.endswith(".parquet")}
+    staged = _staged(tmp_path / "s")
+    assert {k: v for k, v in staged.items() if k.endswith(".parquet")} == golden
+
+
+def test_a_source_replaced_while_it_is_staged_fails_naming_it(tmp_path: Path, monkeypatch) -> None:
+    src = tmp_path / "d.jsonl"
+    src.write_bytes(SAMPLE_DATA.read_bytes())
+    real = staging.read_batches
+
+    def and_then_replace(url, *a, **k):
+        yield from real(url, *a, **k)
+        src.write_bytes(SAMPLE_DATA.read_bytes() + b'{"input": "1+1=", "target": "2"}\n')  # a writer came by
+
+    monkeypatch.setattr(staging, "read_batches", and_then_replace)
+    data = DataConfig(train=str(src), seq_len=64, work_dir=str(tmp_path / "w"))
+    with pytest.raises(staging.StagingError, match=r"d\.jsonl changed while it was being staged"):
+        stage(data, train_char_tokenizer(), "b", str(tmp_path / "s"))
+    assert not list((tmp_path / "s").glob("datasets/ds-*/manifest.json")), "nothing staged from a moving file"
+
+
+def test_a_spill_shorter_than_its_progress_says_is_staged_again_from_the_start(tmp_path: Path, monkeypatch) -> None:
+    from ray_jobs.data.spill import Spill
+
+    folder = tmp_path / "spill"
+    s = Spill(folder, "ds-x", seq_len=8, pad_id=0)
+    s.progress["sizes"]["train.rows"] = 4096  # progress recorded more than reached the disk (a host crash)
+    s.progress["file"] = 3
+    s._save()
+    again = Spill(folder, "ds-x", seq_len=8, pad_id=0)
+    assert again.start[0] == 0 and again.rows("train") == 0, "not resumed onto rows that are not there"

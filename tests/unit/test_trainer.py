@@ -395,3 +395,43 @@ def test_the_finished_model_is_scored_on_the_series_eval_set_for_the_promotion_g
     written = json.loads(Path(Layout(c.storage).score(c.name)).read_text())
     assert written == {"dataset_id": manifest["dataset_id"], "eval_loss": loss, "step": 30}
     assert t.score(None) is None
+
+
+def test_a_named_checkpoint_a_rank_finds_corrupt_is_refused_and_the_run_steps_back_to_the_previous(setup) -> None:
+    """Same size, other bytes: only the reader's sha256 can tell. The floor no longer holds for it, its manifest is
+    moved aside (so neither a later start nor the watchdog picks it again), and the run resumes from step 10."""
+    cfg, manifest, model = setup
+    c = named(cfg, "named-corrupt")
+    straight = weights_hash(train(named(cfg, "named-corrupt-straight"), manifest, model))
+    train(c, manifest, model, stop_at=25)
+    url = checkpoints(c)[0][1]
+    target = Path(url) / "model.safetensors"
+    target.write_bytes(bytes(target.stat().st_size))
+    t = Trainer(c, manifest, model, LocalRuntime())
+    t.resume_or_start(explicit_checkpoint=url)
+    assert t.resumed_from.endswith(ckpt.checkpoint_name(10))
+    assert (Path(url) / "manifest.refused.json").exists() and not (Path(url) / "manifest.json").exists()
+    t.fit()
+    assert weights_hash(t) == straight
+
+
+def test_a_checkpoint_whose_write_failed_is_abandoned_and_taken_at_the_next_step(setup, monkeypatch, caplog) -> None:
+    from ray_jobs.checkpoint import writer
+
+    cfg, manifest, model = setup
+    straight = weights_hash(train(named(cfg, "failed-write-straight"), manifest, model))
+    real = writer.write_part
+
+    def flaky(part, url):
+        if part.step == 10:
+            raise ConnectionError("the store refused the PUT")
+        return real(part, url)
+
+    monkeypatch.setattr(writer, "write_part", flaky)
+    c = named(cfg, "failed-write")
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        t = train(c, manifest, model)
+    steps = sorted(s for s, _ in checkpoints(c))
+    assert 10 not in steps and 11 in steps and 30 in steps, steps
+    assert "checkpoint for step 10 abandoned" in caplog.text
+    assert weights_hash(t) == straight
