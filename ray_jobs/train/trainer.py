@@ -372,6 +372,8 @@ class Trainer:
         """The last step is always checkpointed, synchronously, and every started write is reported."""
         if self.last_checkpoint_step != self.loop.step:
             self.checkpoint(sync=True)
+            if self.checkpoint_owed:  # abandoned (a store refused a write): the attempt fails, and is retried
+                raise RuntimeError(f"the final checkpoint (step {self.loop.step}) could not be written")
         elif self.pending is not None:
             self._report_pending()
         self.writer.close()
@@ -443,12 +445,19 @@ class Trainer:
             log.warning("checkpoint for step %d abandoned (a rank's part failed); the next step takes one", step)
             self.checkpoint_owed = True
             return
+        landed = True
         if self.rt.rank == 0:
-            ckpt.write_manifest(url, step, self.rt.world_size, self.fsdp, parts)
-            log.info("checkpoint for step %d written: %s", step, url)
+            try:
+                ckpt.write_manifest(url, step, self.rt.world_size, self.fsdp, parts)
+                log.info("checkpoint for step %d written: %s", step, url)
+            except Exception as e:  # the store refused the manifest: the checkpoint does not exist, on every rank
+                log.warning("checkpoint for step %d abandoned: manifest not written: %s: %s", step, type(e).__name__, e)
+                landed = False
+        if not self.rt.broadcast_object(landed):
+            self.checkpoint_owed = True
+            return
         if report:
             self.rt.report(metrics, url if self.rt.rank == 0 else None)
-        self.pending = None
 
     # -- measuring ------------------------------------------------------------------------------------------
     def _throughput(self) -> dict[str, float]:
