@@ -91,6 +91,8 @@ def encode_file(kind: str, obj: Any) -> bytes:
 
 def write_part(part: Part, url: str) -> dict[str, dict[str, Any]]:
     """Write one rank's files into the checkpoint folder; their size and sha256, computed as they are written."""
+    if STATE_FILE in part.files:  # rank 0, first: a folder written again must not keep its old manifest meanwhile
+        refuse(url)
     entries = {}
     for name, (kind, obj) in part.files.items():
         data = encode_file(kind, obj)

@@ -20,16 +20,20 @@ class AsyncWriter:
         self._inflight: tuple[str, Future] | None = None
 
     def submit(self, part: Part, url: str) -> None:
+        self.run(write_part, part, url)
+
+    def run(self, fn, *args: Any) -> None:
+        """Any storage write of a checkpoint on this thread (rank 0's manifest too: training never waits on it)."""
         if self._inflight is not None:
             raise RuntimeError("a checkpoint write is already in flight; collect it first")
-        self._inflight = (url, self._pool.submit(write_part, part, url))
+        self._inflight = ("", self._pool.submit(fn, *args))
 
     def done(self) -> bool:
         """Whether nothing is being written (the write in flight, if any, has finished)."""
         return self._inflight is None or self._inflight[1].done()
 
-    def collect(self) -> dict[str, dict[str, Any]]:
-        """Wait for the write in flight (if any); the size and sha256 of each file it wrote."""
+    def collect(self) -> Any:
+        """Wait for the write in flight (if any); what it returned (a part: the size and sha256 of each file)."""
         if self._inflight is None:
             return {}
         _, fut = self._inflight

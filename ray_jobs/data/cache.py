@@ -90,7 +90,7 @@ class ShardCache:
         tmp = local.with_name(f"{local.name}.tmp-{uuid.uuid4().hex[:8]}")
         tmp.write_bytes(data)
         os.replace(tmp, local)
-        stamp_tmp = tmp.with_suffix(".stamp")
+        stamp_tmp = local.with_name(f"{local.name}.sha256.tmp-{uuid.uuid4().hex[:8]}")  # unique: ranks race here
         stamp_tmp.write_text(sha)
         os.replace(stamp_tmp, local.with_name(local.name + ".sha256"))  # the stamp last: it vouches for the file
 

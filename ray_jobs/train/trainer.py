@@ -114,6 +114,7 @@ class Trainer:
         self.writer = ckpt.AsyncWriter()
         self.staging = ckpt.HostStaging()  # host buffers reused by every checkpoint's device-to-host copy
         self.pending: tuple[int, dict[str, Any]] | None = None  # started, not yet reported (known to all ranks)
+        self.manifest_pending = False  # the parts landed; rank 0's manifest write is in flight
         self.last_eval: float | None = None
         self.last_checkpoint_step = -1
         self.last_checkpoint_time = time.monotonic()
@@ -348,7 +349,7 @@ class Trainer:
             if self.loop.best_eval_loss is None or self.last_eval < self.loop.best_eval_loss:
                 self.loop.best_eval_loss = self.last_eval
         if a.write_done:
-            self._report_pending()
+            self._report_pending(wait=False)
         if a.preempt:
             self._log(row)
             self.checkpoint(sync=True)
@@ -386,11 +387,9 @@ class Trainer:
             self._phase("checkpointing")  # the training thread waits for the write: not a training step's time
         if self.pending is not None:  # at most one write in flight: finish (and report) the previous one first
             self._report_pending()
-        url = self._checkpoint_url(self.loop.step)
-        if self.rt.rank == 0:
-            ckpt.refuse(url)  # a folder written again (a step trained again) must not keep the old manifest meanwhile
-        self.writer.submit(self._snapshot(), url)  # every rank writes its part
+        self.writer.submit(self._snapshot(), self._checkpoint_url(self.loop.step))  # every rank writes its part
         self.pending = (self.loop.step, {"step": self.loop.step, "eval_loss": self.last_eval})
+        self.manifest_pending = False
         self.last_checkpoint_step = self.loop.step
         self.last_checkpoint_time = time.monotonic()
         self.checkpoint_owed = False
@@ -429,35 +428,51 @@ class Trainer:
             files[ckpt.STATE_FILE] = ("json", state)
         return ckpt.Part(self.loop.step, files)
 
-    def _report_pending(self, report: bool = True) -> None:
-        """Every rank together: wait for its own part, then rank 0 writes the manifest (the checkpoint now exists)
-        and all report it to Ray."""
-        step, metrics = self.pending
+    def _report_pending(self, report: bool = True, wait: bool = True) -> None:
+        """Finish the checkpoint in flight, every rank together, in two stages that each end at a step boundary:
+        once every rank's part landed, rank 0 writes the manifest (on the writer's thread: training never waits on
+        storage); once that landed, all report the checkpoint to Ray. ``wait`` runs both stages now."""
+        if not self.manifest_pending:
+            self._parts_landed()
+            if not (wait and self.manifest_pending):
+                return
+        self._manifest_landed(report)
+
+    def _parts_landed(self) -> None:
+        step, _ = self.pending
         try:
             written = self.writer.collect()
         except Exception as e:  # this rank's part did not land: no rank may declare the checkpoint written
             log.warning("rank %d: checkpoint for step %d not written: %s: %s", self.rt.rank, step, type(e).__name__, e)
             written = None
         parts = self.rt.all_gather_object(written)
-        self.pending = None
-        url = self._checkpoint_url(step)
         if any(p is None for p in parts):
-            log.warning("checkpoint for step %d abandoned (a rank's part failed); the next step takes one", step)
-            self.checkpoint_owed = True
+            self._abandon(step, "a rank's part failed")
             return
+        if self.rt.rank == 0:
+            self.writer.run(ckpt.write_manifest, self._checkpoint_url(step), step, self.rt.world_size, self.fsdp, parts)
+        self.manifest_pending = True
+
+    def _manifest_landed(self, report: bool) -> None:
+        step, metrics = self.pending
         landed = True
         if self.rt.rank == 0:
             try:
-                ckpt.write_manifest(url, step, self.rt.world_size, self.fsdp, parts)
-                log.info("checkpoint for step %d written: %s", step, url)
+                self.writer.collect()
+                log.info("checkpoint for step %d written: %s", step, self._checkpoint_url(step))
             except Exception as e:  # the store refused the manifest: the checkpoint does not exist, on every rank
-                log.warning("checkpoint for step %d abandoned: manifest not written: %s: %s", step, type(e).__name__, e)
+                log.warning("rank 0: manifest for step %d not written: %s: %s", step, type(e).__name__, e)
                 landed = False
         if not self.rt.broadcast_object(landed):
-            self.checkpoint_owed = True
+            self._abandon(step, "its manifest could not be written")
             return
+        self.pending, self.manifest_pending = None, False
         if report:
-            self.rt.report(metrics, url if self.rt.rank == 0 else None)
+            self.rt.report(metrics, self._checkpoint_url(step) if self.rt.rank == 0 else None)
+
+    def _abandon(self, step: int, why: str) -> None:
+        log.warning("checkpoint for step %d abandoned (%s); the next step takes one", step, why)
+        self.pending, self.manifest_pending, self.checkpoint_owed = None, False, True
 
     # -- measuring ------------------------------------------------------------------------------------------
     def _throughput(self) -> dict[str, float]:

