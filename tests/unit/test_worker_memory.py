@@ -45,7 +45,7 @@ def _stage(tmp: Path, name: str, records: int) -> tuple[dict, str]:
         for i in range(records):  # one record a row: ~2000 characters of the char tokenizer's alphabet
             f.write(json.dumps({"text": f"{i} " + " ".join(str(rng.randrange(10**6)) for _ in range(260))}) + "\n")
     data = DataConfig(train=str(src), format="text", seq_len=SEQ_LEN, min_shards=4, shard_mb=8,
-                      eval_fraction=0.1, work_dir=str(tmp / "work"))  # fmt: skip
+                      eval_fraction=0.1, workers=1, work_dir=str(tmp / "work"))  # fmt: skip
     storage = str(tmp / name)
     return stage(data, train_char_tokenizer(), "builtin", storage).manifest, storage
 
