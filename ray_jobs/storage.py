@@ -5,6 +5,7 @@ Every path that tests and tools read is built here, so the layout has exactly on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -34,6 +35,31 @@ def as_url(like: str, path: str) -> str:
 
 def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def listing(url: str) -> list[str]:
+    """The paths directly under a folder, listed afresh (object-store listings are cached per process, and a stale
+    one hides what was written since); none when the folder does not exist."""
+    fs, path = fs_and_path(url)
+    fs.invalidate_cache(path)
+    try:
+        return fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path):
+    """Hold an exclusive ``flock`` on a local lock file (its folder made if missing) while the block runs."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def exists(url: str) -> bool:

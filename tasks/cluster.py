@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
+from ray_jobs.storage import exclusive_lock
 from tasks.logs import run_logger
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -154,16 +154,9 @@ def _head_command(cfg: Config, temp_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-@contextlib.contextmanager
 def _head_lock(port: int):
     """Two runs provisioning the same local head at once: one starts it, the other then finds it up."""
-    HEADS_DIR.mkdir(parents=True, exist_ok=True)
-    with open(HEADS_DIR / f"{port}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return exclusive_lock(HEADS_DIR / f"{port}.lock")
 
 
 def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) -> ClusterHandle:

@@ -17,7 +17,16 @@ import time
 from typing import Any
 
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, exists, fs_and_path, join, read_json, write_bytes_atomic, write_json_atomic
+from ray_jobs.storage import (
+    Layout,
+    exists,
+    fs_and_path,
+    join,
+    listing,
+    read_json,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from tasks import lease as leases
 
 STATES = ("submitted", "running", "recovering", "succeeded", "failed")
@@ -68,13 +77,7 @@ def update(storage: str, run: str, **fields: Any) -> dict[str, Any]:
 
 def runs(storage: str) -> list[str]:
     """Names of every run with a registry under this storage."""
-    fs, path = fs_and_path(join(storage, "runs"))
-    fs.invalidate_cache(path)
-    try:
-        entries = fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return []
-    names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+    names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in listing(join(storage, "runs")))
     return [n for n in names if exists(Layout(storage).run_registry(n))]
 
 
@@ -82,13 +85,8 @@ def active_runs(storage: str) -> list[str]:
     """Runs the watchdog must look after: submitted, running or recovering. Read from the active-run index (one
     listing and a registry per active run, however many runs ever finished); a storage without one yet (written
     before the index existed) is scanned once to build it."""
-    fs, path = fs_and_path(Layout(storage).active_index())
-    fs.invalidate_cache(path)
-    try:
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
-    except FileNotFoundError:
-        names = None
-    indexed = set(names or ())
+    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listing(Layout(storage).active_index()))
+    indexed = set(names)
     built = ".built" in indexed
     if not built:
         names = runs(storage)

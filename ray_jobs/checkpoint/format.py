@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ray_jobs.storage import as_url, fs_and_path, join, read_bytes, write_bytes_atomic, write_json_atomic
+from ray_jobs.storage import as_url, fs_and_path, join, listing, read_bytes, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("unbroken.checkpoint")
 
@@ -175,14 +175,8 @@ def read_verified(url: str) -> dict[str, bytes]:
 
 def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
     """(step, url) of every checkpoint folder under a run's checkpoint dir, newest first."""
-    fs, path = fs_and_path(checkpoints_dir)
-    fs.invalidate_cache(path)  # s3fs caches listings; a stale one would hide the newest checkpoint
-    try:
-        entries = fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return []
     found = []
-    for p in entries:
+    for p in listing(checkpoints_dir):  # afresh: a stale listing would hide the newest checkpoint
         m = _NAME.search(p.rstrip("/"))
         if m:
             found.append((int(m.group(1)), as_url(checkpoints_dir, p)))

@@ -20,7 +20,6 @@ A bad record is never dropped silently: it is written to ``rejects.jsonl`` with 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from collections.abc import Iterator
@@ -46,7 +45,7 @@ from ray_jobs.data.sources import (
 from ray_jobs.data.spill import SPLITS, Spill
 from ray_jobs.data.tokenize import IGNORE_INDEX, chat_renderer, tokenizer_fingerprint
 from ray_jobs.data.workers import BatchWork, pool_size, results
-from ray_jobs.storage import Layout, exists, join, read_json, upload_file, write_json_atomic
+from ray_jobs.storage import Layout, exclusive_lock, exists, join, read_json, upload_file, write_json_atomic
 
 # What other modules import from here (the stages' own modules are the homes).
 __all__ = [
@@ -81,26 +80,13 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str) -> Sta
     manifest_url = layout.dataset_manifest(ds_id)
     if exists(manifest_url):
         return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
-    with _one_staging(Path(data.work_dir), ds_id):  # another staging of this dataset on this machine: wait for it
+    # two stagings of one dataset on this machine must never share a spill: the second waits, then finds it staged
+    with exclusive_lock(Path(data.work_dir) / f"{ds_id}.lock"):
         if exists(manifest_url):
             return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
         manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, layout.dataset_dir(ds_id))
         write_json_atomic(manifest_url, manifest)
     return StageResult(ds_id, manifest_url, False, manifest, read)
-
-
-@contextlib.contextmanager
-def _one_staging(work_dir: Path, ds_id: str):
-    """An exclusive lock per dataset on the staging machine: two stagings must never share a spill."""
-    import fcntl
-
-    work_dir.mkdir(parents=True, exist_ok=True)
-    with open(work_dir / f"{ds_id}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def dataset_id(sources: dict[str, list[Source]], tok_fp: str, data: DataConfig) -> str:

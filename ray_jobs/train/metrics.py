@@ -16,7 +16,7 @@ import re
 import threading
 from typing import Any
 
-from ray_jobs.storage import fs_and_path, is_local, join, read_bytes, write_bytes_atomic
+from ray_jobs.storage import fs_and_path, is_local, join, listing, read_bytes, write_bytes_atomic
 from ray_jobs.train.sidewrite import SideWriter
 
 _SEGMENT = re.compile(r"g(\d{6})-keep(\d{9})-(\d{6})\.jsonl$")
@@ -37,14 +37,8 @@ def _parse(data: bytes) -> list[dict[str, Any]]:
 
 def _segments(url: str) -> list[tuple[tuple[int, int], int, str]]:
     """((generation, seq), keep, url) of every segment, in write order."""
-    fs, path = fs_and_path(segments_dir(url))
-    fs.invalidate_cache(path)
-    try:
-        names = fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return []
     found = []
-    for name in names:
+    for name in listing(segments_dir(url)):
         m = _SEGMENT.search(name)
         if m:
             found.append(((int(m.group(1)), int(m.group(3))), int(m.group(2)), join(segments_dir(url), m.group(0))))
