@@ -15,6 +15,7 @@ from prefect.artifacts import acreate_link_artifact
 from prefect.runtime import flow_run
 from prefect.states import State
 
+from flows.stage import stage_for
 from ray_jobs.config import Config, ConfigError, load_config
 from tasks import registry, series
 from tasks.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
@@ -80,17 +81,23 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
     model_path = prepare_base_model(cfg)
     check_model_options(cfg, model_path)  # a LoRA layer the model lacks fails here, before staging or a cluster
     series.check_eval_source(cfg)
-    staged = stage_dataset(cfg, model_path)
-    cfg = cfg.resolved(staged.dataset_id, _started_at())
-    if done := series.already_trained(cfg, staged.dataset_id):
-        return nothing_new(cfg, done)
-    registry.check_compatible(cfg, staged.dataset_id)  # before any cluster work
-    lineage = _lineage(cfg, staged, model_path)
-    handle = provision_cluster(cfg)
+    staged, handle = stage_for(cfg, model_path)  # a cluster only when staging runs there
     try:
+        staged_as = cfg.name
+        cfg = cfg.resolved(staged.dataset_id, _started_at())
+        if done := series.already_trained(cfg, staged.dataset_id):
+            return nothing_new(cfg, done)
+        registry.check_compatible(cfg, staged.dataset_id)  # before any cluster work
+        lineage = _lineage(cfg, staged, model_path)
+        if handle is None:
+            handle = provision_cluster(cfg)
+        elif cfg.name != staged_as:  # staged under the name's template: the run's own name takes over the head
+            handle = provision_cluster(cfg)
+            stop_cluster(handle, run=staged_as)
         return await _train(cfg, handle, staged, lineage)
     finally:
-        _release_cluster(cfg, handle)
+        if handle is not None:
+            _release_cluster(cfg, handle)
 
 
 def nothing_new(cfg: Config, done: dict[str, Any]) -> State:

@@ -1,4 +1,4 @@
-"""The staging flow on its own: prepare the base model's tokenizer, then stage the dataset."""
+"""The staging flow on its own: prepare the base model's tokenizer, then stage the dataset (here or on the cluster)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,32 @@ from typing import Any
 
 from prefect import flow
 
-from ray_jobs.config import load_config
+from ray_jobs.config import Config, load_config
+from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
 from tasks.model import prepare_base_model
-from tasks.stage import stage_dataset
+from tasks.stage import Staged, cached_dataset, stage_dataset, stages_on_cluster
+
+
+def stage_for(cfg: Config, model_path: str) -> tuple[Staged, ClusterHandle | None]:
+    """Stage as ``data.stage_on`` says: here, or on the cluster -- provisioned for it only when source fingerprints
+    do not already show the dataset staged. Returns the cluster it provisioned (the caller releases it), or None."""
+    if not stages_on_cluster(cfg):
+        return stage_dataset(cfg, model_path), None
+    if (found := cached_dataset(cfg, model_path)) is not None:
+        return found, None
+    handle = provision_cluster(cfg)
+    try:
+        return stage_dataset(cfg, model_path, handle), handle
+    except BaseException:
+        stop_cluster(handle, run=cfg.name)
+        raise
 
 
 @flow(name="stage-dataset")
 def stage_flow(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Stage ``data.train`` to ``<storage>/datasets/<id>``; returns the dataset id and manifest URL."""
     cfg = load_config(config_path, overrides or [])
-    return stage_dataset(cfg, prepare_base_model(cfg)).to_dict()
+    staged, handle = stage_for(cfg, prepare_base_model(cfg))
+    if handle is not None:
+        stop_cluster(handle, run=cfg.name)
+    return staged.to_dict()

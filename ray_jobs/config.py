@@ -66,6 +66,13 @@ class DataConfig(_Section):
     workers: int = Field(0, ge=0)
     """Processes that validate and tokenize in parallel while staging; 0 = one per CPU core. Staged shards are the
     same for any number."""
+    stage_on: Literal["local", "cluster", "auto"] = "auto"
+    """Where staging runs: ``local`` (the flow's machine, a process per core), ``cluster`` (a Ray job whose actors
+    read and tokenize the sources in parallel on every node; the sources must be readable from the cluster), or
+    ``auto``: the cluster once the sources reach ``cluster_stage_mb`` and the cluster can read them (they are on an
+    object store, or the cluster is a local head). The shards, manifest and dataset id are the same either way."""
+    cluster_stage_mb: float = Field(1024.0, gt=0)
+    """``stage_on: auto``: source size in MB from which staging runs on the cluster."""
     verify_sources: bool = False
     """Hash every source file in full on every staging, even when its size and version marker (mtime locally, ETag on
     S3) match what an earlier staging hashed. Off: a restage of unchanged sources reads none of their bytes."""

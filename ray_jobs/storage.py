@@ -196,6 +196,10 @@ class Layout:
     def source_index(self) -> str:
         return join(self.root, "datasets", "sources")
 
+    # datasets/jobs/<submission>.json, .outcome.json : what a staging job on the cluster was given and how it ended
+    def staging_job(self, submission_id: str, outcome: bool = False) -> str:
+        return join(self.root, "datasets", "jobs", f"{submission_id}{'.outcome' if outcome else ''}.json")
+
     # models/<name>/ : base models unbroken built (the built-in tiny model)
     def model_dir(self, name: str) -> str:
         return join(self.root, "models", name)

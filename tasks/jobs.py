@@ -225,6 +225,36 @@ async def watch(
     return view.status
 
 
+def run_to_end(handle: ClusterHandle, submission_id: str, poll_s: float = 1.0, confirm_s: float = 30.0) -> str:
+    """Wait (without an event loop: from a sync task) for a submitted job to end, forwarding its new log lines;
+    its final status, or JobFailed. A cancel of the flow run stops the job, as ``watch`` does."""
+    log = run_logger()
+    state = _Watch(handle.address, submission_id, confirm_s, log)
+    forwarded = 0
+    try:
+        while True:
+            view = jobsapi.read_job(handle.address, submission_id)
+            state.observe(view)
+            with contextlib.suppress(Exception):  # the log is a convenience: a failed read is tried next poll
+                lines = [
+                    ln for ln in _ANSI.sub("", jobs_client(handle.address).get_job_logs(submission_id)).splitlines()
+                ]
+                for line in lines[forwarded:]:
+                    if line.strip():
+                        log.info("[ray] %s", line.rstrip())
+                forwarded = max(forwarded, len(lines))
+            if view.terminal:
+                break
+            time.sleep(poll_s)
+    except BaseException as e:
+        if cancelled(e):
+            _stop_for_cancel(handle.address, submission_id, log)
+        raise
+    if view.status != "SUCCEEDED":
+        raise JobFailed(f"Ray job {submission_id} ended {view.status}: {view.message}")
+    return view.status
+
+
 def _stop_for_cancel(address: str, submission_id: str, log) -> None:
     try:
         if stop_and_wait(address, submission_id, wait_s=30):

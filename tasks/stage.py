@@ -1,7 +1,8 @@
-"""Stage the dataset onto shared storage (a content-addressed cache hit when nothing changed)."""
+"""Stage the dataset onto shared storage (a content-addressed cache hit when nothing changed), here or on the cluster."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -9,8 +10,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
-from ray_jobs.data.staging import StagingError, stage
+from ray_jobs.data.fingerprint import describe
+from ray_jobs.data.staging import StageResult, StagingError, cached, stage
 from ray_jobs.model.loading import load_tokenizer
+from ray_jobs.storage import Layout, exists, is_local, read_json, write_json_atomic
+from tasks.cluster import ClusterHandle
+from tasks.jobs import JobFailed, run_to_end, submit
 from tasks.logs import run_logger
 
 
@@ -25,18 +30,65 @@ class Staged:
         return asdict(self)
 
 
-@task(name="stage-dataset", cache_policy=NO_CACHE)
-def stage_dataset(cfg: Config, model_path: str) -> Staged:
-    """Validate, tokenize and pack ``data.train`` into Parquet shards + manifest under ``<storage>/datasets``."""
-    log = run_logger()
+def stages_on_cluster(cfg: Config) -> bool:
+    """Whether this config's staging runs on the cluster (``data.stage_on``; ``auto``: sources of at least
+    ``data.cluster_stage_mb`` the cluster can read, on an object store or with a local head)."""
+    if cfg.data.stage_on != "auto":
+        return cfg.data.stage_on == "cluster"
+    urls = [cfg.data.train, *([cfg.data.eval] if cfg.data.eval else [])]
+    readable = not cfg.cluster.address or not any(is_local(u) for u in urls)
+    if not readable:
+        return False
+    size = sum(f.size for u in urls for f in describe(u, "data.train" if u == cfg.data.train else "data.eval"))
+    return size >= cfg.data.cluster_stage_mb * 1e6
+
+
+def _tokenizer(cfg: Config, model_path: str):
     try:
-        tokenizer = load_tokenizer(model_path, cfg.data.cache_dir)
+        return load_tokenizer(model_path, cfg.data.cache_dir)
     except (OSError, ValueError) as e:
         raise StagingError(f"model.name_or_path: cannot load a tokenizer from {model_path}: {e}") from e
-    result = stage(cfg.data, tokenizer, model_path, cfg.storage)
+
+
+@task(name="find-staged-dataset", cache_policy=NO_CACHE)
+def cached_dataset(cfg: Config, model_path: str) -> Staged | None:
+    """The dataset, when source fingerprints alone show it is staged already (no cluster needed to find out)."""
+    result = cached(cfg.data, _tokenizer(cfg, model_path), cfg.storage)
+    return None if result is None else _report(result)
+
+
+@task(name="stage-dataset", cache_policy=NO_CACHE)
+def stage_dataset(cfg: Config, model_path: str, handle: ClusterHandle | None = None) -> Staged:
+    """Validate, tokenize and pack ``data.train`` into Parquet shards + manifest under ``<storage>/datasets``: here,
+    or as a Ray job on ``handle``'s cluster (the same shards and manifest either way)."""
+    if handle is not None:
+        return _report(_stage_on_cluster(cfg, model_path, handle))
+    return _report(stage(cfg.data, _tokenizer(cfg, model_path), model_path, cfg.storage))
+
+
+def _stage_on_cluster(cfg: Config, model_path: str, handle: ClusterHandle) -> StageResult:
+    sid = f"unbroken-stage-{uuid.uuid4().hex[:12]}"
+    layout = Layout(cfg.storage)
+    spec_url, outcome_url = layout.staging_job(sid), layout.staging_job(sid, outcome=True)
+    write_json_atomic(spec_url, {"config": cfg.model_dump(mode="json"), "model_path": model_path,
+                                 "outcome_url": outcome_url})  # fmt: skip
+    run_logger().info("staging on the cluster at %s (Ray job %s)", handle.address, sid)
+    submit(handle, sid, "ray_jobs.stage_job", spec_url)
+    try:
+        run_to_end(handle, sid, confirm_s=cfg.fault_tolerance.confirm_s)
+    except JobFailed as e:
+        if exists(outcome_url) and (error := read_json(outcome_url).get("error")):
+            raise StagingError(error) from None
+        raise JobFailed(f"staging on the cluster failed: {e}") from e
+    out = read_json(outcome_url)
+    return StageResult(out["dataset_id"], out["manifest_url"], out["cache_hit"], read_json(out["manifest_url"]),
+                       out["sources_read"])  # fmt: skip
+
+
+def _report(result: StageResult) -> Staged:
     counts = result.manifest["counts"]
     verb = "cache hit" if result.cache_hit else "staged"
-    log.info(
+    run_logger().info(
         "%s dataset %s: %d records (%d rejected) -> %d train / %d eval rows; manifest %s",
         verb, result.dataset_id, counts["records"], counts["rejects"], counts["train_rows"], counts["eval_rows"],
         result.manifest_url,

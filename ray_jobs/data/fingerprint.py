@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,16 +100,30 @@ class SourceIndex:
             write_json_atomic(self._url(src), entry)
 
 
-def resolve_hashes(sources: dict[str, list[Source]], storage: str, verify: bool) -> int:
-    """Fill in every source's sha256: from the index where its version was hashed before (unless ``verify``), else
-    by reading it. Returns the number of files read."""
+def known_hashes(sources: dict[str, list[Source]], storage: str) -> bool:
+    """Fill in every sha256 the index knows; True when it knew them all."""
     index = SourceIndex(storage)
-    read = 0
     for files in sources.values():
         for src in files:
-            src.sha256 = "" if verify else index.lookup(src)
-            if not src.sha256:
-                src.sha256 = hash_file(src.url)
-                index.remember(src)
-                read += 1
-    return read
+            src.sha256 = src.sha256 or index.lookup(src)
+    return all(src.sha256 for files in sources.values() for src in files)
+
+
+def resolve_hashes(
+    sources: dict[str, list[Source]],
+    storage: str,
+    verify: bool,
+    hash_many: Callable[[list[str]], list[str]] | None = None,
+) -> int:
+    """Fill in every source's sha256: from the index where its version was hashed before (unless ``verify``), else
+    by reading it (``hash_many``: how to hash several files, e.g. in parallel on a cluster; one by one here by
+    default). Returns the number of files read."""
+    if not verify:
+        known_hashes(sources, storage)
+    todo = [src for files in sources.values() for src in files if verify or not src.sha256]
+    hashes = (hash_many or (lambda urls: [hash_file(u) for u in urls]))([src.url for src in todo])
+    index = SourceIndex(storage)
+    for src, sha in zip(todo, hashes, strict=True):
+        src.sha256 = sha
+        index.remember(src)
+    return len(todo)

@@ -1,7 +1,10 @@
 """Finding and reading source files: a file, a folder of JSONL/Parquet files, or a ``save_to_disk`` folder.
 
-Staging reads a source as a stream of batches (:func:`read_batches`), each ending at a :class:`Position` it can be
-restarted from, so memory is one batch whatever the file's size and a killed staging resumes where it was.
+Staging cuts each source file into pieces (:func:`pieces`) that a worker reads on its own, wherever it runs: byte
+ranges of a JSONL file (a range owns the lines that begin in it), row ranges of a Parquet file (planned from its
+footer), or batches the planner reads itself where a file cannot be entered mid-way (an Arrow stream). Each piece
+ends at a :class:`Position` staging can be restarted from, so memory is one piece whatever the file's size and a
+killed staging resumes where it was.
 """
 
 from __future__ import annotations
@@ -148,3 +151,143 @@ def _row_batches(url: str, f, start: Position) -> Iterator[SourceBatch]:
                 yield SourceBatch(url, items, Position(row, row + 1))
     except (pa.ArrowException, ValueError) as e:  # pyarrow raises several types for a damaged file
         raise StagingError(f"{url}: not a readable {'Arrow' if arrow else 'Parquet'} file: {e}") from e
+
+
+@dataclass(frozen=True)
+class SourceRange:
+    """A piece of one file a worker reads itself: the lines that begin at bytes [start, stop) of a JSONL file, or
+    rows [start, stop) of a Parquet file; ``stop`` None: to the end. Its records are numbered from 1 (a worker
+    cannot know how many lines came before ``start``); staging adds the count before it to every reject."""
+
+    url: str
+    start: int
+    stop: int | None
+
+
+_SCAN = 1 << 16
+
+
+def read_range(r: SourceRange) -> SourceBatch:
+    """The records of a range, numbered from 1; ``end`` is where the next range begins (a byte offset that starts
+    a line, or a row) with ``end.next`` one past the last number used."""
+    fs, path = fs_and_path(r.url)
+    try:
+        with fs.open(path, "rb") as f:
+            if position_unit(r.url) == "line":
+                items, end = _line_range(f, r.start, r.stop)
+            else:
+                items, end = _parquet_range(r.url, f, r.start, r.stop)
+    except OSError as e:
+        raise SourceUnreadable(f"{r.url}: cannot read: {e}") from e
+    return SourceBatch(r.url, items, Position(end, len(items) + 1))
+
+
+def _line_range(f, start: int, stop: int | None) -> tuple[list[tuple[int, bytes]], int]:
+    """Lines that begin in [start, stop), the last one read past ``stop`` to its newline (Hadoop's rule for
+    splitting text: every line belongs to exactly one range, whoever reads the neighbours)."""
+    at = start
+    if start > 0:
+        f.seek(start - 1)
+        if f.read(1) != b"\n":  # mid-line: that line belongs to the range before
+            while True:
+                block = f.read(_SCAN)
+                cut = block.find(b"\n")
+                if cut >= 0:
+                    at += cut + 1
+                    break
+                at += len(block)
+                if not block:
+                    return [], at
+    if stop is not None and at >= stop:
+        return [], at
+    f.seek(at)
+    data = f.read() if stop is None else f.read(stop - at)
+    while stop is not None and data and not data.endswith(b"\n"):  # the last line runs on past stop
+        block = f.read(_SCAN)
+        if not block:
+            break
+        cut = block.find(b"\n")
+        data += block if cut < 0 else block[: cut + 1]
+        if cut >= 0:
+            break
+    lines = data.split(b"\n")
+    if lines[-1] == b"":  # after the final newline: no line
+        lines.pop()
+    return list(enumerate(lines, start=1)), at + len(data)
+
+
+def _parquet_range(url: str, f, start: int, stop: int | None) -> tuple[list[tuple[int, dict]], int]:
+    """Rows [start, stop) of a Parquet file, decoding only the row groups they lie in."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+        total = pf.metadata.num_rows
+        stop = total if stop is None else min(stop, total)
+        groups, first, row = [], None, 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if row + n > start and row < stop:
+                groups.append(g)
+                first = row if first is None else first
+            row += n
+        rows: list[dict] = []
+        row = first or 0
+        for batch in pf.iter_batches(batch_size=8192, row_groups=groups) if groups else ():
+            lo, hi = max(start - row, 0), min(stop - row, batch.num_rows)
+            if lo < hi:
+                rows.extend(batch.slice(lo, hi - lo).to_pylist())
+            row += batch.num_rows
+    except (pa.ArrowException, ValueError) as e:  # pyarrow raises several types for a damaged file
+        raise StagingError(f"{url}: not a readable Parquet file: {e}") from e
+    return list(enumerate(rows, start=1)), max(stop, start)
+
+
+def pieces(url: str, size: int, start: Position, piece_bytes: int) -> Iterator[SourceRange | SourceBatch]:
+    """The pieces of one file from ``start`` on, each about ``piece_bytes`` of source; at least one, so even an
+    empty file ends (staging records a file as done when its last piece is in)."""
+    if url.endswith(".arrow"):  # a stream cannot be entered mid-way: read here, a record batch at a time
+        got = False
+        for batch in read_batches(url, start, piece_bytes):
+            got = True
+            yield batch
+        if not got:
+            yield SourceBatch(url, [], start)
+        return
+    bounds = _row_bounds(url, start.offset, piece_bytes) if position_unit(url) == "row" else None
+    if bounds is None:
+        bounds = list(range(start.offset, size, piece_bytes))[1:] if size > start.offset else []
+    edges = [start.offset, *bounds]
+    for a, b in zip(edges, [*bounds, None], strict=True):
+        yield SourceRange(url, a, b)
+
+
+def _row_bounds(url: str, start: int, piece_bytes: int) -> list[int]:
+    """Row numbers after ``start`` where pieces of a Parquet file begin: small row groups together, big ones cut,
+    about ``piece_bytes`` (uncompressed) each, from the file's footer alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs, path = fs_and_path(url)
+    try:
+        with fs.open(path, "rb") as f:
+            md = pq.ParquetFile(f).metadata
+    except OSError as e:
+        raise SourceUnreadable(f"{url}: cannot read: {e}") from e
+    except (pa.ArrowException, ValueError) as e:
+        raise StagingError(f"{url}: not a readable Parquet file: {e}") from e
+    cuts, row, held = [], 0, 0
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        per_row = rg.total_byte_size / max(rg.num_rows, 1)
+        r = 0
+        while r < rg.num_rows:
+            take = min(rg.num_rows - r, max(1, int((piece_bytes - held) / per_row)) if per_row else rg.num_rows)
+            r += take
+            held += take * per_row
+            if held >= piece_bytes:
+                cuts.append(row + r)
+                held = 0
+        row += rg.num_rows
+    return [c for c in cuts if start < c < row]

@@ -3,9 +3,9 @@
 The stages live in their own modules (sources, records, tokenize, pack, workers, spill); this one runs them in order
 and owns what spans them: the dataset id, the reject policy and the manifest.
 
-Staging streams: sources are read a batch at a time, validated and tokenized in a pool of processes (results taken
-in source order), packed, and spilled to local disk as int32 rows; once every source was read the rows are cut into
-shards. Memory is a few batches plus one shard, whatever the dataset's size, and the output is byte-identical to
+Staging streams: sources are cut into pieces that workers read, validate and tokenize (a pool of processes here, or
+Ray actors across the cluster's nodes when ``on="cluster"``; results taken in source order), packed, and spilled to
+local disk as int32 rows; once every source was read the rows are cut into shards. Memory is a few batches plus one shard, whatever the dataset's size, and the output is byte-identical to
 what reading everything into memory wrote (the shard boundaries need the total row count, hence the spill).
 
 The dataset id is a content hash of (source sha256s, tokenizer fingerprint, staging config), so staging the same
@@ -28,35 +28,34 @@ from pathlib import Path
 from typing import Any
 
 from ray_jobs.config import DataConfig
-from ray_jobs.data.fingerprint import Source, describe, resolve_hashes
+from ray_jobs.data.fingerprint import Source, describe, hash_file, known_hashes, resolve_hashes
 from ray_jobs.data.pack import pack, shard_count
 from ray_jobs.data.records import Record, Reject, parse_records, record_in_eval
 from ray_jobs.data.sources import (
     Position,
-    SourceBatch,
     SourceFile,
     SourceUnreadable,
     StagingError,
     list_sources,
+    pieces,
     position_unit,
-    read_batches,
     read_sources,
 )
 from ray_jobs.data.spill import SPLITS, Spill
 from ray_jobs.data.tokenize import IGNORE_INDEX, chat_renderer, tokenizer_fingerprint
-from ray_jobs.data.workers import BatchWork, pool_size, results
+from ray_jobs.data.workers import BatchWork, cluster_size, pool_size, ray_get, ray_results, results
 from ray_jobs.storage import Layout, exclusive_lock, exists, join, read_json, upload_file, write_json_atomic
 
 # What other modules import from here (the stages' own modules are the homes).
 __all__ = [
-    "IGNORE_INDEX", "STAGING_VERSION", "Record", "Reject", "SourceFile", "StageResult", "StagingError", "chat_renderer",
-    "dataset_id", "list_sources", "pack", "parse_records", "position_unit", "read_sources", "record_in_eval", "stage",
+    "IGNORE_INDEX", "STAGING_VERSION", "Record", "Reject", "SourceFile", "StageResult", "StagingError", "cached", "chat_renderer", "dataset_id", "list_sources", "pack", "parse_records", "position_unit",
+    "read_sources", "record_in_eval", "stage",
 ]  # fmt: skip
 
 # 2: pairs tokenized as one text, chat learns assistant turns by offsets, shards carry position_ids.
 STAGING_VERSION = 2
-BATCH_BYTES = 4 << 20  # of JSONL source per batch handed to a worker
-COMMIT_BATCHES = 8  # progress is recorded every this many batches (and at the end of every source file)
+BATCH_BYTES = 4 << 20  # of source per piece a worker reads
+COMMIT_BATCHES = 8  # progress is recorded every this many pieces (and at the end of every source file)
 
 
 @dataclass
@@ -68,12 +67,12 @@ class StageResult:
     sources_read: int = 0  # source files whose bytes were read to learn their sha256 (0: fingerprints sufficed)
 
 
-def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str) -> StageResult:
-    """Stage ``data`` onto ``storage`` with ``tokenizer``; a cache hit when the same inputs were staged before."""
-    sources = {"train": describe(data.train, "data.train")}
-    if data.eval:
-        sources["eval"] = describe(data.eval, "data.eval")
-    read = resolve_hashes(sources, storage, data.verify_sources)
+def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: str = "local") -> StageResult:
+    """Stage ``data`` onto ``storage`` with ``tokenizer``; a cache hit when the same inputs were staged before.
+    ``on="cluster"``: from a driver on a Ray cluster, its sources hashed and its pieces tokenized by Ray tasks and
+    actors across the nodes (the same shards, manifest and dataset id as ``local``)."""
+    sources = describe_sources(data)
+    read = resolve_hashes(sources, storage, data.verify_sources, _hash_on_cluster if on == "cluster" else None)
     tok_fp = tokenizer_fingerprint(tokenizer)
     ds_id = dataset_id(sources, tok_fp, data)
     layout = Layout(storage)
@@ -84,9 +83,38 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str) -> Sta
     with exclusive_lock(Path(data.work_dir) / f"{ds_id}.lock"):
         if exists(manifest_url):
             return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
-        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, layout.dataset_dir(ds_id))
+        out_dir = layout.dataset_dir(ds_id)
+        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on)
         write_json_atomic(manifest_url, manifest)
     return StageResult(ds_id, manifest_url, False, manifest, read)
+
+
+def cached(data: DataConfig, tokenizer, storage: str) -> StageResult | None:
+    """The staged dataset when every source's fingerprint was hashed before and that dataset is on storage; None
+    when finding out would take reading sources (or staging). Reads no source bytes: one metadata call per file."""
+    if data.verify_sources:
+        return None
+    sources = describe_sources(data)
+    if not known_hashes(sources, storage):
+        return None
+    ds_id = dataset_id(sources, tokenizer_fingerprint(tokenizer), data)
+    url = Layout(storage).dataset_manifest(ds_id)
+    return StageResult(ds_id, url, True, read_json(url)) if exists(url) else None
+
+
+def describe_sources(data: DataConfig) -> dict[str, list[Source]]:
+    sources = {"train": describe(data.train, "data.train")}
+    if data.eval:
+        sources["eval"] = describe(data.eval, "data.eval")
+    return sources
+
+
+def _hash_on_cluster(urls: list[str]) -> list[str]:
+    """sha256 of each file, one Ray task per file spread over the cluster's nodes."""
+    import ray
+
+    task = ray.remote(hash_file).options(num_cpus=1, scheduling_strategy="SPREAD", max_retries=3)
+    return ray_get([task.remote(u) for u in urls])
 
 
 def dataset_id(sources: dict[str, list[Source]], tok_fp: str, data: DataConfig) -> str:
@@ -112,7 +140,7 @@ def staging_config(data: DataConfig) -> dict[str, Any]:
     return out
 
 
-def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir) -> dict[str, Any]:
+def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on) -> dict[str, Any]:
     if tokenizer.eos_token_id is None:
         raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
     work = BatchWork(tokenizer, tokenizer_name, data)
@@ -123,7 +151,7 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     spill = Spill(Path(data.work_dir) / f"{ds_id}-{where}", ds_id, data.seq_len, pad)
     try:
         if spill.reading:
-            _read_all(spill, work, sources, data)
+            _read_all(spill, work, sources, data, on)
         _check_counts(spill, data, out_dir, sources)
     except SourceUnreadable:
         raise  # a store that failed to answer: the spill stays, the next staging goes on from it
@@ -148,17 +176,24 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     return manifest
 
 
-def _read_all(spill: Spill, work: BatchWork, sources: dict[str, list[Source]], data: DataConfig) -> None:
-    """Every source batch through the workers into the spill, recording progress as it goes."""
+def _read_all(spill: Spill, work: BatchWork, sources: dict[str, list[Source]], data: DataConfig, on: str) -> None:
+    """Every source piece through the workers into the spill, recording progress as it goes."""
     files = [(split, f) for split, fs in sources.items() for f in fs]
-    workers = pool_size(data, sum(f.size for _, f in files))
-    for n, ((i, end, last), result) in enumerate(results(work, _batches(files, *spill.start), workers), start=1):
+    if on == "cluster":
+        run, workers = ray_results, cluster_size(data)
+    else:
+        run, workers = results, pool_size(data, sum(f.size for _, f in files))
+    current, at = spill.start
+    for n, ((i, last), result) in enumerate(run(work, _pieces(files, current, at), workers), start=1):
+        if i != current:
+            current, at = i, Position()
+        at = result.placed(at)
         spill.add(result)
         if last:
             _unchanged(files[i][1])
             spill.commit(i + 1, Position())
         elif n % COMMIT_BATCHES == 0:
-            spill.commit(i, end)
+            spill.commit(i, at)
     spill.end_reading()
 
 
@@ -170,16 +205,16 @@ def _unchanged(src: Source) -> None:
                            f"{now.size}/{now.version}); stage again once it is complete")  # fmt: skip
 
 
-def _batches(files: list[tuple[str, Source]], first: int, at: Position) -> Iterator[tuple[tuple, str, SourceBatch]]:
-    """``((file index, end position, last of its file), split, batch)`` from file ``first`` at ``at`` on."""
+def _pieces(files: list[tuple[str, Source]], first: int, at: Position) -> Iterator[tuple[tuple, str, Any]]:
+    """``((file index, last of its file), split, piece)`` from file ``first`` at ``at`` on."""
     for i in range(first, len(files)):
         split, src = files[i]
-        batches = read_batches(src.url, at if i == first else Position(), BATCH_BYTES)
-        batch = next(batches, None)
-        while batch is not None:
-            following = next(batches, None)
-            yield (i, batch.end, following is None), split, batch
-            batch = following
+        todo = pieces(src.url, src.size, at if i == first else Position(), BATCH_BYTES)
+        piece = next(todo)
+        while piece is not None:
+            following = next(todo, None)
+            yield (i, following is None), split, piece
+            piece = following
 
 
 def _shards(spill: Spill, split: str, data: DataConfig) -> int:

@@ -1,13 +1,18 @@
-"""Validating and tokenizing source batches, in this process or a pool of processes, results in source order.
+"""Reading, validating and tokenizing source pieces: in this process, a pool of processes, or Ray actors across a
+cluster; results in source order.
 
-A batch's result depends only on the batch (records are split into train/eval by their own hash, tokenized one by
-one), so the pool's size never changes what is staged: packing, which does carry state from batch to batch, runs in
-the staging process on results taken in source order. Memory is bounded by the batches in flight (a window of two
-per worker), not by the dataset.
+A piece's result depends only on the piece (records are split into train/eval by their own hash, tokenized one by
+one, numbered from the piece's start), so where and how parallel it ran never changes what is staged: packing,
+which does carry state from piece to piece, runs in the staging process on results taken in source order. Memory is
+bounded by the pieces in flight (a window of two per worker), not by the dataset.
+
+A hand-written window over an ordered pool, not Ray Data: Ray Data's ``map_batches`` keeps order only with
+``preserve_order`` and has no resumable position (ray#37633), and staging resumes at the piece it was on.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -16,8 +21,10 @@ from typing import Any
 
 from ray_jobs.config import DataConfig
 from ray_jobs.data.records import Record, Reject, batch_records, record_in_eval
-from ray_jobs.data.sources import SourceBatch
+from ray_jobs.data.sources import Position, SourceBatch, SourceRange, read_range
 from ray_jobs.data.tokenize import Examples, Tokenized, chat_renderer
+
+log = logging.getLogger("unbroken.staging")
 
 # Below this much source, starting worker processes (each imports transformers) costs more than it saves.
 POOL_MIN_BYTES = 8 << 20
@@ -31,6 +38,19 @@ class BatchResult:
     invalid: list[Reject]
     examples: dict[str, Examples]
     token_rejects: dict[str, list[Reject]] = field(default_factory=dict)
+    end: Position = Position()  # where the piece ended; numbered from 1 when ``relative``
+    relative: bool = False
+
+    def placed(self, at: Position) -> Position:
+        """Number this result's rejects as the lines (rows) of the file they are, given that the piece began at
+        ``at``; returns where the next piece begins."""
+        if not self.relative:
+            return self.end
+        shift = at.next - 1
+        for r in [*self.invalid, *(r for rs in self.token_rejects.values() for r in rs)]:
+            r.line += shift
+        self.relative = False
+        return Position(self.end.offset, self.end.next + shift)
 
 
 class BatchWork:
@@ -48,9 +68,11 @@ class BatchWork:
             self._render = chat_renderer(self.tokenizer, self.tokenizer_name, self.data.train_on)
         return self._render
 
-    def __call__(self, batch: SourceBatch, split: str) -> BatchResult:
+    def __call__(self, piece: SourceBatch | SourceRange, split: str) -> BatchResult:
+        batch = read_range(piece) if isinstance(piece, SourceRange) else piece
         records, invalid = batch_records(batch, self.data, split, self.render())
-        out = BatchResult(len(records) + len(invalid), invalid, {})
+        out = BatchResult(len(records) + len(invalid), invalid, {}, end=batch.end)
+        out.relative = isinstance(piece, SourceRange)
         for name, recs in zip(("train", "eval"), self._split(records), strict=True):
             # a chat rendering already holds the template's special tokens; adding the tokenizer's would double BOS
             tok = Tokenized(self.tokenizer, recs, self.data.seq_len, add_special_tokens=self.data.format != "chat")
@@ -75,8 +97,8 @@ def _init_worker(work: BatchWork) -> None:
     _WORK = work
 
 
-def _run(batch: SourceBatch, split: str) -> BatchResult:
-    return _WORK(batch, split)
+def _run(piece: SourceBatch | SourceRange, split: str) -> BatchResult:
+    return _WORK(piece, split)
 
 
 def pool_size(data: DataConfig, source_bytes: int) -> int:
@@ -86,11 +108,14 @@ def pool_size(data: DataConfig, source_bytes: int) -> int:
     return (os.cpu_count() or 1) if source_bytes >= POOL_MIN_BYTES else 1
 
 
-def results(work: BatchWork, batches: Iterable[tuple[Any, str, SourceBatch]], workers: int) -> Iterator[tuple]:
-    """``(key, result)`` for each ``(key, split, batch)``, in order; ``workers`` > 1 runs them in processes."""
+Pieces = Iterable[tuple[Any, str, SourceBatch | SourceRange]]
+
+
+def results(work: BatchWork, pieces: Pieces, workers: int) -> Iterator[tuple]:
+    """``(key, result)`` for each ``(key, split, piece)``, in order; ``workers`` > 1 runs them in processes."""
     if workers <= 1:
-        for key, split, batch in batches:
-            yield key, work(batch, split)
+        for key, split, piece in pieces:
+            yield key, work(piece, split)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -98,12 +123,79 @@ def results(work: BatchWork, batches: Iterable[tuple[Any, str, SourceBatch]], wo
     # spawn, not fork: the staging process may run threads (Prefect, fsspec) a fork would copy mid-lock
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(work,)) as pool:
-        pending: deque = deque()
-        for key, split, batch in batches:
-            pending.append((key, pool.submit(_run, batch, split)))
-            if len(pending) >= 2 * workers:
-                key0, fut = pending.popleft()
-                yield key0, fut.result()
-        while pending:
-            key0, fut = pending.popleft()
-            yield key0, fut.result()
+        yield from _in_order(
+            pieces, lambda piece, split: pool.submit(_run, piece, split), lambda f: f.result(), workers
+        )
+
+
+def _in_order(pieces: Pieces, submit, result, workers: int) -> Iterator[tuple]:
+    """Submit pieces keeping at most two per worker in flight; yield ``(key, result)`` in submission order."""
+    pending: deque = deque()
+    for key, split, piece in pieces:
+        pending.append((key, submit(piece, split)))
+        if len(pending) >= 2 * workers:
+            key0, handle = pending.popleft()
+            yield key0, result(handle)
+    while pending:
+        key0, handle = pending.popleft()
+        yield key0, result(handle)
+
+
+class StageActor:
+    """A Ray actor holding one BatchWork (the tokenizer is loaded once per actor, not once per piece)."""
+
+    def __init__(self, work: BatchWork):
+        _init_worker(work)
+
+    def run(self, piece: SourceBatch | SourceRange, split: str) -> BatchResult:
+        return _run(piece, split)
+
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+def cluster_size(data: DataConfig) -> int:
+    """Actors for a staging on the cluster: ``data.workers`` when set, else one per CPU of the cluster."""
+    import ray
+
+    return data.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def ray_results(work: BatchWork, pieces: Pieces, workers: int) -> Iterator[tuple]:
+    """``results`` on Ray actors spread over the cluster's nodes (each reads its pieces from storage itself). An
+    actor lost with its node is restarted and its piece retried by Ray; a data error is raised as itself."""
+    import ray
+
+    actor = ray.remote(StageActor).options(
+        num_cpus=1, max_restarts=3, max_task_retries=3, scheduling_strategy="SPREAD",
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+    )  # fmt: skip
+    work_ref = ray.put(work)
+    actors = [actor.remote(work_ref) for _ in range(workers)]
+    nodes = ray_get([a.node.remote() for a in actors])  # every actor up (its tokenizer loaded) before the first piece
+    log.info("staging with %d actors on %d nodes: %s", workers, len(set(nodes)),
+             ", ".join(f"{n[:12]} x{nodes.count(n)}" for n in sorted(set(nodes))))  # fmt: skip
+    turn = iter(range(1 << 62))
+
+    def submit(piece, split):  # round robin: every actor gets pieces; the window keeps each at most two ahead
+        return actors[next(turn) % workers].run.remote(piece, split)
+
+    try:
+        yield from _in_order(pieces, submit, ray_get, workers)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def ray_get(refs):
+    """``ray.get``, raising a task's own exception (a StagingError names file and line) rather than Ray's wrap."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, Exception):
+            raise e.cause from None
+        raise

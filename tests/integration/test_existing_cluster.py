@@ -31,9 +31,11 @@ def sets(storage: Path, **extra: object) -> list[str]:
 
 
 def test_flow_uses_an_existing_cluster_and_leaves_it_running(cluster: str, tmp_path: Path) -> None:
+    """Staging runs there too (``data.stage_on: cluster``), then the training on what it staged."""
     storage = tmp_path / "storage"
-    r = run_cli("run", DEMO, *sets(storage, name="ext", **{"cluster.address": cluster}))
+    r = run_cli("run", DEMO, *sets(storage, name="ext", **{"cluster.address": cluster, "data.stage_on": "cluster"}))
     assert r.returncode == 0, r.explain()
+    assert f"staging on the cluster at {cluster}" in r.stderr + r.stdout, r.explain()
     assert r.last_line == f"final model: {storage / 'runs' / 'ext' / 'final'}"
     assert _reachable(cluster) is None, "a cluster the flow did not start must be left running"
     assert read_registry(storage, "ext")["cluster"] == {"address": cluster, "mode": "existing", "started_here": False}

@@ -112,8 +112,11 @@ def outputs(dataset_dir: Path, roots: list[str]) -> dict[str, str]:
     return out
 
 
-def run_cases(folder: Path, only: set[str] | None = None, **overrides: Any) -> dict[str, dict[str, Any]]:
-    """Stage every case (``overrides``: DataConfig fields that must not change the output, e.g. ``workers``)."""
+def run_cases(
+    folder: Path, only: set[str] | None = None, on: str = "local", **overrides: Any
+) -> dict[str, dict[str, Any]]:
+    """Stage every case (``overrides``: DataConfig fields that must not change the output, e.g. ``workers``; ``on``:
+    where staging runs, which must not change it either)."""
     from ray_jobs.config import DataConfig
     from ray_jobs.data.staging import stage
 
@@ -124,7 +127,7 @@ def run_cases(folder: Path, only: set[str] | None = None, **overrides: Any) -> d
             continue
         tok = toks.setdefault(kind, tokenizer(kind))
         storage = folder / "storage" / name
-        r = stage(DataConfig(**fields, **overrides), tok, "tok", str(storage))
+        r = stage(DataConfig(**fields, **overrides), tok, "tok", str(storage), on=on)
         roots = [str(folder / "inputs"), str(ROOT / "configs" / "data")]
         results[name] = {"dataset_id": r.dataset_id, "files": outputs(storage / "datasets" / r.dataset_id, roots)}
     return results

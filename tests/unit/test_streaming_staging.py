@@ -136,9 +136,11 @@ def test_a_cache_hit_reads_no_source_bytes_until_the_file_changes(tmp_path: Path
 
     with monkeypatch.context() as m:
         m.setattr(fingerprint, "hash_file", no_reads)
-        m.setattr(staging, "read_batches", no_reads)
+        m.setattr(staging, "pieces", no_reads)
         again = stage(data, tok, "builtin", str(tmp_path / "s"))
+        found = staging.cached(data, tok, str(tmp_path / "s"))  # what a flow asks before provisioning a cluster
     assert again.cache_hit and again.sources_read == 0 and again.dataset_id == first.dataset_id
+    assert found is not None and found.dataset_id == first.dataset_id and found.manifest == first.manifest
 
     os.utime(src, (past + 1, past + 1))  # touched, same bytes: hashed again, still the same dataset
     touched = stage(data, tok, "builtin", str(tmp_path / "s"))
@@ -185,13 +187,13 @@ def test_two_stagings_of_one_dataset_at_once_never_share_a_spill(tmp_path: Path,
 def test_a_source_replaced_while_it_is_staged_fails_naming_it(tmp_path: Path, monkeypatch) -> None:
     src = tmp_path / "d.jsonl"
     src.write_bytes(SAMPLE_DATA.read_bytes())
-    real = staging.read_batches
+    real = staging.pieces
 
     def and_then_replace(url, *a, **k):
         yield from real(url, *a, **k)
         src.write_bytes(SAMPLE_DATA.read_bytes() + b'{"input": "1+1=", "target": "2"}\n')  # a writer came by
 
-    monkeypatch.setattr(staging, "read_batches", and_then_replace)
+    monkeypatch.setattr(staging, "pieces", and_then_replace)
     data = DataConfig(train=str(src), seq_len=64, work_dir=str(tmp_path / "w"))
     with pytest.raises(staging.StagingError, match=r"d\.jsonl changed while it was being staged"):
         stage(data, train_char_tokenizer(), "b", str(tmp_path / "s"))
@@ -208,3 +210,61 @@ def test_a_spill_shorter_than_its_progress_says_is_staged_again_from_the_start(t
     s._save()
     again = Spill(folder, "ds-x", seq_len=8, pad_id=0)
     assert again.start[0] == 0 and again.rows("train") == 0, "not resumed onto rows that are not there"
+
+
+def _read_pieces(url: str, size: int, piece_bytes: int) -> list[tuple[int, object]]:
+    """Every record of a file read piece by piece as staging does, numbered as lines (rows) of the file."""
+    from ray_jobs.data.sources import Position, SourceRange, pieces, read_range
+
+    out, at = [], Position()
+    for piece in pieces(url, size, Position(), piece_bytes):
+        batch = read_range(piece) if isinstance(piece, SourceRange) else piece
+        shift = at.next - 1 if isinstance(piece, SourceRange) else 0
+        out += [(n + shift, item) for n, item in batch.items]
+        at = Position(batch.end.offset, batch.end.next + shift)
+    return out
+
+
+def test_byte_ranges_own_each_line_exactly_once(tmp_path: Path) -> None:
+    """Pieces cut anywhere (mid-line, on a newline, inside a line longer than a piece) read every line of the file
+    once, numbered as the file's lines, whatever the piece size."""
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        lines = [b"x" * int(rng.choice([0, 1, 5, 40, 300])) for _ in range(int(rng.integers(0, 60)))]
+        data = b"\n".join(lines) + (b"\n" if trial % 3 else b"")
+        f = tmp_path / f"{trial}.jsonl"
+        f.write_bytes(data)
+        expect = list(enumerate(data.split(b"\n"), start=1))
+        if expect and expect[-1][1] == b"" and data.endswith(b"\n") or data == b"":
+            expect = expect[:-1]
+        for piece_bytes in (1, 7, 64, 1000, 1 << 20):
+            assert _read_pieces(str(f), len(data), piece_bytes) == expect, (trial, piece_bytes)
+
+
+def test_parquet_pieces_follow_row_groups_and_cut_big_ones(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": f"row {i} " + "y" * (i % 50)} for i in range(1000)]
+    f = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), f, row_group_size=300)
+    for piece_bytes in (50, 2000, 30_000, 1 << 30):
+        assert _read_pieces(str(f), f.stat().st_size, piece_bytes) == list(enumerate(rows, start=1)), piece_bytes
+
+
+def test_auto_stages_on_the_cluster_only_big_sources_it_can_read(tmp_path: Path) -> None:
+    from ray_jobs.config import load_config
+    from tasks.stage import stages_on_cluster
+
+    def cfg(**sets):
+        return load_config(
+            ROOT / "configs" / "demo.yaml", [f"storage={tmp_path}", *(f"{k}={v}" for k, v in sets.items())]
+        )
+
+    mb = SAMPLE_DATA.stat().st_size / 1e6
+    assert not stages_on_cluster(cfg())  # the demo's small sample: here
+    assert stages_on_cluster(cfg(**{"data.cluster_stage_mb": mb / 2}))  # big enough, a local head reads local files
+    far = {"data.cluster_stage_mb": mb / 2, "cluster.address": "http://10.0.0.9:8265"}
+    assert not stages_on_cluster(cfg(**far)), "a remote cluster cannot read this machine's files"
+    assert stages_on_cluster(cfg(**far, **{"data.stage_on": "cluster"})), "unless the user says it can (a shared mount)"
+    assert not stages_on_cluster(cfg(**{"data.stage_on": "local", "data.cluster_stage_mb": mb / 2}))

@@ -1,0 +1,54 @@
+"""Ray Jobs entrypoint that stages a dataset on the cluster: ``python -m ray_jobs.stage_job --spec <url>``.
+
+The same staging code as a local staging (``ray_jobs.data.staging.stage``), run from this driver with ``on="cluster"``:
+new source files are hashed by one Ray task each, and their pieces are read and tokenized by Ray actors spread over
+every node, so the work grows with the cluster instead of with one machine. Packing and the spill stay here, on the
+node that runs the driver (its ``data.work_dir``), which is also where a killed staging resumes from.
+
+How it ended goes to the spec's ``outcome_url`` (the dataset id and manifest, or the error and whether it was the
+data's fault), which the flow reads: a bad record fails the flow with the same ``file:line: reason`` as a local
+staging would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ray_jobs.config import from_json
+from ray_jobs.data.sources import SourceUnreadable, StagingError
+from ray_jobs.data.staging import stage
+from ray_jobs.model.loading import load_tokenizer
+from ray_jobs.storage import read_json, write_json_atomic
+
+log = logging.getLogger("unbroken.stage_job")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    parser = argparse.ArgumentParser(prog="ray_jobs.stage_job")
+    parser.add_argument("--spec", required=True, help="URL of the staging spec JSON written by the stage task")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    spec = read_json(args.spec)
+    cfg = from_json(json.dumps(spec["config"]))
+    ray.init()
+    try:
+        tokenizer = load_tokenizer(spec["model_path"], cfg.data.cache_dir)
+        result = stage(cfg.data, tokenizer, spec["model_path"], cfg.storage, on="cluster")
+    except StagingError as e:
+        write_json_atomic(spec["outcome_url"], {"error": str(e), "unreadable": isinstance(e, SourceUnreadable)})
+        print(f"STAGING FAILED: {e}", flush=True)
+        return 2
+    outcome = {"dataset_id": result.dataset_id, "manifest_url": result.manifest_url, "cache_hit": result.cache_hit,
+               "sources_read": result.sources_read}  # fmt: skip
+    write_json_atomic(spec["outcome_url"], outcome)
+    log.info("staged %s on the cluster (%s)", result.dataset_id, "cache hit" if result.cache_hit else "new")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
