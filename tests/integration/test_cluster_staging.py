@@ -67,22 +67,28 @@ def sets(storage: Path, **extra: object) -> list[str]:
 
 
 def test_the_stage_flow_stages_on_a_cluster_it_provisions_and_then_stops(tmp_path: Path) -> None:
+    from ray_jobs.config import DataConfig
+    from ray_jobs.model.loading import load_tokenizer
+
     mixed = tmp_path / "mixed.jsonl"
     lines = SAMPLE_DATA.read_bytes().splitlines()
     lines[10] = b'{"input": "broken'
     mixed.write_bytes(b"\n".join(lines) + b"\n")
     common = {"data.train": str(mixed), "data.max_reject_fraction": 0.01}
-    here = run_cli("stage", DEMO, *sets(tmp_path / "here", **common, **{"data.stage_on": "local"}))
-    assert here.returncode == 0, here.explain()
     there = run_cli("stage", DEMO, *sets(tmp_path / "there", **common, **{"data.stage_on": "cluster"}))
     assert there.returncode == 0, there.explain()
     assert "staging on the cluster at http://127.0.0.1:8431" in there.stderr + there.stdout, there.explain()
-    assert here.stdout.splitlines()[0] == there.stdout.splitlines()[0]  # "dataset id: ds-..."
-    ds = here.stdout.splitlines()[0].split(": ")[1]
-    # the only difference: each storage's own copy of the built-in model is the tokenizer's name_or_path
-    written = [outputs(tmp_path / s / "datasets" / ds, [str(tmp_path / s)]) for s in ("here", "there")]
-    assert written[0] == written[1]
     assert not head_pids(PORTS["cluster.dashboard_port"]), "the head provisioned for staging was stopped"
+
+    # The same staging here, with the tokenizer the flow prepared (the demo's data settings, as the flow had them)
+    (model,) = (tmp_path / "there" / "models").iterdir()
+    data = DataConfig(train=str(mixed), max_reject_fraction=0.01, seq_len=64, eval_fraction=0.05, shard_mb=1,
+                      min_shards=4, work_dir=str(tmp_path / "work"))  # fmt: skip
+    here = staging.stage(data, load_tokenizer(str(model)), str(model), str(tmp_path / "here"))
+    assert there.stdout.splitlines()[0] == f"dataset id: {here.dataset_id}", there.explain()
+    assert outputs(tmp_path / "here" / "datasets" / here.dataset_id, []) == outputs(
+        tmp_path / "there" / "datasets" / here.dataset_id, []
+    )
 
     again = run_cli("stage", DEMO, *sets(tmp_path / "there", **common, **{"data.stage_on": "cluster"}))
     assert again.returncode == 0 and "(cache hit)" in again.stdout, again.explain()
