@@ -1,0 +1,187 @@
+"""Several "hosts" on this machine for multi-node tests: each a network namespace with its own address on a private
+bridge, and its own PID namespace, so a whole host is killed at once (its namespace's first process dies, the kernel
+kills every other one) or cut off the network (its link taken down).
+
+One Ray node runs per host (``ray start --block`` as the namespace's first process); the test process reaches the
+head over the bridge like a client on another machine would. Storage and the node caches stay on the shared file
+system, as they would on an NFS mount. Needs root (``ip netns``, ``unshare``); a leftover of a crashed session
+(namespaces, bridge, processes with this harness's tag) is removed before a new one starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.procs import wait_for
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@dataclass
+class Host:
+    name: str
+    ns: str  # network namespace
+    addr: str  # its address on the bridge
+    link: str  # the bridge side of its veth: down = cut off
+    temp_dir: Path
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def pids(self) -> list[int]:
+        """Every process in this host's network namespace (as seen from the machine)."""
+        out = _ip("netns", "pids", self.ns, check=False).stdout.split()
+        return [int(p) for p in out]
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Hosts:
+    """``count`` hosts named ``h0``... on 10.<octet>.0.0/24 (``h0`` at .10, ``h1`` at .11, ...); the bridge is .1."""
+
+    def __init__(self, tag: str, count: int, octet: int, root: Path):
+        self.tag, self.octet, self.root = tag, octet, root
+        self.bridge = f"{tag}br"
+        self.hosts = [
+            Host(f"h{i}", f"{tag}-h{i}", f"10.{octet}.0.{10 + i}", f"{tag}v{i}", root / f"h{i}") for i in range(count)
+        ]
+        self.head: Host | None = None
+        self.gcs_port = self.dashboard_port = 0
+
+    # -- the network -------------------------------------------------------------------------------------------
+    def up(self) -> Hosts:
+        self.down()  # a crashed session's leftovers
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"10.{self.octet}.0.1/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for h in self.hosts:
+            _ip("netns", "add", h.ns)
+            _ip("link", "add", h.link, "type", "veth", "peer", "name", "eth0", "netns", h.ns)
+            _ip("link", "set", h.link, "master", self.bridge)
+            _ip("link", "set", h.link, "up")
+            for cmd in (["addr", "add", f"{h.addr}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
+                        ["link", "set", "lo", "up"]):  # fmt: skip
+                _ip("netns", "exec", h.ns, "ip", *cmd)
+        return self
+
+    def down(self) -> None:
+        for h in self.hosts:
+            self.kill(h)
+            _ip("netns", "del", h.ns, check=False)
+            _ip("link", "del", h.link, check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+    # -- Ray nodes ---------------------------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k in ("HOME", "LANG", "TMPDIR", "USER") or k.startswith("RAY_")}
+        env.update(
+            PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            RAY_AUTH_MODE="token",
+            RAY_USAGE_STATS_ENABLED="0",
+            TOKENIZERS_PARALLELISM="false",
+            OMP_NUM_THREADS="1",
+            GLOO_SOCKET_IFNAME="eth0",
+        )  # fmt: skip  (gloo: the host's own address, not the shared hostname's)
+        return env
+
+    # Ray's defaults count a silent node dead after 5 missed checks of up to 10 s each, ~65 s (a killed node's refused
+    # connections fail faster, ~15 s); these make it ~25 s so a 60 s partition outlasts it, as the scenario needs.
+    HEALTH_CHECK = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "3000",
+                    "RAY_health_check_failure_threshold": "5"}  # fmt: skip
+
+    def _start(self, h: Host, args: list[str], env: dict[str, str] | None = None) -> None:
+        shutil.rmtree(h.temp_dir, ignore_errors=True)
+        h.temp_dir.mkdir(parents=True)
+        log = (self.root / f"{h.name}.log").open("ab")
+        cmd = ["ip", "netns", "exec", h.ns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+               str(VENV_BIN / "ray"), "start", "--block", f"--node-ip-address={h.addr}", f"--temp-dir={h.temp_dir}",
+               "--disable-usage-stats", *args]  # fmt: skip
+        h.proc = subprocess.Popen(
+            cmd, env=self._env() | (env or {}), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def start_head(self, h: Host, gcs_port: int, dashboard_port: int, num_cpus: int = 0) -> str:
+        """The head on ``h`` (no CPUs of its own by default: training runs on the worker hosts); its Jobs API URL."""
+        self.head, self.gcs_port, self.dashboard_port = h, gcs_port, dashboard_port
+        subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env=self._env(), capture_output=True)
+        self._start(h, ["--head", f"--port={gcs_port}", "--dashboard-host=0.0.0.0", f"--dashboard-port={dashboard_port}",
+                        f"--num-cpus={num_cpus}"], self.HEALTH_CHECK)  # fmt: skip
+        address = f"http://{h.addr}:{dashboard_port}"
+        from tasks.cluster import _reachable
+
+        wait_for(f"the head on {h.name}", lambda: _reachable(address) is None, timeout_s=90, every_s=0.5)
+        return address
+
+    def start_worker(self, h: Host, num_cpus: int = 1) -> None:
+        assert self.head is not None
+        before = self.alive_nodes()
+        self._start(h, [f"--address={self.head.addr}:{self.gcs_port}", f"--num-cpus={num_cpus}"])
+        wait_for(
+            f"worker host {h.name} to join", lambda: h.addr in self.alive_nodes() - before, timeout_s=90, every_s=0.5
+        )
+
+    def alive_nodes(self) -> set[str]:
+        """Addresses of the nodes the cluster counts alive (asked from the head, as a client)."""
+        from ray.util.state import list_nodes
+
+        with contextlib.suppress(Exception):
+            address = f"http://{self.head.addr}:{self.dashboard_port}"
+            return {n.node_ip for n in list_nodes(address=address, raise_on_missing_output=False) if n.state == "ALIVE"}
+        return set()
+
+    # -- faults ------------------------------------------------------------------------------------------------
+    def kill(self, h: Host) -> None:
+        """Every process of the host at once: SIGKILL its PID namespace's first process, the kernel does the rest."""
+        if h.proc is not None and h.proc.poll() is None:
+            os.killpg(h.proc.pid, signal.SIGKILL)
+            h.proc.wait()
+        for pid in h.pids():  # anything that joined the namespace otherwise (never expected)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(f"every process of {h.name} gone", lambda: not h.pids(), timeout_s=30, every_s=0.1)
+
+    def partition(self, h: Host) -> None:
+        _ip("link", "set", h.link, "down")
+
+    def heal(self, h: Host) -> None:
+        _ip("link", "set", h.link, "up")
+
+    def training_hosts(self) -> list[Host]:
+        """Hosts running a Ray Train worker now."""
+        return [h for h in self.hosts if any(b"RayTrainWorker" in _cmdline(p) for p in h.pids())]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def can_make_hosts() -> str | None:
+    """None when this machine can run the harness, else why not."""
+    if os.geteuid() != 0:
+        return "needs root for network and PID namespaces"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}"
+    return None
+
+
+def wait_gone(hosts: Hosts, h: Host, timeout_s: float = 120) -> float:
+    """Seconds until the cluster counts ``h``'s node dead."""
+    t0 = time.monotonic()
+    wait_for(f"{h.name} counted dead", lambda: h.addr not in hosts.alive_nodes(), timeout_s=timeout_s, every_s=0.5)
+    return time.monotonic() - t0

@@ -1,0 +1,43 @@
+"""A real multi-host Ray cluster on this machine for the whole multinode suite (tests/hosts.py): a head host with no
+CPUs of its own, and three worker hosts of one CPU each -- two for the training workers, one spare (N+1)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tasks.cluster import ClusterHandle
+from tests.chaos.harness import chaos_config, final_weights_hash, job_logs, start_training, wait_job
+from tests.hosts import Hosts, can_make_hosts
+
+GCS_PORT, DASHBOARD_PORT = 6411, 8411
+
+
+@pytest.fixture(scope="package")
+def hosts(tmp_path_factory) -> Hosts:
+    why = can_make_hosts()
+    assert why is None, f"the multinode tests cannot build hosts here: {why}"
+    hs = Hosts("ubmn", 4, 77, tmp_path_factory.mktemp("hosts")).up()
+    try:
+        hs.start_head(hs.hosts[0], GCS_PORT, DASHBOARD_PORT)
+        for h in hs.hosts[1:]:
+            hs.start_worker(h)
+        yield hs
+    finally:
+        hs.down()
+
+
+@pytest.fixture(scope="package")
+def cluster(hosts: Hosts) -> ClusterHandle:
+    address = f"http://{hosts.head.addr}:{DASHBOARD_PORT}"
+    return ClusterHandle(address, address, False, sys.executable)
+
+
+@pytest.fixture(scope="package")
+def baseline(cluster, tmp_path_factory) -> str:
+    """Final-weights hash of the chaos config trained on two worker hosts without interruption."""
+    cfg = chaos_config(tmp_path_factory.mktemp("mn-baseline") / "storage", "baseline")
+    sid = start_training(cluster, cfg)
+    assert wait_job(cluster, sid) == "SUCCEEDED", job_logs(cluster, sid)[-5000:]
+    return final_weights_hash(cfg)
