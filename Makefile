@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo smollm2 test test-unit test-integration test-chaos lint format clean ui serve browser
+.PHONY: setup demo smollm2 test test-unit test-integration test-chaos test-multinode lint format clean ui serve browser
 
 setup: $(STAMP)
 
@@ -48,6 +48,9 @@ test-integration: setup
 
 test-chaos: setup
 	$(VENV)/bin/pytest tests/chaos
+
+test-multinode: setup
+	$(VENV)/bin/pytest tests/multinode
 
 lint: setup
 	$(VENV)/bin/ruff check --no-cache .
