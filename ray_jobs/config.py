@@ -502,3 +502,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 def from_json(text: str) -> Config:
     """The inverse of ``Config.model_dump_json()``: how the Ray job receives its config."""
     return Config.model_validate_json(text)
+
+
+def job_spec(prog: str, argv: list[str] | None = None) -> tuple[dict, Config]:
+    """What a Ray Jobs entrypoint (``python -m <prog> --spec <url>``) was given: the spec, and its config parsed."""
+    import argparse
+    import json
+
+    from ray_jobs.storage import read_json
+
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--spec", required=True, help="URL of the job spec JSON the flow wrote to storage")
+    spec = read_json(parser.parse_args(argv).spec)
+    return spec, from_json(json.dumps(spec["config"]))

@@ -7,12 +7,11 @@ every attempt lets Ray Train V2 pick up its own checkpoint bookkeeping when a jo
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 
-from ray_jobs.config import Config, from_json
+from ray_jobs.config import Config, job_spec
 from ray_jobs.storage import Layout, pyarrow_filesystem, read_json, strip_protocol
 
 log = logging.getLogger("unbroken.job")
@@ -81,12 +80,8 @@ def root_cause(e: BaseException) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ray_jobs.job")
-    parser.add_argument("--spec", required=True, help="URL of the job spec JSON written by the submit task")
-    args = parser.parse_args(argv)
+    spec, cfg = job_spec("ray_jobs.job", argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    spec = read_json(args.spec)
-    cfg = from_json(json.dumps(spec["config"]))
     manifest = read_json(spec["manifest_url"])
     score = read_json(spec["score_manifest_url"]) if spec.get("score_manifest_url") else None
     trainer = build_trainer(

@@ -14,11 +14,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from ray_jobs.config import from_json
+from ray_jobs.config import job_spec
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import rank_shards
 from ray_jobs.storage import read_json
@@ -100,11 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    parser = argparse.ArgumentParser(prog="ray_jobs.preflight")
-    parser.add_argument("--spec", required=True)
-    args = parser.parse_args(argv)
-    spec = read_json(args.spec)
-    cfg = from_json(json.dumps(spec["config"]))
+    spec, cfg = job_spec("ray_jobs.preflight", argv)
     manifest = read_json(spec["manifest_url"])
     ray.init()
     problems = check_fit(cfg, ray.cluster_resources(), manifest)

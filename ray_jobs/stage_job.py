@@ -12,16 +12,14 @@ staging would.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import sys
 
-from ray_jobs.config import from_json
+from ray_jobs.config import job_spec
 from ray_jobs.data.sources import SourceUnreadable, StagingError
 from ray_jobs.data.staging import stage
 from ray_jobs.model.loading import load_tokenizer
-from ray_jobs.storage import read_json, write_json_atomic
+from ray_jobs.storage import write_json_atomic
 
 log = logging.getLogger("unbroken.stage_job")
 
@@ -29,12 +27,8 @@ log = logging.getLogger("unbroken.stage_job")
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    parser = argparse.ArgumentParser(prog="ray_jobs.stage_job")
-    parser.add_argument("--spec", required=True, help="URL of the staging spec JSON written by the stage task")
-    args = parser.parse_args(argv)
+    spec, cfg = job_spec("ray_jobs.stage_job", argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    spec = read_json(args.spec)
-    cfg = from_json(json.dumps(spec["config"]))
     ray.init()
     try:
         tokenizer = load_tokenizer(spec["model_path"], cfg.data.cache_dir)

@@ -5,8 +5,8 @@ and owns what spans them: the dataset id, the reject policy and the manifest.
 
 Staging streams: sources are cut into pieces that workers read, validate and tokenize (a pool of processes here, or
 Ray actors across the cluster's nodes when ``on="cluster"``; results taken in source order), packed, and spilled to
-local disk as int32 rows; once every source was read the rows are cut into shards. Memory is a few batches plus one shard, whatever the dataset's size, and the output is byte-identical to
-what reading everything into memory wrote (the shard boundaries need the total row count, hence the spill).
+local disk as int32 rows; once every source was read the rows are cut into shards. Memory is a few pieces plus one
+shard, whatever the dataset's size, and the output is byte-identical to what reading everything into memory wrote (the shard boundaries need the total row count, hence the spill).
 
 The dataset id is a content hash of (source sha256s, tokenizer fingerprint, staging config), so staging the same
 thing again is a cache hit that writes nothing; a source's sha256 comes from its size and version marker when an
@@ -48,8 +48,9 @@ from ray_jobs.storage import Layout, exclusive_lock, exists, join, read_json, up
 
 # What other modules import from here (the stages' own modules are the homes).
 __all__ = [
-    "IGNORE_INDEX", "STAGING_VERSION", "Record", "Reject", "SourceFile", "StageResult", "StagingError", "cached", "chat_renderer", "dataset_id", "list_sources", "pack", "parse_records", "position_unit",
-    "read_sources", "record_in_eval", "stage",
+    "IGNORE_INDEX", "STAGING_VERSION", "Record", "Reject", "SourceFile", "StageResult", "StagingError", "cached",
+    "chat_renderer", "dataset_id", "list_sources", "pack", "parse_records", "position_unit", "read_sources",
+    "record_in_eval", "stage",
 ]  # fmt: skip
 
 # 2: pairs tokenized as one text, chat learns assistant turns by offsets, shards carry position_ids.

@@ -7,7 +7,7 @@ import pytest
 
 from ray_jobs.config import load_config
 from tasks.cluster import ClusterHandle, start_local_head, stop_local_head
-from tests.chaos.harness import DEMO, REPORT, chaos_config, final_weights_hash, job_logs, start_training, wait_job
+from tests.chaos.harness import DEMO, REPORT, baseline_hash
 
 
 @pytest.fixture(scope="package")  # stopped before other packages start their own heads (one per machine)
@@ -23,10 +23,7 @@ def ray_cluster(tmp_path_factory) -> ClusterHandle:
 @pytest.fixture(scope="package")
 def baseline(ray_cluster, tmp_path_factory) -> str:
     """Final-weights hash of the chaos config trained without interruption (same seed, same world size)."""
-    cfg = chaos_config(tmp_path_factory.mktemp("baseline") / "storage", "baseline")
-    sid = start_training(ray_cluster, cfg)
-    assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
-    return final_weights_hash(cfg)
+    return baseline_hash(ray_cluster, tmp_path_factory.mktemp("baseline"))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -86,6 +86,15 @@ def wait_job(handle: ClusterHandle, sid: str, timeout_s: float = 300) -> str:
     raise TimeoutError(f"job {sid} did not finish in {timeout_s}s; logs:\n{job_logs(handle, sid)[-5000:]}")
 
 
+def baseline_hash(handle: ClusterHandle, root: Path) -> str:
+    """Final-weights hash of the chaos config trained on ``handle``'s cluster without interruption (same seed, same
+    world size): what every broken run is compared against."""
+    cfg = chaos_config(root / "storage", "baseline")
+    sid = start_training(handle, cfg)
+    assert wait_job(handle, sid) == "SUCCEEDED", job_logs(handle, sid)[-5000:]
+    return final_weights_hash(cfg)
+
+
 def job_logs(handle: ClusterHandle, sid: str) -> str:
     return jobs_client(handle.address).get_job_logs(sid)
 

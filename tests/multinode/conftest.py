@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tasks.cluster import ClusterHandle
-from tests.chaos.harness import chaos_config, final_weights_hash, job_logs, start_training, wait_job
+from tests.chaos.harness import baseline_hash
 from tests.hosts import Hosts, can_make_hosts
 
 GCS_PORT, DASHBOARD_PORT = 6411, 8411
@@ -37,7 +37,4 @@ def cluster(hosts: Hosts) -> ClusterHandle:
 @pytest.fixture(scope="package")
 def baseline(cluster, tmp_path_factory) -> str:
     """Final-weights hash of the chaos config trained on two worker hosts without interruption."""
-    cfg = chaos_config(tmp_path_factory.mktemp("mn-baseline") / "storage", "baseline")
-    sid = start_training(cluster, cfg)
-    assert wait_job(cluster, sid) == "SUCCEEDED", job_logs(cluster, sid)[-5000:]
-    return final_weights_hash(cfg)
+    return baseline_hash(cluster, tmp_path_factory.mktemp("mn-baseline"))
