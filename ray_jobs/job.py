@@ -58,7 +58,10 @@ def build_trainer(
                 checkpoint_score_attribute=cfg.checkpoint.keep_best_by,
                 checkpoint_score_order="min",
             ),
-            failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
+            failure_config=FailureConfig(
+                max_failures=cfg.fault_tolerance.max_failures,
+                max_preemption_failures=cfg.fault_tolerance.max_preemptions,
+            ),
         ),
     )
 

@@ -11,8 +11,9 @@ from ray_jobs.storage import write_json_atomic
 from ray_jobs.train.sidewrite import SideWriter
 
 # What a job does, in order. ``starting`` (submitted, no heartbeat yet) is what a watcher infers; the job never
-# writes it. ``training`` is judged by steps; every other phase by the time spent in it.
-PHASES = ("loading", "evaluating", "training", "checkpointing", "exporting", "done")
+# writes it. ``training`` is judged by steps; every other phase by the time spent in it. ``preempted``: checkpointed
+# for a node's drain notice, waiting for Ray Train to restart the group.
+PHASES = ("loading", "evaluating", "training", "checkpointing", "preempted", "exporting", "done")
 
 
 class Heartbeat:

@@ -29,6 +29,9 @@ class Runtime(Protocol):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
+    def preemption_notice(self) -> dict[str, Any] | None:
+        """A drain notice for a node of this group (every rank calls it together; all get the same answer)."""
+
 
 def shard_with_fsdp(model) -> Any:
     """FSDP2: shard every decoder block (HF ``_no_split_modules``), then the root."""
@@ -121,6 +124,16 @@ class RayRuntime:
         dist.broadcast_object_list(box, src=src)  # NCCL: on the current device (set in bind_device)
         return box[0]
 
+    def preemption_notice(self) -> dict[str, Any] | None:
+        """Ray Train's own preemption signal (its watcher polls the GCS for draining nodes of this group and marks
+        every worker): ``{"deadline_ms", "nodes": {node_id: [ranks]}}`` or None. A barrier across ranks."""
+        import ray.train
+
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return None
+        return {"deadline_ms": info.deadline_ms, "nodes": {n: list(r) for n, r in info.preempted_node_to_ranks.items()}}
+
 
 class TorchRuntime(RayRuntime):
     """Plain ``torch.distributed`` (torchrun, tests, benchmarks): the process group is already initialized; DDP/FSDP
@@ -144,6 +157,11 @@ class TorchRuntime(RayRuntime):
 
     def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
         self.reports.append((dict(metrics), checkpoint_url))
+
+    def preemption_notice(self) -> dict[str, Any] | None:
+        return self.notice  # no controller: a test sets it
+
+    notice: dict[str, Any] | None = None
 
 
 class LocalRuntime:
@@ -176,3 +194,8 @@ class LocalRuntime:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+    def preemption_notice(self) -> dict[str, Any] | None:
+        return self.notice  # no controller: a test sets it
+
+    notice: dict[str, Any] | None = None

@@ -80,7 +80,8 @@ class Agreed:
     grad_norm: float  # this rank's (identical on every rank after the gradient all-reduce)
     write_done: bool
     time_due: bool
-    preempt: bool
+    preempt: bool  # a rank got SIGTERM
+    notice: dict[str, Any] | None = None  # Ray Train's drain notice for a node of this group (when polled)
 
 
 class Trainer:
@@ -122,6 +123,8 @@ class Trainer:
         self.stalls_s: list[float] = []  # training-thread time blocked per checkpoint
         self.rows_materialized = 0  # training rows turned into batches (resume must not build skipped ones)
         self.last_step_at = time.time()
+        self.last_notice_poll = time.monotonic()  # rank 0's clock: when the ranks last asked for a drain notice
+        self.notice_taken = False  # this process already checkpointed for a drain notice
         self.tokens_per_s = 0.0
         self.resumed_from: str | None = None
         self.bytes_resumed = 0  # checkpoint bytes this rank read to resume
@@ -332,9 +335,15 @@ class Trainer:
         every_min = self.cfg.checkpoint.every_minutes
         time_due = rank0 and every_min > 0 and time.monotonic() - self.last_checkpoint_time >= every_min * 60
         write_done = self.pending is not None and self.writer.done()  # this rank's part is on storage
-        v = self.rt.all_reduce_sum([loss, tokens, float(write_done), float(time_due), float(preemption.requested())])
+        poll_due = rank0 and time.monotonic() - self.last_notice_poll >= self.cfg.fault_tolerance.preemption_poll_s
+        flags = [float(write_done), float(time_due), float(preemption.requested()), float(poll_due)]
+        v = self.rt.all_reduce_sum([loss, tokens, *flags])
+        notice = None
+        if v[5] > 0:  # Ray Train's notice is itself a barrier: asked only every preemption_poll_s, by every rank
+            self.last_notice_poll = time.monotonic()
+            notice = self.rt.preemption_notice()
         every_part = v[2] >= self.rt.world_size
-        return Agreed(v[0] / self.rt.world_size, int(v[1]), grad_norm, every_part, v[3] > 0, v[4] > 0)
+        return Agreed(v[0] / self.rt.world_size, int(v[1]), grad_norm, every_part, v[3] > 0, v[4] > 0, notice)
 
     def _after_step(self, a: Agreed) -> None:
         t, step = self.cfg.train, self.loop.step
@@ -356,6 +365,10 @@ class Trainer:
             log.warning("rank %d: just-in-time checkpoint at step %d saved (preemption)", self.rt.rank, step)
             preemption.checkpoint_saved()
             raise preemption.Preempted(f"preempted: just-in-time checkpoint at step {step} saved")
+        if a.notice and not last and not self.notice_taken:
+            self._log(row)
+            self._on_drain_notice(a.notice)
+            return
         every = self.cfg.checkpoint.every_steps
         was_owed = self.checkpoint_owed
         self.checkpoint_owed |= not last and bool((every and step % every == 0) or a.time_due)
@@ -368,6 +381,30 @@ class Trainer:
         elif self.checkpoint_owed:
             row["ckpt_stall_s"] = self.checkpoint(sync=not self.cfg.checkpoint.async_write)
         self._log(row)
+
+    def _on_drain_notice(self, notice: dict[str, Any]) -> None:
+        """A node of this group is being drained (a spot reclaim, ``ray drain-node``): checkpoint this step now, on
+        every rank, then wait for Ray Train to restart the group without that node.
+
+        Ray Train restarts once the drain deadline passes (or 120 s after the notice, without one) and counts it
+        against ``FailureConfig.max_preemption_failures``, not ``max_failures``. It must be waited for, not forced:
+        a rank that raised would count as a failure, one that returned as the run's success. Training on would only
+        make steps that the restart throws away; waiting loses none."""
+        step = self.loop.step
+        self.notice_taken = True
+        if self.last_checkpoint_step != step or self.pending is not None:
+            self.checkpoint(sync=True)
+        deadline = notice["deadline_ms"] / 1000 if notice.get("deadline_ms") else time.time() + 120
+        log.warning("rank %d: just-in-time checkpoint at step %d saved (drain notice for node(s) %s, deadline in "
+                    "%.0f s); waiting for Ray Train to restart the group", self.rt.rank, step,
+                    ", ".join(n[:12] for n in notice.get("nodes", {})), deadline - time.time())  # fmt: skip
+        self._phase("preempted")
+        give_up = deadline + self.cfg.fault_tolerance.preemption_grace_s + 60
+        while time.time() < give_up:
+            time.sleep(0.5)
+        # Still here long past the deadline: the drain went nowhere. Carry on rather than idle for ever.
+        log.warning("rank %d: no restart %.0f s past the drain deadline; training on", self.rt.rank, give_up - deadline)
+        self._phase("training")
 
     def _finish(self) -> None:
         """The last step is always checkpointed, synchronously, and every started write is reported."""

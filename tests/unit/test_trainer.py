@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -210,13 +211,40 @@ def test_bf16_autocast_and_gradient_checkpointing_train(setup) -> None:
     assert all(p.dtype.is_floating_point and p.dtype.itemsize == 4 for p in t.model.parameters()), "weights stay fp32"
 
 
+def test_a_drain_notice_checkpoints_the_current_step_once_and_changes_no_number(setup, caplog) -> None:
+    """Ray Train's notice (polled every preemption_poll_s, here every step) makes every rank checkpoint the step it
+    is at, then wait for the restart; a restart that never comes (the deadline long past) lets training go on."""
+    cfg, manifest, model = setup
+    plain = train(named(cfg, "no-notice"), manifest, model)
+    c = named(cfg, "notice", fault_tolerance__preemption_poll_s=1e-6)
+    rt = LocalRuntime()
+    past = (time.time() - c.fault_tolerance.preemption_grace_s - 61) * 1000  # no waiting in a unit test
+    asked: list[int] = []
+    t = Trainer(c, manifest, model, rt)
+
+    def notice():
+        asked.append(t.loop.step + 1)  # asked in the step's agreement, before the step counts as done
+        return {"deadline_ms": past, "nodes": {"ab" * 28: [1]}} if len(asked) >= 7 else None
+
+    rt.preemption_notice = notice
+    t.resume_or_start()
+    with caplog.at_level(logging.WARNING, logger="unbroken.train"):
+        t.fit()
+    assert asked[:8] == list(range(1, 9)), "asked at every step boundary"
+    jit = [r.getMessage() for r in caplog.records if "just-in-time" in r.getMessage()]
+    assert len(jit) == 1 and "at step 7 saved (drain notice for node(s) abababababab" in jit[0]
+    assert 7 in [s for s, _ in checkpoints(c)] and 7 % c.checkpoint.every_steps != 0
+    assert weights_hash(t) == weights_hash(plain)
+
+
 def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
     from ray_jobs.job import build_trainer
 
     cfg = load_config(
         ROOT / "configs" / "demo.yaml",
         ["storage=/tmp/x", "checkpoint.num_to_keep=4", "checkpoint.keep_best_by=eval_loss",
-         "fault_tolerance.max_failures=5", "fault_tolerance.preemption_grace_s=12"],
+         "fault_tolerance.max_failures=5", "fault_tolerance.preemption_grace_s=12",
+         "fault_tolerance.max_preemptions=7"],
     )  # fmt: skip
     trainer = build_trainer(cfg, {"dataset_id": "ds-x"}, "/m", None)
     run = trainer.run_config
@@ -224,6 +252,7 @@ def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
     assert run.checkpoint_config.num_to_keep == 4
     assert run.checkpoint_config.checkpoint_score_attribute == "eval_loss"
     assert run.failure_config.max_failures == 5
+    assert run.failure_config.max_preemption_failures == 7, "preemptions have their own budget"
     assert trainer.backend_config.preemption_grace_s == 12 and trainer.backend_config.backend == "gloo"
 
 
