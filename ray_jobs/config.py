@@ -204,11 +204,27 @@ class CheckpointConfig(_Section):
     """Once a run succeeded, delete all but this many of its newest checkpoints (its final model is kept)."""
 
 
+class WorkerRange(_Section):
+    min: int = Field(ge=1)
+    """Fewest workers the run trains with (Ray Train waits for at least this many)."""
+    max: int = Field(ge=1)
+    """Most workers; also how the data is laid out (see ``num_workers``)."""
+
+
 class ClusterConfig(_Section):
     address: str = ""
     """Ray Jobs API address of an existing cluster (``http://head:8265``); empty = start a local head."""
-    num_workers: int = Field(2, ge=1)
-    """Ray Train workers (ranks)."""
+    num_workers: int | WorkerRange = 2
+    """Ray Train workers (ranks): a number, or ``{min, max}`` for an elastic run (Ray Train restarts with as many as
+    the cluster has room for after losing a node, and grows back when nodes return). The data is always laid out
+    for ``max`` workers and the global batch (``max`` x ``train.micro_batch_size`` x ``train.grad_accum_steps``) is
+    kept at every world size, gradient accumulation adjusted: every training row of an epoch is used exactly once
+    whatever the world size did."""
+    start_timeout_s: float = Field(600.0, gt=0)
+    """How long the preflight waits for the cluster to have room for ``num_workers`` (its ``min``) before failing."""
+    resize_check_s: float = Field(60.0, gt=0)
+    """Elastic runs: how often Ray Train checks whether more workers fit and, if so, restarts the group bigger
+    (``ScalingConfig.elastic_resize_monitor_interval_s``)."""
     use_gpu: bool = False
     """One GPU per worker, NCCL backend; false = CPU workers with gloo."""
     cpus_per_worker: float = Field(1.0, gt=0)
@@ -226,6 +242,42 @@ class ClusterConfig(_Section):
     """Variables of the flow's environment a local head (and so every job on it) gets, besides what a process
     needs to run (PATH, HOME, locale, ``RAY_*``). Default: the S3 storage credentials. Add ``HF_TOKEN`` here if
     jobs load gated hub models; ``PREFECT_API_KEY`` and the like never reach jobs unless listed."""
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        """One clear message whatever is wrong (not one per shape the union allows)."""
+        if isinstance(v, WorkerRange):
+            v = v.model_dump()
+        if isinstance(v, bool) or not isinstance(v, int | dict):
+            raise ValueError(f"must be a number of workers or {{min, max}} (got {v!r})")
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be at least 1 (got {v})")
+        if isinstance(v, dict):
+            if set(v) != {"min", "max"} or not all(isinstance(x, int) and not isinstance(x, bool) for x in v.values()):
+                raise ValueError(f"an elastic size is {{min: N, max: M}} with whole numbers (got {v!r})")
+            if v["min"] < 1:
+                raise ValueError(f"min must be at least 1 (got {v['min']})")
+            if v["min"] > v["max"]:
+                raise ValueError(f"min ({v['min']}) is above max ({v['max']})")
+            if v["min"] == v["max"]:
+                return v["min"]  # not elastic: the plain number
+        return v
+
+    @property
+    def min_workers(self) -> int:
+        n = self.num_workers
+        return n.min if isinstance(n, WorkerRange) else n
+
+    @property
+    def max_workers(self) -> int:
+        """Also the data layout's number of ranks (virtual ranks, whatever the world size)."""
+        n = self.num_workers
+        return n.max if isinstance(n, WorkerRange) else n
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
 
     @field_validator("address")
     @classmethod
@@ -389,6 +441,9 @@ class Config(_Section):
             raise ValueError(f"series.name: name {self.name!r} is only placeholders; name the series")
         if self.model.lora is not None and self.train.parallelism == "fsdp":
             raise ValueError("model.lora with train.parallelism=fsdp is not supported yet; use ddp for LoRA")
+        problem = batch_split_problem(self.cluster.min_workers, self.cluster.max_workers, self.train.grad_accum_steps)
+        if problem:
+            raise ValueError(f"cluster.num_workers: {problem}")
         builtin = self.model.name_or_path.startswith(BUILTIN_PREFIX)
         if builtin and self.data.seq_len > self.model.tiny.max_position_embeddings:
             raise ValueError(
@@ -396,6 +451,24 @@ class Config(_Section):
                 f"({self.model.tiny.max_position_embeddings})"
             )
         return self
+
+
+def batch_split_problem(lo: int, hi: int, grad_accum_steps: int) -> str | None:
+    """Why a global batch of ``hi`` x ``grad_accum_steps`` micro-batches cannot be split evenly over every world size
+    from ``lo`` to ``hi`` (each worker must run the same number of micro-batches per step), or None."""
+    import math
+
+    slots = hi * grad_accum_steps
+    bad = [w for w in range(lo, hi + 1) if slots % w]
+    if not bad:
+        return None
+    every = math.lcm(*range(lo, hi + 1))
+    need = every // math.gcd(every, hi)  # the smallest grad_accum_steps that splits evenly at every size
+    return (
+        f"the global batch is {hi} x train.grad_accum_steps={grad_accum_steps} = {slots} micro-batches, which "
+        f"{', '.join(map(str, bad))} worker(s) cannot share evenly; set train.grad_accum_steps to a multiple of "
+        f"{need}, or narrow min..max"
+    )
 
 
 def _check_url(v: str) -> str:

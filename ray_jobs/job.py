@@ -25,7 +25,7 @@ def build_trainer(
     attempt: int = 0,
     score_manifest: dict | None = None,
 ):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
     from ray_jobs.train.preemption import torch_config
@@ -44,11 +44,7 @@ def build_trainer(
             "score_manifest": score_manifest,
         },
         torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s),
-        scaling_config=ScalingConfig(
-            num_workers=cfg.cluster.num_workers,
-            use_gpu=cfg.cluster.use_gpu,
-            resources_per_worker={"CPU": cfg.cluster.cpus_per_worker},
-        ),
+        scaling_config=scaling_config(cfg),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=strip_protocol(storage) if fs is not None else storage,
@@ -63,6 +59,21 @@ def build_trainer(
                 max_preemption_failures=cfg.fault_tolerance.max_preemptions,
             ),
         ),
+    )
+
+
+def scaling_config(cfg: Config):
+    """Ray Train's ScalingConfig: a fixed number of workers, or ``(min, max)`` for its elastic policy (it restarts
+    with as many workers as fit after a node is lost and grows back every ``cluster.resize_check_s``)."""
+    from ray.train import ScalingConfig
+
+    c = cfg.cluster
+    elastic = {"elastic_resize_monitor_interval_s": c.resize_check_s} if c.elastic else {}
+    return ScalingConfig(
+        num_workers=(c.min_workers, c.max_workers) if c.elastic else c.max_workers,
+        use_gpu=c.use_gpu,
+        resources_per_worker={"CPU": c.cpus_per_worker},
+        **elastic,
     )
 
 

@@ -19,29 +19,68 @@ import sys
 
 from ray_jobs.config import job_spec
 from ray_jobs.data.cache import ShardCache
-from ray_jobs.data.reading import rank_shards
+from ray_jobs.data.reading import served_shards
 from ray_jobs.storage import read_json
 
 
 def check_fit(cfg, total: dict[str, float], manifest: dict) -> list[str]:
     """Everything that would stop the training job from ever starting, as one list of reasons."""
-    need_cpu = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
-    problems = []
+    return data_problems(cfg, manifest) + resource_problems(cfg, total)
+
+
+def data_problems(cfg, manifest: dict) -> list[str]:
+    """Why the staged dataset cannot feed the run (no wait helps)."""
+    c = cfg.cluster
     shards = len(manifest["shards"]["train"])
-    if shards < cfg.cluster.num_workers:
-        problems.append(
-            f"the dataset has {shards} train shards but cluster.num_workers={cfg.cluster.num_workers}; "
-            "raise data.min_shards to at least cluster.num_workers (or lower data.shard_mb)"
-        )
+    if shards < c.max_workers:  # the data is laid out for max workers (data ranks), whatever the world size
+        return [
+            f"the dataset has {shards} train shards but cluster.num_workers={c.max_workers}"
+            f"{' (its max)' if c.elastic else ''}; raise data.min_shards to at least that (or lower data.shard_mb)"
+        ]
+    return []
+
+
+def resource_problems(cfg, total: dict[str, float]) -> list[str]:
+    """Why the cluster's resources (``ray.cluster_resources()``) cannot hold the fewest workers the run needs."""
+    c = cfg.cluster
+    fewest = c.min_workers
+    what = f"cluster.num_workers={c.num_workers}" if not c.elastic else f"cluster.num_workers.min={fewest}"
+    need_cpu = fewest * c.cpus_per_worker
+    problems = []
     if total.get("CPU", 0) < need_cpu:
         problems.append(
-            f"cluster.num_workers={cfg.cluster.num_workers} x cluster.cpus_per_worker={cfg.cluster.cpus_per_worker} "
-            f"needs {need_cpu:g} CPUs; the cluster has {total.get('CPU', 0):g}"
+            f"{what} x cluster.cpus_per_worker={c.cpus_per_worker} needs {need_cpu:g} CPUs; the cluster has "
+            f"{total.get('CPU', 0):g}"
         )
-    if cfg.cluster.use_gpu and total.get("GPU", 0) < cfg.cluster.num_workers:
-        problems.append(
-            f"cluster.use_gpu needs {cfg.cluster.num_workers} GPUs; the cluster has {total.get('GPU', 0):g}"
-        )
+    if c.use_gpu and total.get("GPU", 0) < fewest:
+        problems.append(f"cluster.use_gpu with {what} needs {fewest} GPUs; the cluster has {total.get('GPU', 0):g}")
+    return problems
+
+
+def workers_that_fit(cfg, total: dict[str, float]) -> int:
+    """How many workers the cluster's resources hold now, at most ``cluster.num_workers``' max."""
+    c = cfg.cluster
+    n = int(total.get("CPU", 0) // c.cpus_per_worker)
+    if c.use_gpu:
+        n = min(n, int(total.get("GPU", 0)))
+    return max(0, min(n, c.max_workers))
+
+
+def wait_for_room(cfg, resources, sleep=None, clock=None) -> list[str]:
+    """Wait up to ``cluster.start_timeout_s`` for the cluster to hold the fewest workers (nodes still joining, an
+    autoscaler adding them); the problems left when it gives up (none: there is room). ``resources``: a callable
+    returning ``ray.cluster_resources()`` (of alive nodes)."""
+    import time
+
+    sleep, clock = sleep or time.sleep, clock or time.monotonic
+    deadline = clock() + cfg.cluster.start_timeout_s
+    while True:
+        problems = resource_problems(cfg, resources())
+        if not problems or clock() >= deadline:
+            break
+        sleep(min(2.0, max(0.0, deadline - clock())))
+    if problems:
+        problems[-1] += f" (waited cluster.start_timeout_s={cfg.cluster.start_timeout_s:g} s)"
     return problems
 
 
@@ -59,24 +98,25 @@ def predict_ranks(bundle_nodes: list[str]) -> dict[str, list[int]]:
     return out
 
 
-def node_entries(manifest: dict, ranks: dict[str, list[int]], world: int) -> dict[str, list[dict]]:
-    """The shards each node's ranks read: their train shards, and every eval shard."""
-    train = manifest["shards"]["train"]
-    return {node: [e for r in rs for e in rank_shards(train, r, world)] + manifest["shards"]["eval"]
+def node_entries(cfg, manifest: dict, ranks: dict[str, list[int]], world: int) -> dict[str, list[dict]]:
+    """The shards each node's ranks read: their train shards (``reading.served_shards``), and every eval shard."""
+    train, v, accum = manifest["shards"]["train"], cfg.cluster.max_workers, cfg.train.grad_accum_steps
+    return {node: [e for r in rs for e in served_shards(train, v, accum, r, world)] + manifest["shards"]["eval"]
             for node, rs in ranks.items()}  # fmt: skip
 
 
-def trainer_placement(cfg, timeout_s: float = 30.0) -> list[str] | None:
-    """The node of each bundle of a placement group shaped like the trainer's, or None if none is had in time."""
+def trainer_placement(cfg, world: int, timeout_s: float = 30.0) -> list[str] | None:
+    """The node of each bundle of a placement group shaped like the trainer's (``world`` workers), or None if none
+    is had in time."""
     import ray
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     bundle = {"CPU": cfg.cluster.cpus_per_worker} | ({"GPU": 1} if cfg.cluster.use_gpu else {})
-    pg = placement_group([bundle] * cfg.cluster.num_workers, strategy="PACK")
+    pg = placement_group([bundle] * world, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
         nodes = placement_group_table(pg)["bundles_to_node_id"]
-        return [nodes[i] for i in range(cfg.cluster.num_workers)]
+        return [nodes[i] for i in range(world)]
     except ray.exceptions.GetTimeoutError:
         return None
     finally:
@@ -102,18 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     spec, cfg = job_spec("ray_jobs.preflight", argv)
     manifest = read_json(spec["manifest_url"])
     ray.init()
-    problems = check_fit(cfg, ray.cluster_resources(), manifest)
+    problems = data_problems(cfg, manifest)
+    waiting = resource_problems(cfg, ray.cluster_resources())
+    if waiting and not problems:  # nodes may still be joining (an autoscaler, a host restarting): wait a while
+        print(f"PREFLIGHT WAITING up to {cfg.cluster.start_timeout_s:g} s for room: " + "; ".join(waiting), flush=True)
+    problems += wait_for_room(cfg, ray.cluster_resources) if waiting and not problems else waiting
     if problems:
         print("PREFLIGHT FAILED: " + "; ".join(problems), flush=True)
         return 2
-    bundles = trainer_placement(cfg)
+    world = workers_that_fit(cfg, ray.cluster_resources())  # what Ray Train will start with (elastic: <= max)
+    bundles = trainer_placement(cfg, world)
     if bundles is None:
         everything = manifest["shards"]["train"] + manifest["shards"]["eval"]
         plan = {n["NodeID"]: everything for n in ray.nodes() if n["Alive"]}
         print("PREFLIGHT PLACEMENT unknown (no placement group in time): every node gets every shard", flush=True)
     else:
         ranks = predict_ranks(bundles)
-        plan = node_entries(manifest, ranks, cfg.cluster.num_workers)
+        plan = node_entries(cfg, manifest, ranks, world)
         print("PREFLIGHT PLACEMENT " + json.dumps({n[:12]: r for n, r in ranks.items()}), flush=True)
     task = ray.remote(num_cpus=0)(warm_node)
     refs = [

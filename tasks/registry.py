@@ -115,8 +115,9 @@ def open_incident(reg: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-# Fields a run cannot change between attempts: its checkpoints would not fit (shapes, world size) or resuming
-# would silently mix two different trainings. Everything else (max_steps, cadence, cluster address) may change.
+# Fields a run cannot change between attempts: its checkpoints would not fit (shapes, the data layout) or resuming
+# would silently mix two different trainings. Everything else (max_steps, cadence, cluster address) may change,
+# including the world size within the same max: ``cluster.num_workers`` is compared by its max (the data ranks).
 FIXED_FIELDS = (
     "model",
     "train.seed",
@@ -139,6 +140,8 @@ class RunBusy(RuntimeError):
 def _pick(tree: dict[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    if dotted == "cluster.num_workers" and isinstance(tree, dict) and "max" in tree:
+        return tree["max"]  # {min, max}: the data is laid out for max
     return tree
 
 

@@ -3,8 +3,8 @@ it is trusted.
 
 One checkpoint is one folder ``<storage>/ray/<run>/checkpoint-step-<step>/``:
 
-    state.json                      rank 0: loop state, LR scheduler, last eval, the config used
-    rank-<r>.json                   every rank: its data cursor and RNG streams
+    state.json                      rank 0: loop state, LR scheduler, last eval, the config used, the data cursor
+    rank-<r>.json                   every rank: its RNG streams (and its data rank's cursor)
     model.safetensors, optim.pt     DDP / one process: the replicated weights and optimizer state, once (rank 0)
     model-rank-<r>.safetensors,     FSDP: each rank's own shards of weights and optimizer state, never gathered
     optim-rank-<r>.pt
@@ -17,9 +17,13 @@ verifies just the shared files and its own, and if any rank finds a file bad, al
 together. Nothing is unpickled beyond ``weights_only`` tensors. Format-1 checkpoints (one full copy written by
 rank 0) still load.
 
-Why not torch.distributed.checkpoint: exact resume needs the same world size (no resharding to do), and its writers
-report no checksums, so the manifest would need a second read of every byte; this layout is DCP's idea (each rank
-writes its part, a metadata file last) with the sha256 our manifest needs.
+``state.json`` also holds the run's global data cursor (where every data rank is, ``reading.StepPlan``), so a
+checkpoint resumes at another world size (an elastic run) on exactly the rows it would have trained next; an FSDP one
+is then resharded: each rank reads every rank's shards and cuts its own (``load_resharded_*``).
+
+Why not torch.distributed.checkpoint: its writers report no checksums, so the manifest would need a second read of
+every byte; this layout is DCP's idea (each rank writes its part, a metadata file last) with the sha256 our manifest
+needs, and resharding FSDP2's dim-0 shards is a concatenation and a cut.
 """
 
 from ray_jobs.checkpoint.format import (
@@ -55,6 +59,8 @@ from ray_jobs.checkpoint.state import (
     RankState,
     load_model_state,
     load_optimizer_state,
+    load_resharded_model_state,
+    load_resharded_optimizer_state,
     load_sharded_model_state,
     load_sharded_optimizer_state,
     model_state,
@@ -73,7 +79,8 @@ from ray_jobs.checkpoint.writer import AsyncWriter
 __all__ = [
     "FORMAT", "MANIFEST_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_FILE", "AsyncWriter", "CheckpointInvalid",
     "HostStaging", "LoopState", "Part", "RankState", "check", "checkpoint_name", "checkpoint_step", "decode", "encode_file",
-    "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state", "load_sharded_model_state",
+    "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state", "load_resharded_model_state",
+    "load_resharded_optimizer_state", "load_sharded_model_state",
     "load_sharded_optimizer_state", "model_part", "model_state", "optim_part", "optimizer_state", "owner",
     "rank_file", "rank_files", "rank_state", "read_files", "read_manifest", "read_verified", "refuse", "rng_state",
     "set_rng_state", "sharded_model_state", "sharded_optimizer_state", "tied_aliases", "trainable_names", "unwrap",

@@ -162,9 +162,11 @@ def read_files(url: str, manifest: dict[str, Any], names: list[str]) -> dict[str
     return out
 
 
-def rank_files(manifest: dict[str, Any], rank: int) -> list[str]:
-    """What rank ``rank`` loads: the shared files and its own (a format-1 checkpoint is all shared)."""
-    return [n for n in manifest["files"] if owner(n) in (None, rank)]
+def rank_files(manifest: dict[str, Any], rank: int, resharding: bool = False) -> list[str]:
+    """What rank ``rank`` loads: the shared files and its own (a format-1 checkpoint is all shared). ``resharding``
+    (resuming at another world size): also every rank's shards of weights and optimizer state, to cut its own."""
+    shards = (model_part(0).split("-rank-")[0], optim_part(0).split("-rank-")[0])
+    return [n for n in manifest["files"] if owner(n) in (None, rank) or (resharding and n.startswith(shards))]
 
 
 def read_verified(url: str) -> dict[str, bytes]:

@@ -262,3 +262,37 @@ def load_sharded_optimizer_state(optimizer, saved: dict[str, Any]) -> None:
             for k, v in st.items()
         }
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+# -- resharding: an FSDP checkpoint resumed at another world size -----------------------------------------------
+# FSDP2 shards every parameter (and so every optimizer moment) on dim 0 in ``torch.chunk`` pieces, one per rank, in
+# rank order: the full tensor is those pieces concatenated. Each rank rebuilds it from every part and cuts its own
+# piece for the new world (no collective); memory holds one full copy of the state while it loads, once.
+def _full(pieces: list[Any]) -> Any:
+    import torch
+
+    return torch.cat([p for p in pieces if p.numel()], dim=0) if any(p.numel() for p in pieces) else pieces[0]
+
+
+def load_resharded_model_state(model, parts: list[dict[str, Any]], replicated: dict[str, Any],
+                               trainable_only: bool) -> None:  # fmt: skip
+    """Load weights saved as ``len(parts)`` ranks' shards into this world's shards."""
+    full = {name: _full([p[name] for p in parts]) for name in parts[0]}
+    load_model_state(model, full | replicated, True, trainable_only)
+
+
+def load_resharded_optimizer_state(optimizer, parts: list[dict[str, Any]]) -> None:
+    """Load optimizer state saved as ``len(parts)`` ranks' pieces (index-keyed) into this world's DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, first in parts[0]["state"].items():
+        p = params[int(i)]
+        state[int(i)] = {
+            k: _local_shard(_full([part["state"][i][k] for part in parts]), p)
+            if isinstance(p, DTensor) and k != "step"
+            else v
+            for k, v in first.items()
+        }
+    optimizer.load_state_dict({"state": state, "param_groups": parts[0]["param_groups"]})

@@ -4,10 +4,17 @@ A worker's rows are memory-mapped, never loaded: the node cache keeps each shard
 ``.npy`` beside its Parquet file, and :class:`ShardRows` gathers just the rows a batch asks for from those maps. A
 worker's memory is the batch (and an 8-byte permutation entry per row of its own), whatever the dataset's size.
 
-Shards are assigned to ranks deterministically (rank ``r`` of ``w`` reads train shards ``r, r+w, ...``).
-The order of a rank's rows in an epoch is a permutation seeded by (seed, rank, epoch), so the position in
-the data is fully described by a :class:`Cursor` (epoch, position) and resuming jumps straight to it: no batch
-is read or built for the positions that were already consumed.
+The data is laid out for a fixed number of *data ranks* ``V`` (``cluster.num_workers``, its ``max`` when elastic),
+whatever the world size: data rank ``v`` owns train shards ``v, v+V, ...``, and the order of its rows in an epoch is
+a permutation seeded by (seed, v, epoch). So the position in the data is fully described by one :class:`Cursor`
+(epoch, position) per data rank -- the run's global cursor -- and resuming jumps straight to it: no batch is read or
+built for the positions that were already consumed.
+
+A step trains ``V x grad_accum_steps`` micro-batches, micro-batch ``a`` of data rank ``v`` being the ``a``-th
+``micro_batch_size`` rows from ``v``'s cursor (:class:`StepPlan`). With ``w`` workers, each runs ``V*accum/w`` of them
+in order, so the rows every step trains on are the same at any world size (only who computes them changes): an
+elastic run that shrinks and grows uses every training row of an epoch exactly once. With ``w == V`` worker ``r`` is
+data rank ``r``, as before there were data ranks.
 """
 
 from __future__ import annotations
@@ -131,3 +138,89 @@ class RankSampler:
             if pos >= self.num_rows:
                 epoch, pos = epoch + 1, 0
         return np.concatenate(out), Cursor(epoch, pos)
+
+
+def advance(cursor: Cursor, n: int, num_rows: int) -> Cursor:
+    """``cursor`` moved ``n`` rows on (through epochs), without building the permutation."""
+    pos = cursor.pos + n
+    return Cursor(cursor.epoch + pos // num_rows, pos % num_rows)
+
+
+def step_slots(data_ranks: int, grad_accum_steps: int, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The micro-batches worker ``rank`` of ``world_size`` runs each step, as (data rank, micro-batch index)."""
+    per = data_ranks * grad_accum_steps // world_size
+    return [divmod(s, grad_accum_steps) for s in range(rank * per, (rank + 1) * per)]
+
+
+def served_shards(entries: list[dict[str, Any]], data_ranks: int, grad_accum_steps: int, rank: int,
+                  world_size: int) -> list[dict[str, Any]]:  # fmt: skip
+    """The train shards worker ``rank`` of ``world_size`` reads (those of the data ranks it serves)."""
+    served = sorted({v for v, _ in step_slots(data_ranks, grad_accum_steps, rank, world_size)})
+    return [e for v in served for e in rank_shards(entries, v, data_ranks)]
+
+
+class StepPlan:
+    """Which rows this worker trains on at each step, the same rows per step at any world size (module docstring).
+
+    ``cursors`` (one per data rank, the global cursor) advance together on every worker; a worker builds only its
+    own micro-batches' rows, and memory-maps only the shards of the data ranks it serves."""
+
+    def __init__(self, cache: ShardCache, entries: list[dict[str, Any]], seq_len: int, *, data_ranks: int,
+                 grad_accum_steps: int, micro_batch_size: int, seed: int, rank: int, world_size: int):  # fmt: skip
+        slots = data_ranks * grad_accum_steps
+        if slots % world_size:
+            raise ValueError(f"{slots} micro-batches per step cannot be split evenly over {world_size} workers")
+        self.data_ranks, self.accum, self.micro = data_ranks, grad_accum_steps, micro_batch_size
+        self.slots = step_slots(data_ranks, grad_accum_steps, rank, world_size)
+        self.entries = {v: rank_shards(entries, v, data_ranks) for v in range(data_ranks)}
+        served = sorted({v for v, _ in self.slots})
+        self.rows = {v: open_rows(cache, self.entries[v], seq_len) for v in served}
+        self.samplers = {v: RankSampler(len(self.rows[v]), seed, v) for v in served}
+        self.num_rows = [self._count(v) for v in range(data_ranks)]
+        self.seq_len = seq_len
+
+    def _count(self, v: int) -> int:
+        if v in self.rows:
+            return len(self.rows[v])
+        if all("rows" in e for e in self.entries[v]):
+            return sum(int(e["rows"]) for e in self.entries[v])
+        raise ValueError("the dataset manifest has no row counts; restage it")  # every staging version writes them
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches this worker runs per step (its gradient accumulation)."""
+        return len(self.slots)
+
+    def start(self) -> list[Cursor]:
+        return [Cursor() for _ in range(self.data_ranks)]
+
+    def batch(self, cursors: list[Cursor], k: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """This worker's ``k``-th micro-batch of the step that starts at ``cursors``: (data rank, row indices into
+        that data rank's rows, the epoch of each row)."""
+        v, a = self.slots[k]
+        start = advance(cursors[v], a * self.micro, self.num_rows[v])
+        sampler, out, epochs = self.samplers[v], [], []
+        epoch, pos, need = start.epoch, start.pos, self.micro
+        while need > 0:
+            chunk = sampler.permutation(epoch)[pos : pos + need]
+            out.append(chunk)
+            epochs.append(np.full(len(chunk), epoch))
+            need -= len(chunk)
+            pos += len(chunk)
+            if pos >= self.num_rows[v]:
+                epoch, pos = epoch + 1, 0
+        return v, np.concatenate(out), np.concatenate(epochs)
+
+    def take(self, v: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.rows[v].take(idx)
+
+    def after(self, cursors: list[Cursor]) -> list[Cursor]:
+        """The global cursor after one step (every data rank moved ``accum x micro`` rows)."""
+        n = self.accum * self.micro
+        return [advance(c, n, self.num_rows[v]) for v, c in enumerate(cursors)]
+
+    def identify(self, v: int, idx: np.ndarray) -> list[tuple[str, int]]:
+        """(shard file, row in it) of data rank ``v``'s rows ``idx``: a row's identity at any world size."""
+        rows = self.rows[v]
+        part = np.searchsorted(rows.starts, idx, side="right") - 1
+        return [(self.entries[v][k]["file"], int(i - rows.starts[k])) for k, i in zip(part, idx, strict=True)]

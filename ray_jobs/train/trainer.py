@@ -27,10 +27,10 @@ from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.config import Config, from_json
 from ray_jobs.data.cache import ShardCache
-from ray_jobs.data.reading import Cursor, RankSampler, ShardRows, open_rows, rank_shards
+from ray_jobs.data.reading import Cursor, ShardRows, StepPlan, open_rows
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout, upload_dir, write_json_atomic
-from ray_jobs.train import faults, preemption
+from ray_jobs.train import faults, preemption, rowtrace
 from ray_jobs.train.heartbeat import Heartbeat
 from ray_jobs.train.metrics import MetricsLog
 from ray_jobs.train.model import build_model, export_model, finish_in_place, write_sharded_export
@@ -110,7 +110,8 @@ class Trainer:
         self.cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, cfg.data.cache_max_gb * 1e9)
         self._load_data()
         self.loop = LoopState(world_size=rt.world_size, dataset_id=manifest["dataset_id"])
-        self.cursor = Cursor()
+        self.cursors = self.plan.start()  # the global cursor: one per data rank, the same on every worker
+        self.trace = rowtrace.open_trace(rt)  # test-only (None unless UNBROKEN_TRACE_ROWS is set)
         self.metrics: MetricsLog | None = None
         self.writer = ckpt.AsyncWriter()
         self.staging = ckpt.HostStaging()  # host buffers reused by every checkpoint's device-to-host copy
@@ -136,12 +137,15 @@ class Trainer:
             self.heartbeat.attach(self)
 
     def _load_data(self) -> None:
-        seq_len = self.manifest["seq_len"]
-        mine = rank_shards(self.manifest["shards"]["train"], self.rt.rank, self.rt.world_size)
-        # position ids restart per packed example: with them (and no KV cache) the model attends within examples only
-        self.train_rows = open_rows(self.cache, mine, seq_len)  # memory-mapped: rows are read as batches take them
+        seq_len, t = self.manifest["seq_len"], self.cfg.train
+        # Laid out for cluster.num_workers' max whatever the world size now (reading.StepPlan): rows memory-mapped,
+        # read as batches take them. Position ids restart per packed example: with them (and no KV cache) the model
+        # attends within examples only.
+        self.plan = StepPlan(self.cache, self.manifest["shards"]["train"], seq_len,
+                             data_ranks=self.cfg.cluster.max_workers, grad_accum_steps=t.grad_accum_steps,
+                             micro_batch_size=t.micro_batch_size, seed=t.seed, rank=self.rt.rank,
+                             world_size=self.rt.world_size)  # fmt: skip
         self.eval_rows = open_rows(self.cache, self.manifest["shards"]["eval"], seq_len)
-        self.sampler = RankSampler(len(self.train_rows), self.cfg.train.seed, self.rt.rank)
         self.pad_id = self.manifest["tokenizer"]["pad_token_id"]
 
     # -- resume ---------------------------------------------------------------------------------------------
@@ -178,8 +182,8 @@ class Trainer:
         if url is None:
             log.info("rank %d: no valid checkpoint, starting fresh", self.rt.rank)
         else:
-            log.info("rank %d: resumed from %s at step %d (%s; %s)", self.rt.rank, url, self.loop.step, reason,
-                     self.cursor)  # fmt: skip
+            log.info("rank %d: resumed from %s at step %d (%s; data at %s)", self.rt.rank, url, self.loop.step,
+                     reason, self.cursors)  # fmt: skip
         if self.rt.rank == 0:
             self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), self.loop.step if url else None)
 
@@ -189,7 +193,8 @@ class Trainer:
         read that failed, a checkpoint that does not fit this run) fails every rank, never a silent step back."""
         files, bad, failed = None, 0.0, ""
         try:
-            files = ckpt.read_files(url, manifest, ckpt.rank_files(manifest, self.rt.rank))
+            names = ckpt.rank_files(manifest, self.rt.rank, manifest.get("world_size") != self.rt.world_size)
+            files = ckpt.read_files(url, manifest, names)
             self.bytes_resumed = sum(len(d) for d in files.values())
         except ckpt.CheckpointInvalid as e:
             log.warning("rank %d: checkpoint %s: %s", self.rt.rank, url, e)
@@ -204,6 +209,13 @@ class Trainer:
         except Exception as e:
             failed = f"rank {self.rt.rank} could not load checkpoint {url}: {type(e).__name__}: {e}"
         self._together(failed)
+        if self.cursors is None:  # a checkpoint from before the global cursor: each rank held its own
+            self.cursors = [Cursor(**c) for c in self.rt.all_gather_object(self._own_cursor)]
+        written_by, self.loop.world_size = self.loop.world_size, self.rt.world_size
+        if written_by != self.rt.world_size and self.rt.rank == 0:
+            log.warning("resuming at world size %d from a checkpoint written by %d workers: each worker runs %d "
+                        "micro-batches per step (the global batch and the rows of every step are unchanged)",
+                        self.rt.world_size, written_by, self.plan.micro_batches)  # fmt: skip
         self.resumed_from = url
         self.last_checkpoint_step = self.loop.step
         return True
@@ -220,17 +232,30 @@ class Trainer:
 
         state = json.loads(files[ckpt.STATE_FILE])
         loop = LoopState(**state["loop"])
-        if loop.world_size != self.rt.world_size:
+        data = state.get("data") or {"data_ranks": loop.world_size}  # older checkpoints: one data rank per worker
+        if data["data_ranks"] != self.plan.data_ranks:
             raise ckpt.CheckpointInvalid(
-                f"written by {loop.world_size} workers but this run has {self.rt.world_size}; "
-                "exact resume needs the same cluster.num_workers"
+                f"its data is laid out for {data['data_ranks']} workers, this run's for {self.plan.data_ranks}; "
+                f"resume with cluster.num_workers (its max, if elastic) = {data['data_ranks']}"
+            )
+        if "cursors" not in data and loop.world_size != self.rt.world_size:
+            raise ckpt.CheckpointInvalid(
+                f"written by {loop.world_size} workers before checkpoints held a global data cursor; resume it with "
+                f"{loop.world_size} workers"
             )
         if manifest.get("sharded", False) != self.fsdp and manifest["format"] > 1:
             raise ckpt.CheckpointInvalid(
                 f"written with train.parallelism={'fsdp' if manifest.get('sharded') else 'ddp'}; resume with the same"
             )
         r = self.rt.rank
-        if manifest["format"] > 1 and self.fsdp:  # this rank's own shards only
+        if manifest["format"] > 1 and self.fsdp and loop.world_size != self.rt.world_size:  # every rank's shards
+            shared = load(files[ckpt.MODEL_FILE]) if ckpt.MODEL_FILE in files else {}
+            parts = range(loop.world_size)
+            ckpt.load_resharded_model_state(self.model, [load(files[ckpt.model_part(k)]) for k in parts], shared,
+                                            self.lora)  # fmt: skip
+            optims = [torch.load(io.BytesIO(files[ckpt.optim_part(k)]), weights_only=True) for k in parts]
+            ckpt.load_resharded_optimizer_state(self.optimizer, optims)
+        elif manifest["format"] > 1 and self.fsdp:  # this rank's own shards only
             shared = load(files[ckpt.MODEL_FILE]) if ckpt.MODEL_FILE in files else {}
             ckpt.load_sharded_model_state(self.model, load(files[ckpt.model_part(r)]), shared, self.lora)
             osd = torch.load(io.BytesIO(files[ckpt.optim_part(r)]), weights_only=True)
@@ -241,9 +266,18 @@ class Trainer:
             ckpt.load_optimizer_state(self.model, self.optimizer, optim_sd, self.fsdp)
         self.scheduler.load_state_dict(state["scheduler"])
         self.loop = loop
-        mine = json.loads(files[ckpt.rank_file(r)]) if manifest["format"] > 1 else state["ranks"][r]
-        self.cursor = Cursor(**mine["cursor"])
-        ckpt.set_rng_state(mine["rng"])
+        if manifest["format"] == 1:
+            mine = state["ranks"][r]
+        elif ckpt.rank_file(r) in files:
+            mine = json.loads(files[ckpt.rank_file(r)])
+        else:  # a rank the checkpoint's smaller world did not have: its RNG streams start from the seed
+            mine = None
+        if "cursors" in data:
+            self.cursors = [Cursor(**c) for c in data["cursors"]]
+        else:
+            self.cursors, self._own_cursor = None, mine["cursor"]  # gathered once every rank loaded
+        if mine is not None:
+            ckpt.set_rng_state(mine["rng"])
         self.last_eval = state.get("last_eval_loss")
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -265,6 +299,8 @@ class Trainer:
                 started = time.monotonic()
                 agreed = self._agree(*self.train_step())
                 self.loop.step += 1
+                if self.trace is not None:
+                    self.trace.step_done(self.loop.step)
                 self.loop.tokens_seen += agreed.tokens
                 self.loop.elapsed_s += time.monotonic() - started
                 self.last_step_at = time.time()
@@ -294,19 +330,22 @@ class Trainer:
         """Forward/backward over ``grad_accum_steps`` micro-batches and one optimizer step (local numbers)."""
         import torch
 
-        t = self.cfg.train
         self.model.train()
         loss_sum, tokens = 0.0, 0
-        for micro in range(t.grad_accum_steps):
-            idx, self.cursor = self.sampler.take(self.cursor, t.micro_batch_size)
+        n = self.plan.micro_batches  # grad_accum_steps x (data ranks / world size): the global batch is kept
+        for micro in range(n):
+            v, idx, epochs = self.plan.batch(self.cursors, micro)
             self.rows_materialized += len(idx)
-            ids, labels, pos = (torch.from_numpy(x).to(self.device) for x in self.train_rows.take(idx))
-            with self._grad_sync(micro == t.grad_accum_steps - 1), self.autocast():
+            if self.trace is not None:
+                self.trace.add(epochs, self.plan.identify(v, idx))
+            ids, labels, pos = (torch.from_numpy(x).to(self.device) for x in self.plan.take(v, idx))
+            with self._grad_sync(micro == n - 1), self.autocast():
                 # use_cache=False: transformers ignores packed position_ids while it builds a KV cache
                 loss = self.model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
-            (loss / t.grad_accum_steps).backward()
-            loss_sum += loss.item() / t.grad_accum_steps
+            (loss / n).backward()
+            loss_sum += loss.item() / n
             tokens += int((ids != self.pad_id).sum())
+        self.cursors = self.plan.after(self.cursors)
         grad_norm = self._clip()
         self.optimizer.step()
         self.scheduler.step()
@@ -445,7 +484,7 @@ class Trainer:
     def _snapshot(self) -> ckpt.Part:
         """This rank's part of the checkpoint as host copies (the device-to-host copy is all training waits for)."""
         r, files = self.rt.rank, {}
-        files[ckpt.rank_file(r)] = ("json", ckpt.rank_state(self.cursor))
+        files[ckpt.rank_file(r)] = ("json", ckpt.rank_state(self.cursors[r]))  # its data rank's, as before
         if self.fsdp:  # each rank its own shards, nothing gathered
             local, replicated = ckpt.sharded_model_state(self.model, self.lora, self.staging)
             files[ckpt.model_part(r)] = ("safetensors", local)
@@ -461,6 +500,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "last_eval_loss": self.last_eval,
                 "config": json.loads(self.cfg.model_dump_json()),
+                # the global cursor: where every data rank is, so any world size resumes on the same rows
+                "data": {"data_ranks": self.plan.data_ranks, "cursors": [asdict(c) for c in self.cursors]},
             }
             files[ckpt.STATE_FILE] = ("json", state)
         return ckpt.Part(self.loop.step, files)

@@ -86,11 +86,11 @@ def wait_job(handle: ClusterHandle, sid: str, timeout_s: float = 300) -> str:
     raise TimeoutError(f"job {sid} did not finish in {timeout_s}s; logs:\n{job_logs(handle, sid)[-5000:]}")
 
 
-def baseline_hash(handle: ClusterHandle, root: Path) -> str:
+def baseline_hash(handle: ClusterHandle, root: Path, env: dict | None = None) -> str:
     """Final-weights hash of the chaos config trained on ``handle``'s cluster without interruption (same seed, same
-    world size): what every broken run is compared against."""
+    world size): what every broken run is compared against. ``env``: for the job (a row trace, say)."""
     cfg = chaos_config(root / "storage", "baseline")
-    sid = start_training(handle, cfg)
+    sid = start_training(handle, cfg, env=env)
     assert wait_job(handle, sid) == "SUCCEEDED", job_logs(handle, sid)[-5000:]
     return final_weights_hash(cfg)
 

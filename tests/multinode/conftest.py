@@ -4,9 +4,11 @@ CPUs of its own, and three worker hosts of one CPU each -- two for the training 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
+from ray_jobs.train import rowtrace
 from tasks.cluster import ClusterHandle
 from tests.chaos.harness import baseline_hash
 from tests.hosts import Hosts, can_make_hosts
@@ -35,6 +37,13 @@ def cluster(hosts: Hosts) -> ClusterHandle:
 
 
 @pytest.fixture(scope="package")
-def baseline(cluster, tmp_path_factory) -> str:
-    """Final-weights hash of the chaos config trained on two worker hosts without interruption."""
-    return baseline_hash(cluster, tmp_path_factory.mktemp("mn-baseline"))
+def baseline_run(cluster, tmp_path_factory) -> tuple[str, Path]:
+    """The chaos config trained on two worker hosts without interruption: its final-weights hash, and the folder of
+    its row trace (which rows every step trained on, ray_jobs/train/rowtrace.py)."""
+    root = tmp_path_factory.mktemp("mn-baseline")
+    return baseline_hash(cluster, root, env={rowtrace.ENV: str(root / "rows")}), root / "rows"
+
+
+@pytest.fixture(scope="package")
+def baseline(baseline_run) -> str:
+    return baseline_run[0]

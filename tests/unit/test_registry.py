@@ -32,6 +32,8 @@ def test_attempts_are_numbered_and_their_end_recorded(tmp_path: Path) -> None:
 def test_reusing_a_run_name_with_compatible_changes_is_allowed(tmp_path: Path) -> None:
     registry.begin_attempt(cfg(tmp_path), {"address": "a"}, "ds-1")
     registry.check_compatible(cfg(tmp_path, "train.max_steps=5000", "checkpoint.every_steps=7"), "ds-1")
+    # made elastic with the same max: the data layout (and so every checkpoint) still fits
+    registry.check_compatible(cfg(tmp_path, "cluster.num_workers={min: 1, max: 2}"), "ds-1")
 
 
 def test_reusing_a_run_name_for_an_incompatible_training_is_refused(tmp_path: Path) -> None:

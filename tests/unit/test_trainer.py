@@ -113,10 +113,11 @@ def test_resume_deep_into_an_epoch_builds_no_batch_for_skipped_rows(setup) -> No
     train(c, manifest, model, stop_at=30)
     resumed = Trainer(c, manifest, model, LocalRuntime())
     resumed.resume_or_start()
-    assert resumed.cursor.pos > 0, "the resume point is inside an epoch"
+    assert all(cur.pos > 0 for cur in resumed.cursors), "the resume point is inside an epoch"
     assert resumed.rows_materialized == 0
     resumed.fit()
-    assert resumed.rows_materialized == c.train.micro_batch_size * c.train.grad_accum_steps
+    # one step: the global batch (2 data ranks, run by the one worker here), nothing for the skipped rows
+    assert resumed.rows_materialized == c.train.micro_batch_size * c.train.grad_accum_steps * 2
 
 
 @pytest.mark.parametrize(
@@ -253,6 +254,11 @@ def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
     assert run.checkpoint_config.checkpoint_score_attribute == "eval_loss"
     assert run.failure_config.max_failures == 5
     assert run.failure_config.max_preemption_failures == 7, "preemptions have their own budget"
+    assert trainer.scaling_config.num_workers == 2
+    elastic = cfg.model_copy(deep=True)
+    elastic.cluster.num_workers, elastic.cluster.resize_check_s = {"min": 1, "max": 2}, 15
+    scaling = build_trainer(elastic, {"dataset_id": "ds-x"}, "/m", None).scaling_config
+    assert (scaling.min_workers, scaling.max_workers, scaling.elastic_resize_monitor_interval_s) == (1, 2, 15)
     assert trainer.backend_config.preemption_grace_s == 12 and trainer.backend_config.backend == "gloo"
 
 
