@@ -17,6 +17,7 @@ from tests.unit.test_trainer import checkpoints
 REAL = {
     "data.seq_len": 64,
     "data.min_shards": 1,
+    "cluster.num_workers": 1,  # in-process, one worker: the data laid out for one (one shard is enough)
     "train.micro_batch_size": 2,
     "train.max_steps": 3,
     "train.lr": 1e-4,
