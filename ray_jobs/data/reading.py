@@ -127,17 +127,23 @@ class RankSampler:
 
     def take(self, cursor: Cursor, k: int) -> tuple[np.ndarray, Cursor]:
         """The next ``k`` row indices from ``cursor`` (wrapping into the next epoch) and the advanced cursor."""
+        idx, _, after = self.take_with_epochs(cursor, k)
+        return idx, after
+
+    def take_with_epochs(self, cursor: Cursor, k: int) -> tuple[np.ndarray, np.ndarray, Cursor]:
+        """As :meth:`take`, with the epoch of each row."""
         out: list[np.ndarray] = []
+        epochs: list[np.ndarray] = []
         epoch, pos = cursor.epoch, cursor.pos
         while k > 0:
-            perm = self.permutation(epoch)
-            chunk = perm[pos : pos + k]
+            chunk = self.permutation(epoch)[pos : pos + k]
             out.append(chunk)
+            epochs.append(np.full(len(chunk), epoch))
             k -= len(chunk)
             pos += len(chunk)
             if pos >= self.num_rows:
                 epoch, pos = epoch + 1, 0
-        return np.concatenate(out), Cursor(epoch, pos)
+        return np.concatenate(out), np.concatenate(epochs), Cursor(epoch, pos)
 
 
 def advance(cursor: Cursor, n: int, num_rows: int) -> Cursor:
@@ -152,10 +158,15 @@ def step_slots(data_ranks: int, grad_accum_steps: int, rank: int, world_size: in
     return [divmod(s, grad_accum_steps) for s in range(rank * per, (rank + 1) * per)]
 
 
+def served_data_ranks(slots: list[tuple[int, int]]) -> list[int]:
+    """The data ranks a worker with these micro-batch slots (:func:`step_slots`) serves, in order."""
+    return sorted({v for v, _ in slots})
+
+
 def served_shards(entries: list[dict[str, Any]], data_ranks: int, grad_accum_steps: int, rank: int,
                   world_size: int) -> list[dict[str, Any]]:  # fmt: skip
     """The train shards worker ``rank`` of ``world_size`` reads (those of the data ranks it serves)."""
-    served = sorted({v for v, _ in step_slots(data_ranks, grad_accum_steps, rank, world_size)})
+    served = served_data_ranks(step_slots(data_ranks, grad_accum_steps, rank, world_size))
     return [e for v in served for e in rank_shards(entries, v, data_ranks)]
 
 
@@ -173,11 +184,10 @@ class StepPlan:
         self.data_ranks, self.accum, self.micro = data_ranks, grad_accum_steps, micro_batch_size
         self.slots = step_slots(data_ranks, grad_accum_steps, rank, world_size)
         self.entries = {v: rank_shards(entries, v, data_ranks) for v in range(data_ranks)}
-        served = sorted({v for v, _ in self.slots})
+        served = served_data_ranks(self.slots)
         self.rows = {v: open_rows(cache, self.entries[v], seq_len) for v in served}
         self.samplers = {v: RankSampler(len(self.rows[v]), seed, v) for v in served}
         self.num_rows = [self._count(v) for v in range(data_ranks)]
-        self.seq_len = seq_len
 
     def _count(self, v: int) -> int:
         if v in self.rows:
@@ -199,17 +209,8 @@ class StepPlan:
         that data rank's rows, the epoch of each row)."""
         v, a = self.slots[k]
         start = advance(cursors[v], a * self.micro, self.num_rows[v])
-        sampler, out, epochs = self.samplers[v], [], []
-        epoch, pos, need = start.epoch, start.pos, self.micro
-        while need > 0:
-            chunk = sampler.permutation(epoch)[pos : pos + need]
-            out.append(chunk)
-            epochs.append(np.full(len(chunk), epoch))
-            need -= len(chunk)
-            pos += len(chunk)
-            if pos >= self.num_rows[v]:
-                epoch, pos = epoch + 1, 0
-        return v, np.concatenate(out), np.concatenate(epochs)
+        idx, epochs, _ = self.samplers[v].take_with_epochs(start, self.micro)
+        return v, idx, epochs
 
     def take(self, v: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.rows[v].take(idx)
