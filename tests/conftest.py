@@ -69,3 +69,13 @@ def smollm2() -> Path:
     from tests.models import smollm2 as build
 
     return build()
+
+
+@pytest.fixture(scope="session")
+def shared_prefect(tmp_path_factory):
+    """One real Prefect server for every CLI run and flow of the session (tests/prefect_server.py), exported as
+    ``PREFECT_API_URL``; the integration and chaos packages use it (their conftest), unit tests keep in-process ones."""
+    from tests.prefect_server import serving
+
+    with serving(tmp_path_factory.mktemp("prefect-shared"), environ=True) as server:
+        yield server

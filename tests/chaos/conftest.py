@@ -10,6 +10,12 @@ from tasks.cluster import ClusterHandle, start_local_head, stop_local_head
 from tests.chaos.harness import DEMO, REPORT, baseline_hash
 
 
+@pytest.fixture(scope="package", autouse=True)
+def _prefect(shared_prefect):
+    """Every ``unbroken`` process and flow here talks to the session's one Prefect server (tests/conftest.py)."""
+    return shared_prefect
+
+
 @pytest.fixture(scope="package")  # stopped before other packages start their own heads (one per machine)
 def ray_cluster(tmp_path_factory) -> ClusterHandle:
     storage = tmp_path_factory.mktemp("chaos-cluster")

@@ -62,6 +62,7 @@ def watchdogs(ray_cluster, watched, tmp_path_factory):
     for i in range(2):
         home = tmp_path_factory.mktemp(f"watchdog-{i}")
         env = dict(os.environ, PREFECT_HOME=str(home / "prefect"), PYTHONUNBUFFERED="1")
+        env.pop("PREFECT_API_URL", None)  # not the session's shared server: each boots its own, as two teams' would
         log = open(home / "watchdog.log", "w")  # noqa: SIM115 (closed with the process)
         cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(watched), "--interval", "1"]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, home))

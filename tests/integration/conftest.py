@@ -1,4 +1,4 @@
-"""Helpers for runs of the real CLI: a real local Ray cluster and a real (ephemeral) Prefect server."""
+"""Helpers for runs of the real CLI: a real local Ray cluster and a real Prefect server (the session's shared one)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 UNBROKEN = [sys.executable, "-m", "unbroken"]
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _prefect(shared_prefect):
+    """Every ``unbroken`` process and flow here talks to the session's one Prefect server (tests/conftest.py)."""
+    return shared_prefect
 
 
 @dataclass

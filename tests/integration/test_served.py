@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,8 @@ from tasks import series
 from tasks.cluster import _reachable, jobs_client
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import read_registry
-from tests.procs import free_port, train_worker_pids, wait_for
+from tests.prefect_server import serving
+from tests.procs import train_worker_pids, wait_for
 
 pytestmark = pytest.mark.integration
 SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"
@@ -32,49 +32,11 @@ FIRST_RUN: list[str] = []  # the run the first dataset event made (later tests c
 FIRST_LANDING: list[Path] = []
 
 
-class PrefectServer:
-    """``prefect server start`` (SQLite, all services) on a loopback port; can be restarted on the same port and
-    database, as an operator restarting it would."""
-
-    def __init__(self, home: Path):
-        self.home, self.port = home, free_port()
-        self.api = f"http://127.0.0.1:{self.port}/api"
-        self.log = open(home / "server.log", "a")  # noqa: SIM115 (closed by stop)
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = dict(os.environ, PREFECT_HOME=str(self.home), PREFECT_API_URL=self.api,
-                   PREFECT_SERVER_ANALYTICS_ENABLED="false")  # fmt: skip
-        prefect = str(Path(sys.executable).parent / "prefect")
-        self.proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
-        wait_for("the Prefect server", self.healthy, 90, 1.0)
-
-    def healthy(self) -> bool:
-        try:
-            return urllib.request.urlopen(f"{self.api}/health", timeout=2).read() == b"true"
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
-    server.start()
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: server.api}):  # this test process is a client of it too
+    """This module's own server (a test restarts it), not the session's shared one."""
+    with serving(tmp_path_factory.mktemp("prefect-server")) as server:
         yield server
-    server.stop()
-    server.log.close()
 
 
 @pytest.fixture(scope="module")
