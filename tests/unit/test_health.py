@@ -30,7 +30,11 @@ def summary_node(ip: str, head: bool = False, state: str = "ALIVE", gpus: int = 
 
 
 def body(*nodes: dict) -> dict:
-    return {"result": True, "msg": "Node summary fetched.", "data": {"summary": list(nodes), "nodeLogicalResources": {}}}
+    return {
+        "result": True,
+        "msg": "Node summary fetched.",
+        "data": {"summary": list(nodes), "nodeLogicalResources": {}},
+    }
 
 
 def cfg(*overrides: str):
