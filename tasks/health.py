@@ -118,7 +118,8 @@ def assess(health: Health, cfg: Config, expected_nodes: int, storage: tuple[int,
     out: list[Finding] = []
     alive = health.alive
     if len(alive) < expected_nodes:
-        gone = [n.ip or n.node_id[:12] for n in health.nodes or [] if not n.alive]
+        back = {n.ip for n in alive}  # a host whose node died and came back (a new node) is not missing
+        gone = [n.ip or n.node_id[:12] for n in health.nodes or [] if not n.alive and n.ip not in back]
         out.append(Finding("nodes-missing", f"{len(alive)} of {expected_nodes} nodes alive"
                            + (f" (dead: {', '.join(sorted(set(gone)))})" if gone else "")))  # fmt: skip
     if cfg.cluster.use_gpu:
