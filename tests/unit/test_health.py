@@ -93,6 +93,9 @@ def test_the_watchdog_notes_a_finding_once_and_clears_it_never_restarting_for_it
     (incident,) = reg["incidents"]
     assert incident["kind"] == "nodes-missing" and incident["action"] == "noted"
     assert watchdog.registry.open_incident(reg) is None, "a note is never a restart"
+    assert "nodes-missing (attempt 1, by watchdog (cluster health)): noted, still holds" in (
+        watchdog.registry._incident_line(incident)
+    )
     assert watchdog.look_at_cluster(c, reg, 4.0, read) == (True, []) and incident["cleared_at"] == 4.0
     assert watchdog.look_at_cluster(c, reg, 5.0, lambda a: Health(None, "ReadTimeout")) == (False, [])
 
