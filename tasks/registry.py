@@ -384,6 +384,8 @@ def _incident_line(i: dict[str, Any]) -> str:
             + f"; lost steps {i.get('lost_steps', '-')}; silent {_secs(i.get('silent_s'))} before detection; "
             f"first new step {_secs(i.get('time_to_recover_s'))} after detection"
         )
+    elif action == "noted":  # a health finding: named, never acted on
+        what = "noted" + (f", cleared {_when(i['cleared_at'])}" if i.get("cleared_at") else ", still holds")
     else:
         what = action + (f": {i['reason']}" if i.get("reason") else "")
     detail = f"\n    {i['detail']}" if i.get("detail") else ""

@@ -19,7 +19,7 @@ from typing import Any
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, from_json
 from ray_jobs.storage import Layout, exists, read_json
-from tasks import jobsapi, registry, series
+from tasks import health, jobsapi, registry, series
 from tasks import lease as leases
 from tasks.cluster import ClusterError, provision_cluster, stop_cluster
 from tasks.jobs import StopUnverified, last_step, stop_and_wait, submit_job, write_job_spec
@@ -324,12 +324,50 @@ def _healthy(cfg: Config, reg: dict[str, Any], verdict: Verdict, now: float) -> 
     if verdict.kind == "succeeded":
         return _finish(cfg, reg, verdict)
     changed |= _note_progress(reg, verdict.heartbeat)
+    findings: list[str] = []
     if verdict.status == "RUNNING":
         changed |= registry.set_running(reg, registry.current_attempt(reg)["attempt"])
+        noted, findings = look_at_cluster(cfg, reg, now)
+        changed |= noted
     if changed:
         registry.save(cfg.storage, cfg.name, reg)
     step = verdict.heartbeat["step"] if verdict.heartbeat else "-"
-    return Outcome(cfg.name, "ok", f"{verdict.status}, step {step}, phase {verdict.phase or '-'}")
+    detail = f"{verdict.status}, step {step}, phase {verdict.phase or '-'}"
+    return Outcome(cfg.name, "ok", detail + "".join(f"; {f}" for f in findings))
+
+
+def look_at_cluster(cfg: Config, reg: dict[str, Any], now: float, read=None) -> tuple[bool, list[str]]:
+    """The cluster's health while its job runs (tasks/health.py): each new finding becomes an incident of its kind
+    with action ``noted`` (named, logged, never a restart: the job still runs, and Ray Train or the next failure
+    decides), and one that no longer holds is marked cleared. Returns (registry changed, the findings' keys).
+
+    Nodes expected: the most the current attempt's cluster had alive at any look. A summary that cannot be read
+    concludes nothing (whether the cluster answers at all is the job check's business)."""
+    h = (read or health.read)(reg["cluster"]["address"])
+    if h.nodes is None:
+        return False, []
+    attempt = registry.current_attempt(reg)["attempt"]
+    shape = reg.get("shape") or {}
+    if shape.get("attempt") != attempt:
+        shape = {"attempt": attempt, "nodes": 0}
+    changed = shape != reg.get("shape") or len(h.alive) > shape["nodes"]
+    shape["nodes"] = max(shape["nodes"], len(h.alive))
+    reg["shape"] = shape
+    findings = health.assess(h, cfg, shape["nodes"], health.disk_usage(cfg.storage))
+    keys = [f.key() for f in findings]
+    noted = {i["detail"]: i for i in reg.get("incidents", []) if i.get("action") == "noted" and "cleared_at" not in i}
+    for f in findings:
+        if f.key() not in noted:
+            run_logger().warning("run %s: cluster health: %s", cfg.name, f.key())
+            reg.setdefault("incidents", []).append({"kind": f.kind, "detected_by": "watchdog (cluster health)",
+                                                    "detected_at": now, "attempt": attempt, "action": "noted",
+                                                    "detail": f.key()})  # fmt: skip
+            changed = True
+    for key, inc in noted.items():
+        if key not in keys:
+            inc["cleared_at"] = now
+            changed = True
+    return changed, keys
 
 
 def new_incident(

@@ -9,6 +9,7 @@ import pytest
 
 import ray_jobs.checkpoint as ckpt
 from ray_jobs.storage import Layout
+from tasks import watchdog
 from tests.chaos.harness import (
     REPORT,
     chaos_config,
@@ -33,9 +34,13 @@ def test_a_worker_host_killed_mid_run_ends_bit_identical_on_the_spare(hosts, clu
     assert len(training) == 2 and hosts.head not in training, "one training worker on each of two worker hosts"
     (spare,) = [h for h in hosts.hosts[1:] if h not in training]
     victim = training[0]
+    reg = {"cluster": {"address": cluster.address}, "attempts": [{"attempt": 1}], "incidents": []}
+    assert watchdog.look_at_cluster(cfg, reg, time.time()) == (True, []), "the watchdog learns the shape: 4 nodes"
     at_kill, killed_at = heartbeat_step(cfg), time.time()
     hosts.kill(victim)
     detection = wait_gone(hosts, victim)
+    _, found = watchdog.look_at_cluster(cfg, reg, time.time())  # what the watchdog's next pass notes
+    assert found == [f"nodes-missing: 3 of 4 nodes alive (dead: {victim.addr})"], found
     wait_for("a training worker on the spare host", lambda: spare in hosts.training_hosts(), timeout_s=180)
 
     assert wait_job(cluster, sid) == "SUCCEEDED", job_logs(cluster, sid)[-5000:]
