@@ -2,10 +2,10 @@
 store use, free disk. The watchdog looks at it on every pass over a running job, so trouble that will kill the job
 (a node gone, a GPU fallen off the bus, an object store or a disk filling up) is named before it does.
 
-One authenticated GET of the dashboard's node summary (``/nodes?view=summary``, what the dashboard's own Cluster
-page reads) gives every node's state, resources, object store use, visible GPUs and disks (the root file system and
-Ray's temp dir); a local storage path is measured here. Why not ``ray.util.state.list_nodes``: it has neither the
-object store use nor the disks, and a Ray client connection per pass is heavier than one HTTP request.
+One authenticated, uncached GET of the dashboard's node summary (``/nodes?view=summary``, what the dashboard's own
+Cluster page reads) gives every node's state, resources, object store use, visible GPUs and disks (the root file
+system and Ray's temp dir); a local storage path is measured here. Why not ``ray.util.state.list_nodes``: it has
+neither the object store use nor the disks, and a Ray client connection per pass is heavier than one HTTP request.
 
 Each finding has a kind (``nodes-missing``, ``gpus-missing``, ``object-store-full``, ``disk-low``) and a message
 naming the node and the number; :func:`assess` is pure, unit-tested on recorded summaries.
@@ -81,7 +81,10 @@ def read(address: str, timeout_s: float = 10.0) -> Health:
     """The cluster's nodes as its dashboard reports them, or why they could not be read."""
     from tasks.jobsapi import _first_line, _get
 
-    r, why = _get(address, "/nodes?view=summary", timeout_s)
+    # nocache=1: the dashboard caches this route stale-while-revalidate (ray.dashboard.optional_utils.aiohttp_cache):
+    # once its 2 s are up, the next request still gets the old answer and only starts a refresh. A watchdog asks once
+    # a pass, so without it every look would report the cluster as it was one pass ago (a dead node still alive).
+    r, why = _get(address, "/nodes?view=summary&nocache=1", timeout_s)
     if r is None:
         return Health(None, why)
     if r.status_code != 200:
