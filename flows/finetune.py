@@ -91,9 +91,9 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
         lineage = _lineage(cfg, staged, model_path)
         if handle is None:
             handle = provision_cluster(cfg)
-        elif cfg.name != staged_as:  # staged under the name's template: the run's own name takes over the head
+        elif cfg.name != staged_as and handle.local:  # staged under the name's template: the run takes over the head
             handle = provision_cluster(cfg)
-            stop_cluster(handle, run=staged_as)
+            stop_cluster(cfg, handle, run=staged_as)
         return await _train(cfg, handle, staged, lineage)
     finally:
         if handle is not None:
@@ -151,7 +151,7 @@ def _release_cluster(cfg: Config, handle: ClusterHandle) -> None:
     elif reg is not None and reg.get("state") in registry.ACTIVE:
         log.info("leaving the Ray cluster running for the watchdog (run %s is %s)", cfg.name, reg["state"])
     else:
-        stop_cluster(handle, run=cfg.name)
+        stop_cluster(cfg, handle, run=cfg.name)
 
 
 async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage) -> dict[str, Any]:

@@ -23,7 +23,7 @@ def stage_for(cfg: Config, model_path: str) -> tuple[Staged, ClusterHandle | Non
     try:
         return stage_dataset(cfg, model_path, handle), handle
     except BaseException:
-        stop_cluster(handle, run=cfg.name)
+        stop_cluster(cfg, handle, run=cfg.name)
         raise
 
 
@@ -33,5 +33,5 @@ def stage_flow(config_path: str | None = None, overrides: list[str] | None = Non
     cfg = load_config(config_path, overrides or [])
     staged, handle = stage_for(cfg, prepare_base_model(cfg))
     if handle is not None:
-        stop_cluster(handle, run=cfg.name)
+        stop_cluster(cfg, handle, run=cfg.name)
     return staged.to_dict()

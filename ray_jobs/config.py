@@ -211,9 +211,82 @@ class WorkerRange(_Section):
     """Most workers; also how the data is laid out (see ``num_workers``)."""
 
 
+BACKENDS = ("local", "address", "ray-up", "kuberay")
+
+
+class RayUpConfig(_Section):
+    config: str = ""
+    """The cluster YAML the Ray cluster launcher takes (``ray up``: provider, node types, setup and start commands),
+    a path on the machine that runs the flow. Its ``cluster_name`` names the cluster."""
+    dashboard_address: str = ""
+    """The Jobs API as the flow reaches it (an SSH tunnel or port-forward: ``http://127.0.0.1:8265``; a load
+    balancer); empty = ``http://<head IP>:8265``, the head's address as the launcher reports it."""
+    up_timeout_s: float = Field(900.0, gt=0)
+    """How long ``up`` waits for the head's Jobs API to answer once the launcher is done."""
+
+    @field_validator("dashboard_address")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        return _jobs_api_url(v)
+
+
+class KubeRayConfig(_Section):
+    image: str = ""
+    """The container image of every Ray pod (Ray 2.60 and this project's dependencies installed, like
+    ``rayproject/ray:2.60.0-py311-gpu`` plus ``pip install unbroken``)."""
+    namespace: str = "default"
+    name: str = ""
+    """The RayCluster's name; empty = ``unbroken-<series>`` (one per series: its runs take turns on it)."""
+    context: str = ""
+    """The kubeconfig context to use; empty = the current one (or the in-cluster service account)."""
+    head_cpus: str = "2"
+    head_memory: str = "8Gi"
+    worker_cpus: str = "8"
+    """CPU request and limit of each worker pod (one pod per training worker)."""
+    worker_memory: str = "32Gi"
+    gpus_per_worker: int = Field(0, ge=0)
+    """``nvidia.com/gpu`` per worker pod; ``cluster.use_gpu`` needs at least 1."""
+    node_selector: dict[str, str] = {}
+    """Worker pods' ``nodeSelector`` (``{cloud.google.com/gke-accelerator: nvidia-l4}``)."""
+    tolerations: list[dict[str, Any]] = []
+    """Worker pods' tolerations (``[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]``)."""
+    s3_secret: str = ""
+    """A Secret whose keys (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ...) become every Ray container's
+    environment: how pods reach ``s3://`` storage. Empty: the pods' own identity (IRSA, workload identity)."""
+    storage_pvc: str = ""
+    """A ReadWriteMany PersistentVolumeClaim mounted on every pod at ``storage`` (a local-path storage must be one:
+    a pod's own disk does not outlive it)."""
+    auth_secret: str = ""
+    """A Secret holding the Ray auth token under ``auth_token`` (``authOptions.secretName``); empty = KubeRay
+    generates one per cluster, and the flow reads it from the Secret named like the cluster."""
+    dashboard_address: str = ""
+    """The Jobs API as the flow reaches it (a port-forward, an ingress); empty = the head Service's in-cluster DNS
+    name, ``http://<name>-head-svc.<namespace>.svc.cluster.local:8265`` (a flow running in the cluster)."""
+    ready_timeout_s: float = Field(600.0, gt=0)
+    """How long ``up`` waits for the RayCluster to be ready (pods scheduled, images pulled, Ray started)."""
+
+    @field_validator("dashboard_address")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        return _jobs_api_url(v)
+
+
+def _jobs_api_url(v: str) -> str:
+    v = v.strip()
+    if v and not re.match(r"^https?://[^/\s]+", v):
+        raise ValueError(f"must be the Jobs API URL, like http://head-node:8265 (got {v!r})")
+    return v.rstrip("/")
+
+
 class ClusterConfig(_Section):
+    backend: Literal["local", "address", "ray-up", "kuberay"] | None = None
+    """How the run gets its Ray cluster: ``local`` (a head on this machine), ``address`` (an existing cluster at
+    ``cluster.address``), ``ray-up`` (the Ray cluster launcher, ``cluster.ray_up``), ``kuberay`` (a RayCluster on
+    Kubernetes, ``cluster.kuberay``). Unset: ``address`` when an address is given, else ``local``."""
     address: str = ""
     """Ray Jobs API address of an existing cluster (``http://head:8265``); empty = start a local head."""
+    ray_up: RayUpConfig = RayUpConfig()
+    kuberay: KubeRayConfig = KubeRayConfig()
     num_workers: int | WorkerRange = 2
     """Ray Train workers (ranks): a number, or ``{min, max}`` for an elastic run (Ray Train restarts with as many as
     the cluster has room for after losing a node, and grows back when nodes return). The data is always laid out
@@ -279,13 +352,14 @@ class ClusterConfig(_Section):
     def elastic(self) -> bool:
         return self.min_workers != self.max_workers
 
+    @property
+    def backend_name(self) -> str:
+        return self.backend or ("address" if self.address else "local")
+
     @field_validator("address")
     @classmethod
     def _http_address(cls, v: str) -> str:
-        v = v.strip()
-        if v and not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError(f"must be the Jobs API URL, like http://head-node:8265 (got {v!r})")
-        return v.rstrip("/")
+        return _jobs_api_url(v)
 
 
 class PhaseStallConfig(_Section):
@@ -552,22 +626,92 @@ def _field_name(loc: tuple[Any, ...]) -> str:
 
 
 def validate(raw: dict[str, Any], source: str = "config") -> Config:
-    """Validate a raw tree; every problem is collected into one ConfigError."""
+    """Validate a raw tree; every problem is collected into one ConfigError (the cluster backend's checks too,
+    which read its files: a ``ray up`` YAML)."""
+    problems: list[str] = []
+    cfg = None
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
-        problems = []
         for err in e.errors():
             msg = ("unknown key" if err["type"] == "extra_forbidden" else err["msg"]).removeprefix("Value error, ")
             named = not err["loc"] and re.match(r"[a-z_]+(\.[a-z_]+)*: ", msg)  # a cross-field check names its field
             problems.append(msg if named else f"{_field_name(err['loc'])}: {msg}")
-        raise ConfigError(problems, source) from None
+    cluster = cfg.cluster if cfg is not None else _cluster_alone(raw)
+    if cluster is not None:
+        problems += cluster_problems(cluster, str(raw.get("storage") or ""))
+    if problems:
+        raise ConfigError(problems, source)
     cfg.storage = absolute_url(cfg.storage)
     cfg.data.train = absolute_url(cfg.data.train)
     cfg.data.eval = absolute_url(cfg.data.eval)
+    cfg.cluster.ray_up.config = absolute_url(cfg.cluster.ray_up.config) or ""
     if not cfg.model.name_or_path.startswith(BUILTIN_PREFIX) and Path(cfg.model.name_or_path).exists():
         cfg.model.name_or_path = absolute_url(cfg.model.name_or_path)
     return cfg
+
+
+def _cluster_alone(raw: dict[str, Any]) -> ClusterConfig | None:
+    """The cluster section on its own, when the whole config did not validate (its own errors are reported)."""
+    try:
+        return ClusterConfig.model_validate(raw.get("cluster") or {})
+    except ValidationError:
+        return None
+
+
+def cluster_problems(c: ClusterConfig, storage: str) -> list[str]:
+    """What about the cluster backend cannot work, each naming its field: a backend missing what it needs, settings
+    of a backend not in use, GPUs asked of a cluster that declares none. Reads the ``ray up`` YAML (so it runs where
+    the config is loaded, not in the job)."""
+    out: list[str] = []
+    name = c.backend_name
+    if name == "address" and not c.address:
+        out.append("cluster.address: cluster.backend is address, but no address is given (http://head:8265)")
+    if name != "address" and c.address:
+        out.append(f"cluster.address: given, but cluster.backend is {name} (an address is for backend address)")
+    for section, owner in (("ray_up", "ray-up"), ("kuberay", "kuberay")):
+        if name != owner and getattr(c, section) != type(getattr(c, section))():  # not its defaults
+            out.append(f"cluster.{section}: set, but cluster.backend is {name} (set cluster.backend: {owner})")
+    if name == "ray-up":
+        out += _ray_up_problems(c)
+    if name == "kuberay":
+        k = c.kuberay
+        if not k.image:
+            out.append("cluster.kuberay.image: cluster.backend kuberay needs the Ray image of its pods")
+        if c.use_gpu and k.gpus_per_worker < 1:
+            out.append("cluster.kuberay.gpus_per_worker: cluster.use_gpu needs at least 1 GPU per worker pod (got 0)")
+        if storage and "://" not in storage and not k.storage_pvc:
+            out.append(f"cluster.kuberay.storage_pvc: storage {storage} is a path; on Kubernetes it must be a "
+                       "ReadWriteMany volume mounted on every pod (name its PVC), or use s3:// storage")  # fmt: skip
+    return out
+
+
+def _ray_up_problems(c: ClusterConfig) -> list[str]:
+    path = c.ray_up.config
+    if not path:
+        return ["cluster.ray_up.config: cluster.backend ray-up needs the cluster YAML (what `ray up` takes)"]
+    try:
+        text = Path(os.path.expanduser(path)).read_text(encoding="utf-8")
+    except OSError as e:
+        return [f"cluster.ray_up.config: cannot read {path}: {e.strerror or e}"]
+    try:
+        spec = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        return [f"cluster.ray_up.config: {path} is not valid YAML: {getattr(e, 'problem', e)}"]
+    if not isinstance(spec, dict):
+        return [f"cluster.ray_up.config: {path} is not a cluster YAML (a mapping with cluster_name, provider, ...)"]
+    out = [f"cluster.ray_up.config: {path} has no {key}" for key in ("cluster_name", "provider") if not spec.get(key)]
+    types = spec.get("available_node_types") or {}
+    declared = [t.get("resources") for t in types.values() if isinstance(t, dict)]
+    if (
+        c.use_gpu
+        and declared
+        and all(isinstance(r, dict) for r in declared)
+        and not any(r.get("GPU") for r in declared)
+    ):
+        out.append(f"cluster.use_gpu: the cluster YAML {path} gives none of its node types a GPU "
+                   "(available_node_types.*.resources)")  # fmt: skip
+    return out
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:

@@ -19,8 +19,9 @@ from ray_jobs.config import Config
 from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.metrics import MetricsTail
 from tasks import jobsapi, registry
-from tasks.cluster import ClusterError, ClusterHandle, jobs_client
+from tasks.cluster import ClusterError, ClusterHandle
 from tasks.logs import run_logger
+from unbroken.backends.base import jobs_client
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # What never travels to the cluster in runtime_env.working_dir (the venv alone is GBs).

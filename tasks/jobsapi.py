@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from tasks.cluster import enable_token_auth
+from unbroken.backends.base import enable_token_auth
 
 TIMEOUT_S = 10.0
 

@@ -196,6 +196,21 @@ def begin_attempt(
         return _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect)
 
 
+def _cluster_record(cfg, cluster: dict[str, Any]) -> dict[str, Any]:
+    """Which backend made the run's cluster, from what (``spec``), and where it answers; ``mode`` says who owns it:
+    ``local`` (a head on this machine shared by runs), ``existing`` (someone else's), ``managed`` (one unbroken
+    brought up, ``ray up`` or KubeRay)."""
+    backend = cluster.get("backend") or cfg.cluster.backend_name
+    return {
+        "address": cluster["address"],
+        "backend": backend,
+        "spec": cluster.get("spec") or {},
+        "mode": {"local": "local", "address": "existing"}.get(backend, "managed"),
+        # A cluster whose release is owed by whoever finishes the run (unless cluster.keep_running).
+        "started_here": bool(cluster.get("started_here")),
+    }
+
+
 def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> int:
     if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
         raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")
@@ -217,12 +232,7 @@ def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> 
         state="submitted",
         config=json.loads(cfg.model_dump_json()),
         dataset_id=dataset_id,
-        cluster={
-            "address": cluster["address"],
-            "mode": "existing" if cfg.cluster.address else "local",
-            # A local head whose stop is owed by whoever finishes the run (unless cluster.keep_running).
-            "started_here": bool(cluster.get("started_here")),
-        },
+        cluster=_cluster_record(cfg, cluster),
         **(extra or {}),
     )
     reg["attempts"].append(

@@ -19,11 +19,12 @@ from typing import Any
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, from_json
 from ray_jobs.storage import Layout, exists, read_json
-from tasks import health, jobsapi, registry, series
+from tasks import jobsapi, registry, series
 from tasks import lease as leases
-from tasks.cluster import ClusterError, provision_cluster, stop_cluster
+from tasks.cluster import ClusterError, ClusterHandle, provision_cluster, stop_cluster
 from tasks.jobs import StopUnverified, last_step, stop_and_wait, submit_job, write_job_spec
 from tasks.logs import run_logger
+from unbroken.backends import backend_for, health
 
 # Exceptions that say the code or the config is wrong: the same job would fail the same way again.
 USER_ERRORS = frozenset(
@@ -337,13 +338,14 @@ def _healthy(cfg: Config, reg: dict[str, Any], verdict: Verdict, now: float) -> 
 
 
 def look_at_cluster(cfg: Config, reg: dict[str, Any], now: float, read=None) -> tuple[bool, list[str]]:
-    """The cluster's health while its job runs (tasks/health.py): each new finding becomes an incident of its kind
-    with action ``noted`` (named, logged, never a restart: the job still runs, and Ray Train or the next failure
-    decides), and one that no longer holds is marked cleared. Returns (registry changed, the findings' keys).
+    """The cluster's health while its job runs (its backend's ``health``, unbroken/backends/health.py): each new
+    finding becomes an incident of its kind with action ``noted`` (named, logged, never a restart: the job still
+    runs, and Ray Train or the next failure decides), and one that no longer holds is marked cleared. Returns
+    (registry changed, the findings' keys).
 
     Nodes expected: the most the current attempt's cluster had alive at any look. A summary that cannot be read
     concludes nothing (whether the cluster answers at all is the job check's business)."""
-    h = (read or health.read)(reg["cluster"]["address"])
+    h = read(reg["cluster"]["address"]) if read else backend_for(cfg).health(_recorded_handle(reg))
     if h.nodes is None:
         return False, []
     attempt = registry.current_attempt(reg)["attempt"]
@@ -521,7 +523,7 @@ def _stop_leftovers(reg: dict[str, Any], sid: str) -> None:
 
 
 def _stop_head_processes(address: str) -> None:
-    from tasks.cluster import ClusterHandle, stop_local_head
+    from unbroken.backends.local import stop_local_head
 
     stop_local_head(ClusterHandle(address, address, True, "", local=True))
 
@@ -553,19 +555,27 @@ def _finish(cfg: Config, reg: dict[str, Any], verdict: Verdict) -> Outcome:
         reg["final_model"] = final
     registry.save(cfg.storage, cfg.name, reg)
     if attempt.get("started_by") == "watchdog" or attempt.get("adopted_by") == "watchdog":
-        _release_head(cfg, reg)  # no flow is left to stop it
+        _release_cluster(cfg, reg)  # no flow is left to stop it
         series.finish_run(cfg.storage, cfg.name)  # nor to score it against the series' champion
     return Outcome(cfg.name, "succeeded", f"final model: {reg.get('final_model', '-')}")
 
 
-def _release_head(cfg: Config, reg: dict[str, Any]) -> None:
-    """The run is over: its use of a local head unbroken started ends (the head stops when no other run uses it)."""
+def _release_cluster(cfg: Config, reg: dict[str, Any]) -> None:
+    """The run is over and no flow is left to release its cluster: its backend's ``down`` (a local head stops when
+    no other run uses it; a cluster unbroken brought up is removed unless kept; someone else's is left alone)."""
     cluster = reg["cluster"]
-    if cluster.get("mode") == "local" and not cfg.cluster.keep_running:
-        from tasks.cluster import ClusterHandle
+    if cfg.cluster.keep_running or not (cluster.get("mode") == "local" or cluster.get("started_here")):
+        return
+    with contextlib.suppress(ClusterError):
+        stop_cluster(cfg, _recorded_handle(reg), run=cfg.name)
 
-        with contextlib.suppress(ClusterError):
-            stop_cluster(ClusterHandle(cluster["address"], cluster["address"], False, "", local=True), run=cfg.name)
+
+def _recorded_handle(reg: dict[str, Any]) -> ClusterHandle:
+    """The run's cluster as its registry recorded it."""
+    c = reg["cluster"]
+    backend = c.get("backend") or ("local" if c.get("mode") == "local" else "address")
+    return ClusterHandle(c["address"], c["address"], bool(c.get("started_here")), "", local=backend == "local",
+                         backend=backend, spec=c.get("spec") or {})  # fmt: skip
 
 
 def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason: str) -> Outcome:
@@ -575,5 +585,5 @@ def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason:
     reg.update(state="failed", reason=reason)
     registry.save(cfg.storage, cfg.name, reg)
     run_logger().error("run %s: giving up: %s", cfg.name, reason)
-    _release_head(cfg, reg)
+    _release_cluster(cfg, reg)
     return Outcome(cfg.name, "gave-up", reason, incident)

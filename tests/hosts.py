@@ -119,9 +119,9 @@ class Hosts:
         self._start(h, ["--head", f"--port={gcs_port}", "--dashboard-host=0.0.0.0", f"--dashboard-port={dashboard_port}",
                         f"--num-cpus={num_cpus}"], self.HEALTH_CHECK)  # fmt: skip
         address = f"http://{h.addr}:{dashboard_port}"
-        from tasks.cluster import _reachable
+        from unbroken.backends.base import reachable
 
-        wait_for(f"the head on {h.name}", lambda: _reachable(address) is None, timeout_s=90, every_s=0.5)
+        wait_for(f"the head on {h.name}", lambda: reachable(address) is None, timeout_s=90, every_s=0.5)
         return address
 
     def start_worker(self, h: Host, num_cpus: int = 1) -> None:

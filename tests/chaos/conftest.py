@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from ray_jobs.config import load_config
-from tasks.cluster import ClusterHandle, start_local_head, stop_local_head
 from tests.chaos.harness import DEMO, REPORT, baseline_hash
+from unbroken.backends.base import ClusterHandle
+from unbroken.backends.local import start_local_head, stop_local_head
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -12,13 +12,13 @@ from pathlib import Path
 from ray_jobs.config import Config, load_config
 from ray_jobs.storage import Layout, join, read_bytes
 from tasks import registry
-from tasks.cluster import ClusterHandle, jobs_client
 from tasks.jobs import submit, write_job_spec
 from tasks.model import prepare_base_model
 from tasks.registry import submission_id
 from tasks.stage import stage_dataset
 from tests.conftest import ROOT, tiny_overrides
 from tests.procs import processes, train_worker_pids, wait_for  # noqa: F401 (the chaos tests import them from here)
+from unbroken.backends.base import ClusterHandle, jobs_client
 
 DEMO = ROOT / "configs" / "demo.yaml"
 REPORT: list[dict] = []  # one row per fault: what it cost (printed by conftest at the end of the session)

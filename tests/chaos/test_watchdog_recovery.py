@@ -22,7 +22,6 @@ from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
 from tasks import registry
-from tasks.cluster import head_pids
 from tests.chaos.harness import (
     REPORT,
     chaos_config,
@@ -36,6 +35,7 @@ from tests.chaos.harness import (
     wait_for,
 )
 from tests.conftest import ROOT
+from unbroken.backends.local import head_pids
 
 pytestmark = pytest.mark.chaos
 

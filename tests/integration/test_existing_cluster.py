@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from ray_jobs.config import load_config
-from tasks.cluster import _reachable, start_local_head, stop_local_head
 from tests.conftest import ROOT, tiny_overrides
 from tests.integration.conftest import read_registry, run_cli
+from unbroken.backends.base import reachable
+from unbroken.backends.local import start_local_head, stop_local_head
 
 pytestmark = pytest.mark.integration
 DEMO = str(ROOT / "configs" / "demo.yaml")
@@ -37,7 +38,7 @@ def test_flow_uses_an_existing_cluster_and_leaves_it_running(cluster: str, tmp_p
     assert r.returncode == 0, r.explain()
     assert f"staging on the cluster at {cluster}" in r.stderr + r.stdout, r.explain()
     assert r.last_line == f"final model: {storage / 'runs' / 'ext' / 'final'}"
-    assert _reachable(cluster) is None, "a cluster the flow did not start must be left running"
+    assert reachable(cluster) is None, "a cluster the flow did not start must be left running"
     assert read_registry(storage, "ext")["cluster"] == {"address": cluster, "mode": "existing", "started_here": False}
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cluster import _reachable
 from tests.conftest import ROOT, tiny_overrides
 from tests.integration.conftest import read_metrics, read_registry, run_cli
+from unbroken.backends.base import reachable
 
 pytestmark = pytest.mark.integration
 DEMO = str(ROOT / "configs" / "demo.yaml")
@@ -52,7 +52,7 @@ def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> No
     assert ckpts and all((c / "manifest.json").exists() for c in ckpts), "checkpoints with manifests"
     beat = json.loads((storage / "runs" / "e2e" / "heartbeat.json").read_text())
     assert beat["step"] == beat["max_steps"] == 30
-    assert _reachable("http://127.0.0.1:8265") is not None, "the local head this flow started must be stopped"
+    assert reachable("http://127.0.0.1:8265") is not None, "the local head this flow started must be stopped"
 
 
 def test_stage_command_prints_the_dataset_and_restaging_is_a_cache_hit(tmp_path: Path) -> None:

@@ -10,18 +10,11 @@ from pathlib import Path
 import pytest
 
 from ray_jobs.config import load_config
-from tasks.cluster import (
-    ClusterError,
-    _reachable,
-    _run,
-    head_pids,
-    jobs_client,
-    start_local_head,
-    stop_cluster,
-    stop_local_head,
-)
+from tasks.cluster import stop_cluster
 from tests.conftest import ROOT, tiny_overrides
 from tests.procs import wait_for
+from unbroken.backends.base import ClusterError, jobs_client, reachable
+from unbroken.backends.local import _run, head_pids, start_local_head, stop_local_head
 
 pytestmark = pytest.mark.integration
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -113,12 +106,12 @@ def test_stopping_one_head_leaves_the_other_running(two_heads, tmp_path) -> None
     extra = config(tmp_path, "extra", {"cluster.dashboard_port": 8403, "cluster.head_port": 6503})
     c = start_local_head(extra)
     victims = head_pids(8403)
-    assert victims and _reachable(c.address) is None
+    assert victims and reachable(c.address) is None
     stopped = stop_local_head(c)
     assert sorted(stopped) == sorted(victims)
     assert not [p for p in victims if Path(f"/proc/{p}").exists() and "Z" not in _state(p)], "all its processes end"
-    assert _reachable(c.address) is not None
-    assert _reachable(a.address) is None and _reachable(b.address) is None, "the other heads are untouched"
+    assert reachable(c.address) is not None
+    assert reachable(a.address) is None and reachable(b.address) is None, "the other heads are untouched"
 
 
 def _state(pid: int) -> str:
@@ -136,12 +129,12 @@ def test_a_shared_head_is_stopped_by_its_last_user(tmp_path) -> None:
         h2 = start_local_head(second)
         assert h1.started_here and not h2.started_here
         stop_cluster.fn(h1, run="first")  # the run that started it ends first
-        assert _reachable(h1.address) is None, "the second run still uses it"
+        assert reachable(h1.address) is None, "the second run still uses it"
         # A user whose process is gone and whose run is not active no longer holds the head up.
         users = Path(f"/tmp/unbroken-ray/{ports['cluster.dashboard_port']}/users")
         assert [p.stem for p in users.glob("*.json")] == ["second"]
         stop_cluster.fn(h2, run="second")
-        wait_for("the head to stop", lambda: _reachable(h1.address) is not None, timeout_s=30)
+        wait_for("the head to stop", lambda: reachable(h1.address) is not None, timeout_s=30)
     finally:
         stop_local_head(h1)
 
@@ -163,7 +156,7 @@ def test_a_kept_head_is_not_stopped_by_a_run(tmp_path) -> None:
     try:
         stop_cluster.fn(h, run="kept")
         time.sleep(1)
-        assert _reachable(h.address) is None
+        assert reachable(h.address) is None
     finally:
         stop_local_head(h)
-    assert _reachable(h.address) is not None
+    assert reachable(h.address) is not None

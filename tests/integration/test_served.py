@@ -19,11 +19,11 @@ import yaml
 
 from ray_jobs.config import ClusterConfig, load_config
 from tasks import series
-from tasks.cluster import _reachable, jobs_client
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import read_registry
 from tests.prefect_server import serving
 from tests.procs import train_worker_pids, wait_for
+from unbroken.backends.base import jobs_client, reachable
 
 pytestmark = pytest.mark.integration
 SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"
@@ -301,7 +301,7 @@ def test_cancelling_a_finetune_run_leaves_no_ray_job_running(served) -> None:
     assert run.state.is_cancelled(), run.state
 
     address = "http://127.0.0.1:8265"
-    if _reachable(address) is None:  # the head may still be up; then the job must have ended
+    if reachable(address) is None:  # the head may still be up; then the job must have ended
         assert jobs_client(address).get_job_status(sid).is_terminal()
     reg = read_registry(storage, "cancel-me")
     assert reg["state"] == "failed" and reg["attempts"][-1]["status"] in ("STOPPED", "FAILED"), reg

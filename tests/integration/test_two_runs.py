@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cluster import _reachable
 from tests.conftest import ROOT, tiny_overrides
 from tests.integration.conftest import read_registry
+from unbroken.backends.base import reachable
 
 pytestmark = pytest.mark.integration
 DEMO = str(ROOT / "configs" / "demo.yaml")
@@ -42,4 +42,4 @@ def test_two_runs_at_once_share_a_local_head_and_both_succeed(tmp_path: Path) ->
         assert out.strip().splitlines()[-1] == f"final model: {storage / 'runs' / name / 'final'}"
         reg = read_registry(storage, name)
         assert reg["state"] == "succeeded" and len(reg["attempts"]) == 1, reg
-    assert _reachable(f"http://127.0.0.1:{PORTS['cluster.dashboard_port']}") is not None, "the last run stops the head"
+    assert reachable(f"http://127.0.0.1:{PORTS['cluster.dashboard_port']}") is not None, "the last run stops the head"

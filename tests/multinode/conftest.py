@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from ray_jobs.train import rowtrace
-from tasks.cluster import ClusterHandle
 from tests.chaos.harness import baseline_hash
 from tests.hosts import Hosts, can_make_hosts
+from unbroken.backends.base import ClusterHandle
 
 GCS_PORT, DASHBOARD_PORT = 6411, 8411
 

@@ -10,9 +10,9 @@ import pytest
 
 from ray_jobs.config import load_config
 from tasks import jobs, registry
-from tasks.cluster import ClusterHandle
 from tasks.jobsapi import JobView
 from tests.conftest import ROOT, tiny_overrides
+from unbroken.backends.base import ClusterHandle
 
 HANDLE = ClusterHandle("http://127.0.0.1:1", "http://127.0.0.1:1", False, "python")
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import copy
 
 from ray_jobs.config import load_config
-from tasks import health, watchdog
-from tasks.health import Health
+from tasks import watchdog
 from tests.conftest import ROOT
+from unbroken.backends import health
+from unbroken.backends.health import Health
 
 GIB = 1024**3
 

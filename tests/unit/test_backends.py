@@ -1,0 +1,99 @@
+"""Cluster backends: chosen from the config, every bad backend field named in one error before any cluster work,
+the shipped ``ray up`` YAMLs valid by Ray's own schema, and the run's record saying which backend made its cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ray_jobs.config import ConfigError, load_config
+from tasks import registry
+from tests.conftest import ROOT
+from unbroken.backends import backend_for
+
+DEMO = ROOT / "configs" / "demo.yaml"
+CLUSTER_YAMLS = sorted((ROOT / "configs" / "clusters").glob("*.yaml"))
+
+
+def _problems(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, list(overrides))
+    return e.value.problems
+
+
+def test_the_backend_follows_the_config() -> None:
+    assert backend_for(load_config(DEMO)).name == "local"
+    assert backend_for(load_config(DEMO, ["cluster.address=http://head:8265"])).name == "address"
+    rayup = load_config(
+        DEMO, ["cluster.backend=ray-up", f"cluster.ray_up.config={ROOT / 'configs/clusters/onprem.yaml'}"]
+    )
+    assert backend_for(rayup).name == "ray-up"
+    assert backend_for(rayup).spec() == {"config": str(ROOT / "configs/clusters/onprem.yaml"),
+                                         "cluster_name": "unbroken-onprem"}  # fmt: skip
+
+
+def test_every_bad_backend_field_is_named_at_once(tmp_path: Path) -> None:
+    problems = _problems("cluster.backend=ray-up", "cluster.kuberay.image=ray:2.60", "train.lr=-1")
+    assert any(p.startswith("train.lr:") for p in problems), "the other sections' errors come in the same message"
+    assert any(p.startswith("cluster.ray_up.config: cluster.backend ray-up needs the cluster YAML") for p in problems)
+    assert any(p.startswith("cluster.kuberay: set, but cluster.backend is ray-up") for p in problems), problems
+
+    missing = tmp_path / "nope.yaml"
+    assert _problems("cluster.backend=ray-up", f"cluster.ray_up.config={missing}") == [
+        f"cluster.ray_up.config: cannot read {missing}: No such file or directory"
+    ]
+    assert _problems("cluster.backend=address") == [
+        "cluster.address: cluster.backend is address, but no address is given (http://head:8265)"
+    ]
+    assert _problems("cluster.backend=ray-up", "cluster.address=http://h:8265")[0].startswith(
+        "cluster.address: given, but cluster.backend is ray-up"
+    )
+
+
+def test_a_kuberay_config_without_an_image_or_a_shared_storage_is_refused() -> None:
+    problems = _problems("cluster.backend=kuberay")
+    assert "cluster.kuberay.image: cluster.backend kuberay needs the Ray image of its pods" in problems
+    assert any(p.startswith("cluster.kuberay.storage_pvc: storage ") for p in problems), problems
+    ok = load_config(DEMO, ["cluster.backend=kuberay", "cluster.kuberay.image=rayproject/ray:2.60.0",
+                            "storage=s3://bucket/unbroken"])  # fmt: skip
+    assert ok.cluster.backend_name == "kuberay"
+
+
+def test_gpus_asked_of_a_cluster_that_declares_none_are_refused(tmp_path: Path) -> None:
+    assert _problems("cluster.backend=kuberay", "cluster.kuberay.image=ray:2.60", "storage=s3://b/u",
+                     "cluster.use_gpu=true") == [
+        "cluster.kuberay.gpus_per_worker: cluster.use_gpu needs at least 1 GPU per worker pod (got 0)"
+    ]  # fmt: skip
+    cpu_only = yaml.safe_load((ROOT / "configs/clusters/aws-gpu.yaml").read_text())
+    cpu_only["available_node_types"]["gpu-worker"]["resources"] = {"CPU": 8}
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(cpu_only))
+    problems = _problems("cluster.backend=ray-up", f"cluster.ray_up.config={path}", "cluster.use_gpu=true")
+    assert problems == [f"cluster.use_gpu: the cluster YAML {path} gives none of its node types a GPU "
+                        "(available_node_types.*.resources)"]  # fmt: skip
+    gpu = ROOT / "configs/clusters/aws-gpu.yaml"
+    assert load_config(DEMO, ["cluster.backend=ray-up", f"cluster.ray_up.config={gpu}", "cluster.use_gpu=true"])
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_the_shipped_cluster_yamls_pass_rays_own_schema(path: Path) -> None:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(yaml.safe_load(path.read_text())))  # what `ray up` runs first; raises if bad
+    assert load_config(DEMO, ["cluster.backend=ray-up", f"cluster.ray_up.config={path}"]).cluster.ray_up.config
+
+
+def test_the_run_records_which_backend_made_its_cluster(tmp_path: Path) -> None:
+    onprem = ROOT / "configs/clusters/onprem.yaml"
+    cfg = load_config(DEMO, [f"storage={tmp_path}", "name=r", "cluster.backend=ray-up",
+                             f"cluster.ray_up.config={onprem}"])  # fmt: skip
+    spec = backend_for(cfg).spec()
+    registry.begin_attempt(cfg, {"address": "http://10.0.0.10:8265", "started_here": True, "spec": spec}, "ds-1")
+    recorded = registry.load(cfg.storage, "r")["cluster"]
+    assert recorded == {"address": "http://10.0.0.10:8265", "backend": "ray-up", "spec": spec, "mode": "managed",
+                        "started_here": True}  # fmt: skip
+    local = load_config(DEMO, [f"storage={tmp_path / 'l'}", "name=l"])
+    registry.begin_attempt(local, {"address": "http://127.0.0.1:8265"}, "ds-1")
+    assert registry.load(local.storage, "l")["cluster"]["mode"] == "local"

@@ -1,0 +1,253 @@
+"""Backend ``local``: a Ray head on this machine that unbroken starts (token auth on, its own temp dir and ports),
+shared by the runs that use it and stopped by the last of them -- by its own processes, never ``ray stop``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ray_jobs.config import Config
+from ray_jobs.storage import exclusive_lock
+from unbroken.backends.base import AUTH_MODE_ENV, Backend, ClusterError, ClusterHandle, ray_cli, reachable, redact
+
+# -- a local head of our own ----------------------------------------------------------------------------------
+# Each local head unbroken starts has its own Ray temp dir, named by its dashboard port (a short path: Ray's unix
+# sockets live under it, and a socket path must stay under 107 bytes). Its processes are found through it, so
+# stopping the head stops exactly those -- never ``ray stop``, which kills every Ray process on the machine.
+HEADS_DIR = Path(os.environ.get("UNBROKEN_HEADS_DIR", "/tmp/unbroken-ray"))
+# What any process needs to run; everything else in the flow's environment reaches a head only when listed in
+# cluster.env_passthrough.
+BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
+            "SHELL", "TERM", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "XDG_CACHE_HOME",
+            "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")  # fmt: skip
+BASE_PREFIXES = ("RAY_", "LC_", "NCCL_")
+KEPT = "kept"  # marker file: a run asked for cluster.keep_running
+USER_FRESH_S = 600.0  # a user file this young counts as live (its run may still be staging)
+
+
+def head_dir(dashboard_port: int) -> Path:
+    return HEADS_DIR / str(dashboard_port)
+
+
+def _port_of(address: str) -> int:
+    return int(address.rstrip("/").rsplit(":", 1)[1])
+
+
+def _head_env(cfg: Config) -> dict[str, str]:
+    """The allow-listed environment of a local head (and so of every job on it)."""
+    keep = set(BASE_ENV) | set(cfg.cluster.env_passthrough)
+    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(BASE_PREFIXES)}
+    env[AUTH_MODE_ENV] = env.get(AUTH_MODE_ENV, "token")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # A single-machine cluster: Ray then takes 127.0.0.1 as the node address, and its gRPC servers (GCS, raylet,
+    # agents) bind loopback; without it Ray resolves 127.0.0.1 to the machine's address and binds 0.0.0.0.
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _head_command(cfg: Config, temp_dir: Path) -> list[str]:
+    c = cfg.cluster
+    return [
+        ray_cli(), "start", "--head",
+        f"--port={c.head_port}",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={c.dashboard_port}",
+        # fixed defaults (52365, 10001) would collide between two heads on one machine
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]  # fmt: skip
+
+
+def _head_lock(port: int):
+    """Two runs provisioning the same local head at once: one starts it, the other then finds it up."""
+    return exclusive_lock(HEADS_DIR / f"{port}.lock")
+
+
+def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) -> ClusterHandle:
+    """``ray start --head`` on 127.0.0.1 with token auth, its own temp dir and an allow-listed environment; a head
+    already answering on these ports is used instead (``started_here`` False). Either way ``run`` (the config's
+    name by default) is registered as one of the head's users."""
+    port = cfg.cluster.dashboard_port
+    address = f"http://127.0.0.1:{port}"
+    handle = ClusterHandle(address, address, False, sys.executable, local=True)
+    with _head_lock(port):
+        if reachable(address) is None:  # already up (kept from an earlier run, or another run's)
+            _add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
+            return handle
+        env = _head_env(cfg)
+        if env[AUTH_MODE_ENV] == "token":
+            _run([ray_cli(), "get-auth-token", "--generate"], env, "generate the Ray auth token")
+        temp_dir = head_dir(port)
+        shutil.rmtree(temp_dir / "users", ignore_errors=True)  # users of an earlier head on this port are gone
+        with contextlib.suppress(OSError):
+            (temp_dir / KEPT).unlink()
+        _run(_head_command(cfg, temp_dir), env, "start a local Ray head")
+        _add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
+        handle.started_here = True
+        deadline = time.monotonic() + wait_s
+        while (why := reachable(address)) is not None:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"local Ray head started but its Jobs API at {address} never answered: {why}")
+            time.sleep(1.0)
+    return handle
+
+
+def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise ClusterError(redact(f"could not {what} (exit {proc.returncode}): {' '.join(cmd)}\n{tail}"))
+
+
+# -- its users ------------------------------------------------------------------------------------------------
+def _add_user(port: int, run: str, storage: str, keep: bool = False) -> None:
+    if keep:  # cluster.keep_running: no run stops this head; a person (or stop_local_head) does
+        (head_dir(port) / KEPT).touch()
+    users = head_dir(port) / "users"
+    users.mkdir(parents=True, exist_ok=True)
+    body = {"run": run, "storage": storage, "pid": os.getpid(), "host": socket.gethostname(), "at": time.time()}
+    (users / f"{run}.json").write_text(json.dumps(body))
+
+
+def head_users(port: int, ignore: str | None = None) -> list[str]:
+    """Runs that still use the local head on ``port``: their process lives, they registered lately, or their run
+    is active (a job the watchdog looks after)."""
+    from tasks import registry
+
+    live = []
+    for f in sorted((head_dir(port) / "users").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            user = json.loads(f.read_text())
+            if user["run"] == ignore:
+                continue
+            fresh = time.time() - user["at"] < USER_FRESH_S or _alive(user["pid"])
+            reg = None if fresh else registry.load(user["storage"], user["run"])
+            if fresh or (reg is not None and reg.get("state") in registry.ACTIVE):
+                live.append(user["run"])
+    return live
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return pid != os.getpid()
+    except OSError:
+        return False
+
+
+# -- stopping it ----------------------------------------------------------------------------------------------
+def head_pids(port: int) -> list[int]:
+    """Every process of the local head on ``port``: those whose command line or open files are under its temp dir
+    (Ray's daemons, agents, workers and job drivers all log there), and their descendants."""
+    root = str(head_dir(port))
+    parents: dict[int, int] = {}
+    mine: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[pid] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if root in (entry / "cmdline").read_bytes().decode(errors="replace") or _has_open_file_under(entry, root):
+                mine.add(pid)
+    grew = True
+    while grew:  # descendants (multiprocessing helpers have no file of the head open)
+        new = {pid for pid, ppid in parents.items() if ppid in mine and pid not in mine}
+        mine |= new
+        grew = bool(new)
+    return sorted(mine)
+
+
+def _has_open_file_under(proc: Path, root: str) -> bool:
+    with contextlib.suppress(OSError):
+        for fd in (proc / "fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).startswith(root):
+                    return True
+    return False
+
+
+def stop_local_head(handle_or_port: ClusterHandle | int, grace_s: float = 10.0) -> list[int]:
+    """Stop the local head on this port by its own processes (SIGTERM, then SIGKILL after ``grace_s``); returns
+    the PIDs it stopped. Nothing else on the machine is touched."""
+    port = handle_or_port if isinstance(handle_or_port, int) else _port_of(handle_or_port.address)
+    pids = head_pids(port)
+    _signal(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _signal(left, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while [p for p in pids if _running(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(OSError):
+        shutil.rmtree(head_dir(port) / "users")
+    with contextlib.suppress(OSError):
+        (head_dir(port) / KEPT).unlink()
+    return pids
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child of ours waits for its parent to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class LocalHead(Backend):
+    name = "local"
+
+    def spec(self) -> dict:
+        c = self.cfg.cluster
+        return {"head_port": c.head_port, "dashboard_port": c.dashboard_port}
+
+    def up(self, run: str | None = None) -> ClusterHandle:
+        handle = start_local_head(self.cfg, run=run)
+        handle.spec = self.spec()
+        return handle
+
+    def address(self) -> str | None:
+        address = f"http://127.0.0.1:{self.cfg.cluster.dashboard_port}"
+        return address if reachable(address) is None else None
+
+    def down(self, handle: ClusterHandle, run: str | None = None) -> str:
+        """This run no longer uses the head; it stops when no other run does (and none asked to keep it). Returns
+        what happened, for the log."""
+        port = _port_of(handle.address)
+        if run is not None:
+            with contextlib.suppress(OSError):
+                (head_dir(port) / "users" / f"{run}.json").unlink()
+        if (head_dir(port) / KEPT).exists():
+            return "leaving the local Ray head up (a run asked for cluster.keep_running)"
+        others = head_users(port, ignore=run)
+        if others:
+            return f"leaving the local Ray head up: still used by {', '.join(others)}"
+        if stop_local_head(port):
+            return "stopped the local Ray head (its own processes only)"
+        return "the local Ray head was already stopped"

@@ -1,0 +1,80 @@
+"""Backend ``ray-up``: the Ray cluster launcher, driven through its own SDK (``ray.autoscaler.sdk``) from the
+cluster YAML the user gives (``cluster.ray_up.config``): a cloud provider's (configs/clusters/aws-gpu.yaml) or the
+``local`` provider's list of machines reached over SSH (configs/clusters/onprem.yaml).
+
+``up`` is ``ray up``: it starts the head when it does not answer, and otherwise updates the cluster in place without
+restarting Ray (``no_restart``: a running job goes on); the head's autoscaler then starts whatever workers the YAML
+asks for and are missing -- a worker host that died is started again. ``down`` is ``ray down``. The Jobs API is
+reached at ``cluster.ray_up.dashboard_address`` (an SSH tunnel, a load balancer) or at the head's address.
+Token auth: the YAML's start commands set ``RAY_AUTH_MODE=token`` and ship this machine's token
+(``file_mounts``), so the flow's own token opens the cluster's Jobs API.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from unbroken.backends.base import Backend, ClusterError, ClusterHandle, enable_token_auth, reachable, redact
+
+DASHBOARD_PORT = 8265
+
+
+class RayUp(Backend):
+    name = "ray-up"
+
+    def _yaml(self) -> dict[str, Any]:
+        return yaml.safe_load(Path(self.cfg.cluster.ray_up.config).read_text(encoding="utf-8"))
+
+    def spec(self) -> dict[str, Any]:
+        return {"config": self.cfg.cluster.ray_up.config, "cluster_name": self._yaml().get("cluster_name")}
+
+    def _sdk(self):
+        enable_token_auth()
+        from ray.autoscaler import sdk
+
+        return sdk
+
+    def _jobs_api(self) -> str | None:
+        """The Jobs API URL: configured, or the head's address as the launcher knows it (None: no head)."""
+        if self.cfg.cluster.ray_up.dashboard_address:
+            return self.cfg.cluster.ray_up.dashboard_address
+        try:
+            ip = self._sdk().get_head_node_ip(self.cfg.cluster.ray_up.config)
+        except Exception:  # the launcher raises RuntimeError (no head) or a provider's own error
+            return None
+        return f"http://{ip}:{DASHBOARD_PORT}"
+
+    def address(self) -> str | None:
+        address = self._jobs_api()
+        return address if address and reachable(address) is None else None
+
+    def up(self, run: str | None = None) -> ClusterHandle:
+        path, limit = self.cfg.cluster.ray_up.config, self.cfg.cluster.ray_up.up_timeout_s
+        already = self.address()
+        try:
+            # On a live cluster: update in place, Ray not restarted (running jobs go on); the head's autoscaler
+            # starts the workers the YAML asks for that are missing.
+            self._sdk().create_or_update_cluster(path, no_restart=already is not None, no_config_cache=True)
+        except Exception as e:  # the launcher's failures carry the provider's or SSH's message
+            raise ClusterError(redact(f"ray up {path} failed: {type(e).__name__}: {e}")) from e
+        deadline = time.monotonic() + limit
+        while (address := self.address()) is None:
+            if time.monotonic() > deadline:
+                api = self._jobs_api()
+                why = reachable(api) if api else "the launcher reports no head"
+                raise ClusterError(f"ray up finished but the Jobs API never answered within "
+                                   f"cluster.ray_up.up_timeout_s={limit:g}s: {why}")  # fmt: skip
+            time.sleep(2.0)
+        return self._handle(address, already is None)
+
+    def down(self, handle: ClusterHandle, run: str | None = None) -> str:
+        path = self.cfg.cluster.ray_up.config
+        try:
+            self._sdk().teardown_cluster(path)
+        except Exception as e:
+            raise ClusterError(redact(f"ray down {path} failed: {type(e).__name__}: {e}")) from e
+        return f"tore the Ray cluster down (ray down {path})"
