@@ -19,7 +19,7 @@ from prefect.events import emit_event
 from ray_jobs.config import absolute_url
 from tasks import registry
 from tasks.logs import run_logger
-from tasks.watchdog import Outcome, check_run
+from tasks.watchdog import Outcome, check_run, janitor
 
 EVENTS = {"restarted": "unbroken.run.recovered", "gave-up": "unbroken.run.gave-up"}
 
@@ -81,6 +81,10 @@ def watchdog(storage: str = ".unbroken/storage") -> list[dict[str, Any]]:
         log.info("run %s: %s %s", run, outcome.action, outcome.detail)
         emit(outcome)
         outcomes.append(outcome.to_dict())
+    try:
+        janitor(storage)  # clusters unbroken brought up on Kubernetes for runs that are over
+    except Exception as e:  # never a reason to fail the pass: the next one tries again
+        log.warning("janitor: %s: %s", type(e).__name__, e)
     rows = incidents_table(storage, active)
     if rows:
         create_table_artifact(rows, key="watchdog-incidents", description=f"incidents of active runs under {storage}")

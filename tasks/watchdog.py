@@ -587,3 +587,31 @@ def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason:
     run_logger().error("run %s: giving up: %s", cfg.name, reason)
     _release_cluster(cfg, reg)
     return Outcome(cfg.name, "gave-up", reason, incident)
+
+
+def janitor(storage: str) -> list[str]:
+    """Delete the clusters unbroken brought up on Kubernetes whose run is over (finished, failed, or its record
+    gone) and did not ask to keep them: what a flow or watchdog killed before its ``down`` left running. Looks in
+    every namespace that a run under ``storage`` used; returns the clusters deleted."""
+    from unbroken.backends.kuberay import KubeRay
+
+    def over(at: str, run: str) -> bool:
+        reg = registry.load(at, run)
+        if reg is None:
+            return True
+        return reg.get("state") not in registry.ACTIVE and not reg["config"]["cluster"].get("keep_running")
+
+    seen, deleted = set(), []
+    for run in registry.runs(storage):
+        reg = registry.load(storage, run)
+        if not reg or (reg.get("cluster") or {}).get("backend") != "kuberay":
+            continue
+        cfg = from_json(json.dumps(reg["config"]))
+        where = (cfg.cluster.kuberay.context, cfg.cluster.kuberay.namespace)
+        if where in seen:
+            continue
+        seen.add(where)
+        for name in KubeRay(cfg).janitor(over):
+            run_logger().warning("janitor: deleted RayCluster %s/%s (its run is over)", where[1], name)
+            deleted.append(name)
+    return deleted

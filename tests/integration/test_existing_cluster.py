@@ -39,7 +39,8 @@ def test_flow_uses_an_existing_cluster_and_leaves_it_running(cluster: str, tmp_p
     assert f"staging on the cluster at {cluster}" in r.stderr + r.stdout, r.explain()
     assert r.last_line == f"final model: {storage / 'runs' / 'ext' / 'final'}"
     assert reachable(cluster) is None, "a cluster the flow did not start must be left running"
-    assert read_registry(storage, "ext")["cluster"] == {"address": cluster, "mode": "existing", "started_here": False}
+    assert read_registry(storage, "ext")["cluster"] == {"address": cluster, "backend": "address", "mode": "existing",
+                                                        "spec": {"address": cluster}, "started_here": False}  # fmt: skip
 
 
 def test_a_job_the_cluster_cannot_fit_fails_with_a_clear_reason(cluster: str, tmp_path: Path) -> None:

@@ -128,12 +128,12 @@ def test_a_shared_head_is_stopped_by_its_last_user(tmp_path) -> None:
     try:
         h2 = start_local_head(second)
         assert h1.started_here and not h2.started_here
-        stop_cluster.fn(h1, run="first")  # the run that started it ends first
+        stop_cluster.fn(first, h1, run="first")  # the run that started it ends first
         assert reachable(h1.address) is None, "the second run still uses it"
         # A user whose process is gone and whose run is not active no longer holds the head up.
         users = Path(f"/tmp/unbroken-ray/{ports['cluster.dashboard_port']}/users")
         assert [p.stem for p in users.glob("*.json")] == ["second"]
-        stop_cluster.fn(h2, run="second")
+        stop_cluster.fn(second, h2, run="second")
         wait_for("the head to stop", lambda: reachable(h1.address) is not None, timeout_s=30)
     finally:
         stop_local_head(h1)
@@ -154,7 +154,7 @@ def test_a_kept_head_is_not_stopped_by_a_run(tmp_path) -> None:
     cfg = config(tmp_path, "kept", ports, **{"cluster.keep_running": True})
     h = start_local_head(cfg)
     try:
-        stop_cluster.fn(h, run="kept")
+        stop_cluster.fn(cfg, h, run="kept")
         time.sleep(1)
         assert reachable(h.address) is None
     finally:

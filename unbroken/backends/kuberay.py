@@ -1,0 +1,322 @@
+"""Backend ``kuberay``: a RayCluster on Kubernetes, made and removed through the official ``kubernetes`` client
+(the KubeRay operator turns it into pods). Its shape comes from ``cluster.kuberay``: the image, a head with no CPUs
+for training, one worker pod per training worker (``nvidia.com/gpu`` per pod, node selector, tolerations), the
+checkpoint storage wired into every pod (S3 credentials from a Secret by name, or a ReadWriteMany PVC mounted at the
+storage path), Ray token auth (``authOptions``, the token in a Secret), and labels naming the run.
+
+``up`` creates it when it does not exist and waits until KubeRay reports it ready (``cluster.kuberay
+.ready_timeout_s``); a cluster that exists (a crashed pod is replaced by the operator itself) is waited on, not
+re-created. ``down`` deletes it (and the token Secret unbroken made). :func:`janitor` deletes clusters unbroken made
+whose run is finished or gone -- what a flow killed before its ``down`` left behind; the watchdog runs it each pass.
+
+The token: unless ``auth_secret`` names one, unbroken puts this machine's own Ray token in a Secret
+``<cluster>-ray-token`` and points ``authOptions.secretName`` at it, so the flow's and the watchdog's Ray client
+open the cluster's Jobs API as they open any other.
+
+Not run against a real Kubernetes API server here (none is available): the manifests are checked against the
+KubeRay CRD fields and the Kubernetes pod models, and the calls against a recording fake of the API.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import time
+from typing import Any
+
+from ray_jobs.config import Config
+from unbroken.backends.base import Backend, ClusterError, ClusterHandle, enable_token_auth, reachable
+
+GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
+RAY_VERSION = "2.60.0"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "unbroken"}
+RUN_LABEL, SERIES_LABEL, STORAGE_ANNOTATION = "unbroken.io/run", "unbroken.io/series", "unbroken.io/storage"
+DASHBOARD_PORT = 8265
+STORAGE_VOLUME = "unbroken-storage"
+POLL_S = 2.0  # between two reads of the RayCluster's status while waiting for it
+
+
+def dns_name(text: str, limit: int = 50) -> str:
+    """A Kubernetes object name (RFC 1035 label: lowercase alphanumerics and '-', starting with a letter); a label
+    value obeys the same here."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    name = name if name[:1].isalpha() else f"u-{name}"
+    return name[:limit].rstrip("-")
+
+
+def cluster_name(cfg: Config) -> str:
+    """One RayCluster per series unless named: the series' runs take turns on it (a name is a stable handle the
+    watchdog finds again)."""
+    return cfg.cluster.kuberay.name or dns_name(f"unbroken-{cfg.series_name}")
+
+
+def token_secret_name(cfg: Config) -> str:
+    return cfg.cluster.kuberay.auth_secret or f"{cluster_name(cfg)}-ray-token"
+
+
+def _container(cfg: Config, name: str, cpus: str, memory: str, gpus: int) -> dict[str, Any]:
+    k = cfg.cluster.kuberay
+    limits: dict[str, Any] = {"cpu": cpus, "memory": memory}
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+    c: dict[str, Any] = {"name": name, "image": k.image, "resources": {"requests": dict(limits), "limits": limits},
+                         "env": [{"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]}  # fmt: skip
+    if k.s3_secret:
+        c["envFrom"] = [{"secretRef": {"name": k.s3_secret}}]
+    if k.storage_pvc:
+        c["volumeMounts"] = [{"name": STORAGE_VOLUME, "mountPath": cfg.storage}]
+    if name == "ray-head":
+        c["ports"] = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": DASHBOARD_PORT,
+                      "name": "dashboard"}, {"containerPort": 10001, "name": "client"}]  # fmt: skip
+    return c
+
+
+def _pod(cfg: Config, run: str, container: dict[str, Any], worker: bool) -> dict[str, Any]:
+    k = cfg.cluster.kuberay
+    spec: dict[str, Any] = {"containers": [container]}
+    if k.storage_pvc:
+        spec["volumes"] = [{"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": k.storage_pvc}}]
+    if worker and k.node_selector:
+        spec["nodeSelector"] = dict(k.node_selector)
+    if worker and k.tolerations:
+        spec["tolerations"] = [dict(t) for t in k.tolerations]
+    return {"metadata": {"labels": labels(cfg, run)}, "spec": spec}
+
+
+def labels(cfg: Config, run: str) -> dict[str, str]:
+    return {**MANAGED_BY, RUN_LABEL: dns_name(run, 63), SERIES_LABEL: dns_name(cfg.series_name, 63)}
+
+
+def raycluster_manifest(cfg: Config, run: str) -> dict[str, Any]:
+    """The RayCluster unbroken creates for ``run`` (ray.io/v1, fields of the KubeRay CRD API reference)."""
+    k, c = cfg.cluster.kuberay, cfg.cluster
+    head = _container(cfg, "ray-head", k.head_cpus, k.head_memory, 0)
+    worker = _container(cfg, "ray-worker", k.worker_cpus, k.worker_memory, k.gpus_per_worker)
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RayCluster",
+        "metadata": {
+            "name": cluster_name(cfg),
+            "namespace": k.namespace,
+            "labels": labels(cfg, run),
+            "annotations": {STORAGE_ANNOTATION: cfg.storage, RUN_LABEL: run},
+        },  # fmt: skip
+        "spec": {
+            "rayVersion": RAY_VERSION,
+            "authOptions": {"mode": "token", "secretName": token_secret_name(cfg)},
+            "headGroupSpec": {
+                "serviceType": "ClusterIP",
+                # no training on the head: it runs Ray's control plane and the job drivers
+                "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+                "template": _pod(cfg, run, head, worker=False),
+            },
+            "workerGroupSpecs": [
+                {
+                    "groupName": "workers",
+                    "replicas": c.max_workers,  # one pod per training worker
+                    "minReplicas": c.min_workers,
+                    "maxReplicas": c.max_workers,
+                    "rayStartParams": {},
+                    "template": _pod(cfg, run, worker, worker=True),
+                }
+            ],  # fmt: skip
+        },
+    }
+
+
+def token_secret_manifest(cfg: Config, run: str, token: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": token_secret_name(cfg), "namespace": cfg.cluster.kuberay.namespace,
+                         "labels": labels(cfg, run)},
+            "data": {"auth_token": base64.b64encode(token.encode()).decode()}}  # fmt: skip
+
+
+def _local_token() -> str:
+    """This machine's Ray auth token: what its Ray client sends (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``)."""
+    enable_token_auth()
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+    header = next(iter(get_auth_headers_if_auth_enabled({}).values()), "")
+    token = header.split(" ", 1)[-1].strip()
+    if not token:
+        raise ClusterError("no Ray auth token on this machine for the RayCluster to share (make one with `ray "
+                           "get-auth-token --generate`, or name a Secret in cluster.kuberay.auth_secret)")  # fmt: skip
+    return token
+
+
+def ready(obj: dict[str, Any]) -> bool:
+    """KubeRay's verdict: ``status.state`` ready (all pods running), or the RayClusterProvisioned condition."""
+    status = obj.get("status") or {}
+    if status.get("state") == "ready":
+        return True
+    return any(c.get("type") == "RayClusterProvisioned" and c.get("status") == "True"
+               for c in status.get("conditions") or [])  # fmt: skip
+
+
+def _status_line(obj: dict[str, Any] | None) -> str:
+    if obj is None:
+        return "it does not exist"
+    status = obj.get("status") or {}
+    bits = [f"state={status.get('state') or '-'}"]
+    if status.get("reason"):
+        bits.append(f"reason={status['reason']}")
+    for c in status.get("conditions") or []:
+        if c.get("status") != "True" and c.get("message"):
+            bits.append(f"{c.get('type')}: {c['message']}")
+    return ", ".join(bits)
+
+
+class KubeRay(Backend):
+    name = "kuberay"
+
+    def __init__(self, cfg: Config, api_client=None):
+        super().__init__(cfg)
+        self._client = api_client
+
+    def spec(self) -> dict[str, Any]:
+        k = self.cfg.cluster.kuberay
+        return {"namespace": k.namespace, "name": cluster_name(self.cfg), "context": k.context, "image": k.image}
+
+    # -- the Kubernetes API ------------------------------------------------------------------------------------
+    def _api(self):
+        if self._client is None:
+            from kubernetes import client, config
+
+            context = self.cfg.cluster.kuberay.context or None
+            conf = client.Configuration()
+            try:  # KUBECONFIG read now (the client reads it once, at import)
+                config.load_kube_config(os.environ.get("KUBECONFIG"), context, client_configuration=conf)
+            except config.ConfigException as outside:
+                try:
+                    config.load_incluster_config(client_configuration=conf)
+                except config.ConfigException as inside:
+                    raise ClusterError(f"no Kubernetes API to talk to: kubeconfig: {outside}; in-cluster: "
+                                       f"{inside}") from inside  # fmt: skip
+            self._client = client.ApiClient(conf)
+        return self._client
+
+    def _custom(self):
+        from kubernetes import client
+
+        return client.CustomObjectsApi(self._api())
+
+    def _core(self):
+        from kubernetes import client
+
+        return client.CoreV1Api(self._api())
+
+    def _get(self) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        k = self.cfg.cluster.kuberay
+        try:
+            return self._custom().get_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
+                                                               cluster_name(self.cfg))  # fmt: skip
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise ClusterError(f"Kubernetes API: reading RayCluster {cluster_name(self.cfg)}: {_why(e)}") from e
+
+    def _ensure_token_secret(self, run: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        if self.cfg.cluster.kuberay.auth_secret:
+            return  # the user's own Secret: its token must be this machine's (their setup)
+        body = token_secret_manifest(self.cfg, run, _local_token())
+        ns = self.cfg.cluster.kuberay.namespace
+        try:
+            self._core().create_namespaced_secret(ns, body)
+        except ApiException as e:
+            if e.status != 409:
+                raise ClusterError(f"Kubernetes API: creating Secret {body['metadata']['name']}: {_why(e)}") from e
+            self._core().replace_namespaced_secret(body["metadata"]["name"], ns, body)  # ours: keep it current
+
+    # -- the interface -----------------------------------------------------------------------------------------
+    def _jobs_api(self) -> str:
+        k = self.cfg.cluster.kuberay
+        service = f"{cluster_name(self.cfg)}-head-svc.{k.namespace}.svc.cluster.local"  # KubeRay's head Service
+        return k.dashboard_address or f"http://{service}:{DASHBOARD_PORT}"
+
+    def address(self) -> str | None:
+        obj = self._get()
+        if obj is None or not ready(obj):
+            return None
+        return self._jobs_api() if reachable(self._jobs_api()) is None else None
+
+    def up(self, run: str | None = None) -> ClusterHandle:
+        from kubernetes.client.exceptions import ApiException
+
+        run = run or self.cfg.name
+        k = self.cfg.cluster.kuberay
+        created = False
+        if self._get() is None:
+            self._ensure_token_secret(run)
+            try:
+                self._custom().create_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
+                                                               raycluster_manifest(self.cfg, run))  # fmt: skip
+                created = True
+            except ApiException as e:
+                if e.status != 409:  # 409: another flow created it meanwhile; wait for it like for our own
+                    raise ClusterError(f"Kubernetes API: creating RayCluster {cluster_name(self.cfg)}: "
+                                       f"{_why(e)}") from e  # fmt: skip
+        deadline = time.monotonic() + k.ready_timeout_s
+        while True:
+            obj = self._get()
+            if obj is not None and ready(obj) and reachable(self._jobs_api()) is None:
+                return self._handle(self._jobs_api(), created)
+            if time.monotonic() > deadline:
+                where = "" if obj is None or not ready(obj) else f"; its Jobs API {reachable(self._jobs_api())}"
+                raise ClusterError(f"RayCluster {k.namespace}/{cluster_name(self.cfg)} not ready within "
+                                   f"cluster.kuberay.ready_timeout_s={k.ready_timeout_s:g}s: {_status_line(obj)}"
+                                   f"{where}")  # fmt: skip
+            time.sleep(POLL_S)
+
+    def down(self, handle: ClusterHandle, run: str | None = None) -> str:
+        from kubernetes.client.exceptions import ApiException
+
+        k, name = self.cfg.cluster.kuberay, cluster_name(self.cfg)
+        try:
+            self._custom().delete_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL, name)
+        except ApiException as e:
+            if e.status != 404:
+                raise ClusterError(f"Kubernetes API: deleting RayCluster {name}: {_why(e)}") from e
+        if not k.auth_secret:
+            try:
+                self._core().delete_namespaced_secret(token_secret_name(self.cfg), k.namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    secret = token_secret_name(self.cfg)
+                    raise ClusterError(f"Kubernetes API: deleting Secret {secret}: {_why(e)}") from e
+        return f"deleted RayCluster {k.namespace}/{name}"
+
+    def janitor(self, is_over) -> list[str]:
+        """Delete the RayClusters unbroken made in this namespace whose run is over -- ``is_over(storage, run)``
+        decides (a finished, failed or vanished run that did not ask to keep its cluster). Returns their names."""
+        k = self.cfg.cluster.kuberay
+        selector = ",".join(f"{a}={b}" for a, b in MANAGED_BY.items())
+        found = self._custom().list_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
+                                                             label_selector=selector)  # fmt: skip
+        deleted = []
+        for obj in found.get("items", []):
+            meta = obj.get("metadata") or {}
+            notes = meta.get("annotations") or {}
+            storage, run = notes.get(STORAGE_ANNOTATION), notes.get(RUN_LABEL)
+            if not storage or not run or not is_over(storage, run):
+                continue
+            other = self.cfg.model_copy(deep=True)
+            other.cluster.kuberay.name = meta["name"]
+            KubeRay(other, self._api()).down(ClusterHandle("", "", True, "", backend=self.name), run)
+            deleted.append(meta["name"])
+        return deleted
+
+
+def _why(e) -> str:
+    """An ApiException as one line: the Status message the API server sent, or the HTTP reason."""
+    import json
+
+    try:
+        return f"HTTP {e.status}: {json.loads(e.body).get('message')}"
+    except (TypeError, ValueError, AttributeError):
+        return f"HTTP {e.status}: {e.reason}"
