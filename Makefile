@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo smollm2 test test-unit test-integration test-chaos test-multinode lint format clean ui serve browser
+.PHONY: setup demo smollm2 test test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
 
 setup: $(STAMP)
 
@@ -29,6 +29,13 @@ browser:
 	  $$S apt-get install -y -qq chromium >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq chromium; }; }
 	@chromium --version
 
+# sshd and rsync for the Ray cluster launcher's hosts (tests/launcher: `ray up` over SSH): Debian's packages.
+hosts-tools:
+	@command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd && command -v rsync >/dev/null 2>&1 || { \
+	  S=$$([ "$$(id -u)" = 0 ] || echo sudo); $$S apt-get install -y -qq openssh-server rsync >/dev/null 2>&1 || \
+	  { $$S apt-get update -qq && $$S apt-get install -y -qq openssh-server rsync; }; }
+	@echo "sshd and rsync: present"
+
 # The Prefect UI on http://127.0.0.1:4200 (SQLite under .unbroken/prefect); Ctrl-C stops it.
 ui: setup
 	$(VENV)/bin/unbroken server
@@ -50,7 +57,7 @@ test-chaos: setup
 	$(VENV)/bin/pytest tests/chaos
 
 test-multinode: setup
-	$(VENV)/bin/pytest tests/multinode
+	$(VENV)/bin/pytest tests/multinode tests/launcher
 
 lint: setup
 	$(VENV)/bin/ruff check --no-cache .

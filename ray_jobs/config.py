@@ -285,6 +285,10 @@ class ClusterConfig(_Section):
     Kubernetes, ``cluster.kuberay``). Unset: ``address`` when an address is given, else ``local``."""
     address: str = ""
     """Ray Jobs API address of an existing cluster (``http://head:8265``); empty = start a local head."""
+    python: str = "python"
+    """The interpreter the jobs run with on a cluster unbroken did not start itself (``address``, ``ray-up``,
+    ``kuberay``): the one with this project's dependencies, like ``~/unbroken-venv/bin/python`` (a login shell on a
+    node may put another ``python`` first). A local head uses the flow's own interpreter."""
     ray_up: RayUpConfig = RayUpConfig()
     kuberay: KubeRayConfig = KubeRayConfig()
     num_workers: int | WorkerRange = 2

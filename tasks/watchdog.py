@@ -440,7 +440,7 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
     again = inspect(reg, cfg, time.time())  # decided earlier (maybe a backoff ago): look once more before acting
     if not again.trouble:
         return _stand_down(cfg, reg, incident, again)
-    _stop_leftovers(reg, old["submission_id"])  # verified, or this raises and nothing is submitted
+    _stop_leftovers(cfg, reg, old["submission_id"])  # verified, or this raises and nothing is submitted
     lease.renew()
     handle = provision_cluster(cfg)  # the finetune flow's task: starts a local head again if it is gone
     lease.renew()
@@ -456,7 +456,7 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
     owned = handle.started_here or (reg["cluster"].get("started_here") and reg["cluster"]["address"] == handle.address)
     attempt = registry.begin_attempt(
         cfg,
-        {"address": handle.address, "started_here": owned},
+        handle.to_dict() | {"started_here": owned},
         reg["dataset_id"],
         resume_from=resume_from,
         started_by="watchdog",
@@ -506,20 +506,26 @@ def _stand_down(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], verd
     return Outcome(cfg.name, "ok", f"{incident['kind']} cleared on re-check: {verdict.status}", incident)
 
 
-def _stop_leftovers(reg: dict[str, Any], sid: str) -> None:
+def _stop_leftovers(cfg: Config, reg: dict[str, Any], sid: str) -> None:
     """Make sure the failed attempt's job no longer runs before another is submitted: stop it and wait until Ray
-    says it ended. When the cluster cannot tell (unreachable), a local head of ours is stopped outright (its
-    processes, nothing else on the machine), which ends the job for certain; any other cluster: StopUnverified,
+    says it ended. When the cluster cannot tell (unreachable), a cluster unbroken manages is taken down outright,
+    which ends the job for certain: a local head of ours by its processes (nothing else on the machine), a cluster
+    unbroken brought up (``ray up``, KubeRay) through its backend's ``down``. Anyone else's cluster: StopUnverified,
     and no new attempt -- two jobs must never train into the same checkpoints."""
     address = reg["cluster"]["address"]
     try:
         if stop_and_wait(address, sid, STOP_WAIT_S):
             run_logger().info("stopped what was left of Ray job %s", sid)
     except StopUnverified:
-        if reg["cluster"].get("mode") != "local":
+        mode = reg["cluster"].get("mode")
+        if mode == "local":
+            run_logger().warning("the local Ray head at %s does not answer: stopping its processes", address)
+            _stop_head_processes(address)
+        elif mode == "managed":
+            run_logger().warning("the Ray cluster at %s does not answer: taking it down through its backend", address)
+            run_logger().info(backend_for(cfg).down(_recorded_handle(reg), cfg.name))
+        else:
             raise
-        run_logger().warning("the local Ray head at %s does not answer: stopping its processes", address)
-        _stop_head_processes(address)
 
 
 def _stop_head_processes(address: str) -> None:
@@ -580,7 +586,7 @@ def _recorded_handle(reg: dict[str, Any]) -> ClusterHandle:
 
 def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason: str) -> Outcome:
     with contextlib.suppress(ClusterError):  # giving up must not hinge on reaching the cluster
-        _stop_leftovers(reg, registry.current_attempt(reg)["submission_id"])
+        _stop_leftovers(cfg, reg, registry.current_attempt(reg)["submission_id"])
     incident.update(action="gave-up", reason=reason, gave_up_at=time.time())
     reg.update(state="failed", reason=reason)
     registry.save(cfg.storage, cfg.name, reg)

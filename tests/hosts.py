@@ -112,6 +112,33 @@ class Hosts:
             cmd, env=self._env() | (env or {}), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
+    def start_sshd(self, h: Host, key: Path) -> None:
+        """The host as a machine the Ray cluster launcher reaches: ``sshd`` as its PID namespace's first process
+        (so whatever a login starts -- Ray's daemons -- lives and dies with the host, and ``ray stop`` there sees
+        only the host's own processes), root logging in with ``key`` (an ed25519 key pair, ``key`` and
+        ``key.pub``), a default route through the bridge so Ray finds the host's own address."""
+        h.temp_dir.mkdir(parents=True, exist_ok=True)
+        _ip("netns", "exec", h.ns, "ip", "route", "replace", "default", "via", f"10.{self.octet}.0.1", check=False)
+        conf = h.temp_dir / "sshd_config"
+        shutil.copy(key.with_suffix(".pub"), h.temp_dir / "authorized_keys")
+        conf.write_text("\n".join([
+            f"ListenAddress {h.addr}", "Port 22", f"HostKey {key}", f"AuthorizedKeysFile {h.temp_dir}/authorized_keys",
+            "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
+            "UsePAM no", "StrictModes no", f"PidFile {h.temp_dir}/sshd.pid", "MaxStartups 50", "MaxSessions 50",
+        ]) + "\n")  # fmt: skip
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege separation directory
+        # A login there finds this checkout's Ray on its PATH, as a machine with Ray installed would: a profile
+        # script bind-mounted over /etc/profile.d in the host's own mount namespace (the machine's is untouched).
+        profile = h.temp_dir / "profile.d"
+        profile.mkdir(exist_ok=True)
+        (profile / "unbroken-ray.sh").write_text(f'export PATH="{VENV_BIN}:$PATH"\n')
+        log = (self.root / f"{h.name}.log").open("ab")
+        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+        cmd = ["ip", "netns", "exec", h.ns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c",
+               f"mount --bind {profile} /etc/profile.d && exec {sshd} -D -e -f {conf}"]  # fmt: skip
+        h.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(f"sshd on {h.name}", lambda: _listening(h, 22), timeout_s=30, every_s=0.2)
+
     def start_head(self, h: Host, gcs_port: int, dashboard_port: int, num_cpus: int = 0) -> str:
         """The head on ``h`` (no CPUs of its own by default: training runs on the worker hosts); its Jobs API URL."""
         self.head, self.gcs_port, self.dashboard_port = h, gcs_port, dashboard_port
@@ -188,6 +215,11 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def _listening(h: Host, port: int) -> bool:
+    out = _ip("netns", "exec", h.ns, "ss", "-ltn", check=False).stdout
+    return f"{h.addr}:{port} " in out
 
 
 def can_make_hosts() -> str | None:

@@ -83,7 +83,7 @@ def gpu_recipe(tmp_path: Path, **extra: object):
 def kube(tmp_path, monkeypatch):
     fake = FakeKube(ready_after=3)
     monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
-    monkeypatch.setenv("RAY_AUTH_TOKEN", "flow-token-0123456789")  # this machine's Ray token, shared with the pods
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "flow-token-0123456789")  # a token for a machine that has none yet
     monkeypatch.setattr(kuberay, "POLL_S", 0.05)
     # No pods behind the fake: the head Service's Jobs API is taken as answering once KubeRay says ready.
     monkeypatch.setattr(kuberay, "reachable", lambda address: None)
@@ -133,7 +133,8 @@ def test_up_creates_waits_until_ready_and_down_deletes(kube, tmp_path) -> None:
                             "GET rayclusters/unbroken-qwen05b-sft"]  # fmt: skip
     assert kube.reads[("rayclusters", "default", "unbroken-qwen05b-sft")] == 3, "waited for KubeRay's ready"
     secret, created = kube.bodies[0], kube.bodies[1]
-    assert base64.b64decode(secret["data"]["auth_token"]).decode() == "flow-token-0123456789"
+    # The token this process's Ray client sends (Ray loads it once per process: the fixture's, or an earlier one's).
+    assert base64.b64decode(secret["data"]["auth_token"]).decode() == kuberay._local_token()
     check_raycluster(created)
 
     again = backend.up("qwen05b-sft")  # the cluster is there (a lost pod is the operator's to replace): no create

@@ -70,8 +70,8 @@ class Backend:
     def down(self, handle: ClusterHandle, run: str | None = None) -> None:
         raise NotImplementedError
 
-    def _handle(self, address: str, started_here: bool, python: str = "python", local: bool = False) -> ClusterHandle:
-        return ClusterHandle(address, address, started_here, python, local, self.name, self.spec())
+    def _handle(self, address: str, started_here: bool) -> ClusterHandle:
+        return ClusterHandle(address, address, started_here, self.cfg.cluster.python, False, self.name, self.spec())
 
 
 def ray_cli() -> str:

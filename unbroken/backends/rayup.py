@@ -12,6 +12,7 @@ Token auth: the YAML's start commands set ``RAY_AUTH_MODE=token`` and ship this 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,11 @@ class RayUp(Backend):
     def up(self, run: str | None = None) -> ClusterHandle:
         path, limit = self.cfg.cluster.ray_up.config, self.cfg.cluster.ray_up.up_timeout_s
         already = self.address()
+        if (self._yaml().get("provider") or {}).get("type") == "local":
+            # Ray 2.60's autoscaler v2 (ray up's default) never replaces a dead worker of the local provider: the
+            # new instance waits on the dead one's IP, whose termination times out (seen here, 300 s and again). v1
+            # replaces it. A user's explicit setting wins.
+            os.environ.setdefault("RAY_UP_enable_autoscaler_v2", "0")
         try:
             # On a live cluster: update in place, Ray not restarted (running jobs go on); the head's autoscaler
             # starts the workers the YAML asks for that are missing.

@@ -1,0 +1,112 @@
+"""``cluster.backend: ray-up`` for real: the Ray cluster launcher brings the shipped on-prem cluster YAML up over SSH
+on namespace hosts, runs a training job, brings a killed worker host back on ``up``, and -- with the whole cluster
+torn down under a running job -- the watchdog re-provisions it through the same backend and the run finishes
+bit-identical to an uninterrupted one on that cluster. Then ``down`` leaves no Ray process on any host."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ray_jobs import checkpoint as ckpt
+from ray_jobs.storage import Layout
+from tasks import registry
+from tasks.cluster import provision_cluster
+from tests.chaos.harness import (
+    REPORT,
+    chaos_config,
+    final_weights_hash,
+    heartbeat_step,
+    job_logs,
+    start_run,
+    start_training,  # fmt: skip
+    until_finished,
+    wait_job,
+)
+from tests.chaos.test_control_plane import WatchdogLoop
+from tests.hosts import VENV_BIN
+from tests.launcher.conftest import cluster_yaml
+from tests.procs import wait_for
+from unbroken.backends import backend_for
+from unbroken.backends.base import reachable
+
+pytestmark = pytest.mark.multinode
+
+WATCHED = {"fault_tolerance.max_failures": 0, "fault_tolerance.stall_timeout_s": 60, "fault_tolerance.confirm_s": 5,
+           "fault_tolerance.restart_backoff_s": 1}  # fmt: skip
+
+
+def alive(backend, handle) -> list[str]:
+    h = backend.health(handle)
+    return sorted(n.ip for n in h.alive) if h.nodes is not None else []
+
+
+def test_ray_up_runs_a_job_brings_a_lost_host_back_and_the_watchdog_reprovisions_through_it(machines, tmp_path):
+    config = cluster_yaml(machines, tmp_path / "onprem.yaml")
+    ray_up = {"cluster.backend": "ray-up", "cluster.ray_up.config": str(config), "cluster.keep_running": False,
+              "cluster.python": str(VENV_BIN / "python")}  # fmt: skip
+    base = chaos_config(tmp_path / "baseline", "baseline", **ray_up)
+    backend = backend_for(base)
+    head, *workers = machines.hosts
+    t0 = time.time()
+    handle = provision_cluster.fn(base)
+    up_s = time.time() - t0
+    assert handle.backend == "ray-up" and handle.started_here and handle.address == f"http://{head.addr}:8265"
+    wait_for("the head and three workers", lambda: len(alive(backend, handle)) == 4, timeout_s=300, every_s=2)
+    try:
+        sid = start_training(handle, base)  # a job on the launched cluster: the uninterrupted reference
+        assert wait_job(handle, sid) == "SUCCEEDED", job_logs(handle, sid)[-5000:]
+        baseline = final_weights_hash(base)
+
+        # A worker host dies; the machine comes back; `up` again (Ray not restarted) and the head's autoscaler
+        # starts Ray on the hosts that are missing.
+        victim = next(w for w in workers if w.addr in alive(backend, handle))
+        machines.kill(victim)
+        wait_for(f"{victim.name} counted dead", lambda: victim.addr not in alive(backend, handle), timeout_s=120)
+        machines.start_sshd(victim, machines.key)
+        t1 = time.time()
+        again = provision_cluster.fn(base)
+        assert not again.started_here, "the live head was updated in place, not restarted"
+        wait_for(f"{victim.name} back", lambda: victim.addr in alive(backend, handle), timeout_s=300, every_s=2)
+        back_s = time.time() - t1
+
+        # The whole cluster torn down under a running job: the watchdog's restart goes through the backend.
+        cfg = chaos_config(tmp_path / "watched", "rayup", **ray_up, **WATCHED)
+        start_run(handle, cfg, env={"UNBROKEN_INJECT_DELAY": "step:0.2"})
+        wait_for("a checkpoint", lambda: ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name)),
+                 timeout_s=300)  # fmt: skip
+        at_fault, fault_at = heartbeat_step(cfg), time.time()
+        backend.down(handle, cfg.name)
+        assert reachable(handle.address) is not None, "ray down stopped the head"
+        with WatchdogLoop(cfg) as loop:
+            reg = until_finished(cfg, timeout_s=600)
+        status = registry.describe(cfg.storage, cfg.name)
+        assert reg["state"] == "succeeded", f"{status}\n{loop.actions()}"
+        assert [i["kind"] for i in reg["incidents"]] == ["cluster-unreachable"], status
+        incident = reg["incidents"][0]
+        assert incident["action"] == "restarted" and incident["reprovisioned"], status
+        assert (
+            reg["cluster"]["backend"] == "ray-up" and reg["cluster"]["spec"]["cluster_name"] == "unbroken-test-onprem"
+        )
+        assert final_weights_hash(cfg) == baseline, "bit-identical to the uninterrupted run on this cluster"
+        REPORT.append({"scenario": "ray-up: whole cluster torn down", "detected_by": "watchdog (cluster-unreachable)",
+                       "detection_s": incident["detected_at"] - fault_at,
+                       "recovery_s": incident["first_new_step_at"] - fault_at,
+                       "lost_steps": max(0, at_fault - (incident.get("resumed_step") or 0))})  # fmt: skip
+        print(
+            f"RAYUP up {up_s:.1f}s, lost host back {back_s:.1f}s, teardown -> first new step "
+            f"{incident['first_new_step_at'] - fault_at:.1f}s"
+        )
+    finally:
+        backend.down(handle, "test")  # (the watchdog already took it down when the run it restarted ended)
+    wait_for("no Ray daemon left on any host", lambda: not [p for h in machines.hosts for p in h.pids()
+             if b"raylet" in _cmd(p) or b"gcs_server" in _cmd(p)], timeout_s=60)  # fmt: skip
+
+
+def _cmd(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
