@@ -394,8 +394,9 @@ def _incident_line(i: dict[str, Any]) -> str:
             + f"; lost steps {i.get('lost_steps', '-')}; silent {_secs(i.get('silent_s'))} before detection; "
             f"first new step {_secs(i.get('time_to_recover_s'))} after detection"
         )
-    elif action == "noted":  # a health finding: named, never acted on
+    elif action == "noted":  # a health finding: named, never a restart (a lost node may be asked back: repair)
         what = "noted" + (f", cleared {_when(i['cleared_at'])}" if i.get("cleared_at") else ", still holds")
+        what += f"; {i['repair']}" if i.get("repair") else ""
     else:
         what = action + (f": {i['reason']}" if i.get("reason") else "")
     detail = f"\n    {i['detail']}" if i.get("detail") else ""

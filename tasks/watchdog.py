@@ -361,15 +361,35 @@ def look_at_cluster(cfg: Config, reg: dict[str, Any], now: float, read=None) -> 
     for f in findings:
         if f.key() not in noted:
             run_logger().warning("run %s: cluster health: %s", cfg.name, f.key())
-            reg.setdefault("incidents", []).append({"kind": f.kind, "detected_by": "watchdog (cluster health)",
-                                                    "detected_at": now, "attempt": attempt, "action": "noted",
-                                                    "detail": f.key()})  # fmt: skip
+            incident = {"kind": f.kind, "detected_by": "watchdog (cluster health)", "detected_at": now,
+                        "attempt": attempt, "action": "noted", "detail": f.key()}  # fmt: skip
+            if f.kind == "nodes-missing" and reg["cluster"].get("backend") in REPAIRS:
+                incident["repair"] = _replace_nodes(cfg, reg)
+            reg.setdefault("incidents", []).append(incident)
             changed = True
     for key, inc in noted.items():
         if key not in keys:
             inc["cleared_at"] = now
             changed = True
     return changed, keys
+
+
+# Backends whose ``up`` on a live cluster starts missing worker nodes without touching the running job: ``ray up``
+# (no restart; the head's autoscaler starts Ray again on every listed host that answers). A local head has no other
+# hosts, an existing cluster is not unbroken's to change, and KubeRay's operator replaces lost pods by itself.
+REPAIRS = ("ray-up",)
+
+
+def _replace_nodes(cfg: Config, reg: dict[str, Any]) -> str:
+    """Ask the run's backend for its missing nodes back (``up`` again); what it did, for the incident."""
+    try:
+        backend_for(cfg).up(cfg.name)
+    except ClusterError as e:
+        run_logger().warning("run %s: could not ask for replacement nodes: %s", cfg.name, e)
+        return f"{reg['cluster']['backend']} up failed: {e}"[:300]
+    run_logger().info("run %s: asked %s for replacement nodes (up, Ray not restarted)", cfg.name,
+                      reg["cluster"]["backend"])  # fmt: skip
+    return f"{reg['cluster']['backend']} up: replacement nodes requested"
 
 
 def new_incident(

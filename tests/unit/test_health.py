@@ -104,3 +104,29 @@ def test_the_watchdog_notes_a_finding_once_and_clears_it_never_restarting_for_it
 def test_a_dashboard_that_cannot_be_read_concludes_nothing() -> None:
     h = health.read("http://127.0.0.1:9", timeout_s=2)
     assert h.nodes is None and h.why
+
+
+def test_a_missing_node_of_a_ray_up_cluster_is_asked_back_through_its_backend(monkeypatch) -> None:
+    """On-prem ``ray up``: a lost worker host is the launcher's to bring back (``up``, Ray not restarted); the
+    watchdog asks once per incident and notes what happened. Other backends only note it."""
+    asked = []
+
+    class Backend:
+        def up(self, run):
+            asked.append(run)
+
+    monkeypatch.setattr(watchdog, "backend_for", lambda cfg: Backend())
+    c = cfg()
+    two = body(summary_node("10.0.0.10", head=True), summary_node("10.0.0.11"))
+    one = copy.deepcopy(two)
+    one["data"]["summary"][1]["raylet"]["state"] = "DEAD"
+    for backend, want in (("ray-up", [c.name]), ("address", [])):
+        asked.clear()
+        reg = {"cluster": {"address": "http://head:8265", "backend": backend}, "attempts": [{"attempt": 1}],
+               "incidents": []}  # fmt: skip
+        seen = iter([two, one, one])
+        for t in (1.0, 2.0, 3.0):
+            watchdog.look_at_cluster(c, reg, t, lambda a, seen=seen: Health(health.parse_summary(next(seen))))
+        assert asked == want, backend
+        (incident,) = reg["incidents"]
+        assert incident.get("repair") == ("ray-up up: replacement nodes requested" if want else None)
