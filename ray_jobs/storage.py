@@ -212,6 +212,10 @@ class Layout:
     def active_index(self) -> str:
         return join(self.root, "index", "active-runs")
 
+    # index/kuberay-runs/<run> : a marker per run whose RayCluster the watchdog's janitor has yet to see cleaned up
+    def kuberay_index(self) -> str:
+        return join(self.root, "index", "kuberay-runs")
+
     def run_registry(self, run: str) -> str:
         return join(self.run_dir(run), "run.json")
 

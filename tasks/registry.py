@@ -56,13 +56,31 @@ def save(storage: str, run: str, reg: dict[str, Any]) -> None:
 
 def _index(storage: str, run: str, active: bool) -> None:
     """Keep ``index/active-runs/<run>`` in step with the run's state (after run.json: the registry is the truth)."""
-    marker = join(Layout(storage).active_index(), run)
-    if active:
+    _mark(Layout(storage).active_index(), run, active)
+
+
+def _mark(folder: str, run: str, on: bool) -> None:
+    marker = join(folder, run)
+    if on:
         write_bytes_atomic(marker, b"")
     else:
         fs, path = fs_and_path(marker)
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(path)
+
+
+def _marked(folder: str) -> list[str]:
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listing(folder))
+
+
+def kuberay_runs(storage: str) -> list[str]:
+    """Runs that made a RayCluster which the janitor has not yet seen cleaned up (``index/kuberay-runs``): one
+    listing, so a watchdog pass never reads every run that ever finished."""
+    return _marked(Layout(storage).kuberay_index())
+
+
+def kuberay_cleaned(storage: str, run: str) -> None:
+    _mark(Layout(storage).kuberay_index(), run, False)
 
 
 def update(storage: str, run: str, **fields: Any) -> dict[str, Any]:
@@ -85,7 +103,7 @@ def active_runs(storage: str) -> list[str]:
     """Runs the watchdog must look after: submitted, running or recovering. Read from the active-run index (one
     listing and a registry per active run, however many runs ever finished); a storage without one yet (written
     before the index existed) is scanned once to build it."""
-    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listing(Layout(storage).active_index()))
+    names = _marked(Layout(storage).active_index())
     indexed = set(names)
     built = ".built" in indexed
     if not built:
@@ -245,6 +263,8 @@ def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> 
             "status": "SUBMITTED",
         }
     )
+    if reg["cluster"]["backend"] == "kuberay":  # the janitor's to look after once the run is over
+        _mark(Layout(cfg.storage).kuberay_index(), cfg.name, True)
     save(cfg.storage, cfg.name, reg)
     return attempt
 

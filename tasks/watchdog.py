@@ -618,7 +618,8 @@ def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason:
 def janitor(storage: str) -> list[str]:
     """Delete the clusters unbroken brought up on Kubernetes whose run is over (finished, failed, or its record
     gone) and did not ask to keep them: what a flow or watchdog killed before its ``down`` left running. Looks in
-    every namespace that a run under ``storage`` used; returns the clusters deleted."""
+    every namespace that a run under ``storage`` still marked for it used (``registry.kuberay_runs``); a finished run
+    is unmarked once its namespace was cleaned. Returns the clusters deleted."""
     from unbroken.backends.kuberay import KubeRay
 
     def over(at: str, run: str) -> bool:
@@ -627,11 +628,14 @@ def janitor(storage: str) -> list[str]:
             return True
         return reg.get("state") not in registry.ACTIVE and not reg["config"]["cluster"].get("keep_running")
 
-    seen, deleted = set(), []
-    for run in registry.runs(storage):
+    seen, deleted, done = set(), [], []
+    for run in registry.kuberay_runs(storage):
         reg = registry.load(storage, run)
-        if not reg or (reg.get("cluster") or {}).get("backend") != "kuberay":
+        if reg is None:  # its namespace is unknown now; any other run's look there still finds its cluster
+            registry.kuberay_cleaned(storage, run)
             continue
+        if reg.get("state") not in registry.ACTIVE:  # finished: its cluster goes now, or is kept for good
+            done.append(run)
         cfg = from_json(json.dumps(reg["config"]))
         where = (cfg.cluster.kuberay.context, cfg.cluster.kuberay.namespace)
         if where in seen:
@@ -640,4 +644,6 @@ def janitor(storage: str) -> list[str]:
         for name in KubeRay(cfg).janitor(over):
             run_logger().warning("janitor: deleted RayCluster %s/%s (its run is over)", where[1], name)
             deleted.append(name)
+    for run in done:  # every namespace was looked at without an error: their clusters are gone
+        registry.kuberay_cleaned(storage, run)
     return deleted
