@@ -38,9 +38,11 @@ def provision_cluster(cfg: Config) -> ClusterHandle:
 
 @task(name="stop-cluster", cache_policy=NO_CACHE)
 def stop_cluster(cfg: Config, handle: ClusterHandle, run: str | None = None) -> None:
-    """This run is done with its cluster: the backend's ``down`` (a local head stops when no other run uses it; a
-    cluster unbroken created is removed unless ``cluster.keep_running``; an existing cluster is never stopped)."""
-    if cfg.cluster.keep_running and handle.backend != "local":
-        run_logger().info("leaving the Ray cluster up (cluster.keep_running): %s", handle.dashboard_url)
+    """This run is done with its cluster: the backend's ``down`` -- a local head stops when no other run uses it (its
+    users and ``keep_running`` are the head's own record); any other cluster goes only when this run brought it up
+    and did not ask to keep it (an existing cluster, or one an earlier run left up, is never taken down)."""
+    if handle.backend != "local" and (cfg.cluster.keep_running or not handle.started_here):
+        why = "cluster.keep_running" if cfg.cluster.keep_running else "this run did not bring it up"
+        run_logger().info("leaving the Ray cluster up (%s): %s", why, handle.dashboard_url)
         return
     run_logger().info(backend_for(cfg).down(handle, run))

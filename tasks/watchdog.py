@@ -589,10 +589,9 @@ def _finish(cfg: Config, reg: dict[str, Any], verdict: Verdict) -> Outcome:
 def _release_cluster(cfg: Config, reg: dict[str, Any]) -> None:
     """The run is over and no flow is left to release its cluster: its backend's ``down`` (a local head stops when
     no other run uses it; a cluster unbroken brought up is removed unless kept; someone else's is left alone)."""
-    cluster = reg["cluster"]
-    if cfg.cluster.keep_running or not (cluster.get("mode") == "local" or cluster.get("started_here")):
+    if cfg.cluster.keep_running:
         return
-    with contextlib.suppress(ClusterError):
+    with contextlib.suppress(ClusterError):  # stop_cluster leaves alone a cluster the run did not bring up
         stop_cluster(cfg, _recorded_handle(reg), run=cfg.name)
 
 

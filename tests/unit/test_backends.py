@@ -97,3 +97,25 @@ def test_the_run_records_which_backend_made_its_cluster(tmp_path: Path) -> None:
     local = load_config(DEMO, [f"storage={tmp_path / 'l'}", "name=l"])
     registry.begin_attempt(local, {"address": "http://127.0.0.1:8265"}, "ds-1")
     assert registry.load(local.storage, "l")["cluster"]["mode"] == "local"
+
+
+def test_a_managed_cluster_is_taken_down_only_by_the_run_that_brought_it_up(monkeypatch, tmp_path: Path) -> None:
+    from tasks import cluster
+    from unbroken.backends import ClusterHandle
+
+    downs = []
+
+    class Backend:
+        def down(self, handle, run):
+            downs.append(run)
+            return "down"
+
+    monkeypatch.setattr(cluster, "backend_for", lambda cfg: Backend())
+    onprem = ROOT / "configs/clusters/onprem.yaml"
+    cfg = load_config(DEMO, [f"storage={tmp_path}", "cluster.backend=ray-up", f"cluster.ray_up.config={onprem}"])
+    for started_here, keep, want in ((True, False, ["r"]), (False, False, []), (True, True, [])):
+        downs.clear()
+        cfg.cluster.keep_running = keep
+        cluster.stop_cluster.fn(cfg, ClusterHandle("http://h:8265", "http://h:8265", started_here, "python",
+                                                   backend="ray-up"), run="r")  # fmt: skip
+        assert downs == want, (started_here, keep)
