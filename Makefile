@@ -44,8 +44,11 @@ ui: setup
 serve: setup
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(VENV)/bin/unbroken serve
 
+# Each run also times itself (tests/suite_report.py): a table per tier and the slowest tests at the end of the output,
+# and tiers.json, tests.tsv, cpu.tsv and junit.xml under $(REPORT).
+REPORT ?= .unbroken/test-report
 test: setup
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --junitxml=$(REPORT)/junit.xml
 
 test-unit: setup
 	$(VENV)/bin/pytest tests/unit

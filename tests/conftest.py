@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.suite_report"]  # per-tier wall time, CPU use and the slowest tests, printed and written
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = ROOT / "configs" / "data" / "addition.jsonl"
 
