@@ -14,7 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from ray_jobs.config import Config
+from ray_jobs.poll import poll_until
 from ray_jobs.storage import exclusive_lock
 from unbroken.backends.base import AUTH_MODE_ENV, Backend, ClusterError, ClusterHandle, ray_cli, reachable, redact
 
@@ -102,11 +105,9 @@ def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) 
         _run(_head_command(cfg, temp_dir), env, "start a local Ray head")
         _add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
         handle.started_here = True
-        deadline = time.monotonic() + wait_s
-        while (why := reachable(address)) is not None:
-            if time.monotonic() > deadline:
-                raise ClusterError(f"local Ray head started but its Jobs API at {address} never answered: {why}")
-            time.sleep(1.0)
+        if not poll_until(lambda: reachable(address) is None, wait_s):
+            why = reachable(address)
+            raise ClusterError(f"local Ray head started but its Jobs API at {address} never answered: {why}")
     return handle
 
 
@@ -154,70 +155,72 @@ def _alive(pid: int) -> bool:
 
 
 # -- stopping it ----------------------------------------------------------------------------------------------
-def head_pids(port: int) -> list[int]:
+def head_processes(port: int) -> list[psutil.Process]:
     """Every process of the local head on ``port``: those whose command line or open files are under its temp dir
-    (Ray's daemons, agents, workers and job drivers all log there), and their descendants."""
+    (Ray's daemons, agents, workers and job drivers all log there), and their descendants. psutil's handles refuse to
+    signal a PID the kernel has since given to another process."""
     root = str(head_dir(port))
-    parents: dict[int, int] = {}
-    mine: set[int] = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    mine: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid == os.getpid():
             continue
-        pid = int(entry.name)
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[pid] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if root in (entry / "cmdline").read_bytes().decode(errors="replace") or _has_open_file_under(entry, root):
-                mine.add(pid)
-    grew = True
-    while grew:  # descendants (multiprocessing helpers have no file of the head open)
-        new = {pid for pid, ppid in parents.items() if ppid in mine and pid not in mine}
-        mine |= new
-        grew = bool(new)
-    return sorted(mine)
+        with contextlib.suppress(psutil.Error):
+            if root in " ".join(p.info["cmdline"] or ()) or any(f.path.startswith(root) for f in p.open_files()):
+                mine[p.pid] = p
+    for p in list(mine.values()):  # descendants (multiprocessing helpers have no file of the head open)
+        with contextlib.suppress(psutil.Error):
+            mine |= {c.pid: c for c in p.children(recursive=True) if c.pid != os.getpid()}
+    return sorted(mine.values(), key=lambda p: p.pid)
 
 
-def _has_open_file_under(proc: Path, root: str) -> bool:
-    with contextlib.suppress(OSError):
-        for fd in (proc / "fd").iterdir():
-            with contextlib.suppress(OSError):
-                if os.readlink(fd).startswith(root):
-                    return True
+def head_pids(port: int) -> list[int]:
+    return [p.pid for p in head_processes(port)]
+
+
+def _is_raylet(p: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return p.name() == "raylet"
     return False
 
 
 def stop_local_head(handle_or_port: ClusterHandle | int, grace_s: float = 10.0) -> list[int]:
-    """Stop the local head on this port by its own processes (SIGTERM, then SIGKILL after ``grace_s``); returns
-    the PIDs it stopped. Nothing else on the machine is touched."""
+    """Stop the local head on this port by its own processes; returns the PIDs it stopped. Nothing else on the
+    machine is touched.
+
+    The raylet goes first, as in ``ray stop``: SIGTERM and up to ``grace_s`` to end its workers and drivers (a
+    training worker checkpoints on SIGTERM). The head's other daemons (GCS, dashboard, agents) then get SIGKILL: they
+    keep nothing a stopped head needs, and on SIGTERM each takes seconds to say goodbye to the others (sent to every
+    process at once, the raylet waited its whole timeout for a GCS already gone: ~10 s a stop)."""
     port = handle_or_port if isinstance(handle_or_port, int) else _port_of(handle_or_port.address)
-    pids = head_pids(port)
-    _signal(pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    _signal(left, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while [p for p in pids if _running(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    procs = head_processes(port)
+    _terminate([p for p in procs if _is_raylet(p)], grace_s)
+    _terminate(procs, 0.0)
     with contextlib.suppress(OSError):
         shutil.rmtree(head_dir(port) / "users")
     with contextlib.suppress(OSError):
         (head_dir(port) / KEPT).unlink()
-    return pids
+    return [p.pid for p in procs]
 
 
-def _signal(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
+def _terminate(procs: list[psutil.Process], wait_s: float) -> None:
+    """SIGTERM and up to ``wait_s`` to exit (SIGKILL at once when 0), then SIGKILL what is left; returns once every
+    one has exited (a zombie has: psutil's own wait would wait for its parent to reap it)."""
+    for sig, deadline in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if _running(p)]
+        if not deadline or not alive:
+            continue
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        poll_until(lambda procs=alive: not any(_running(p) for p in procs), deadline, every_s=0.05)
 
 
-def _running(pid: int) -> bool:
+def _running(p: psutil.Process) -> bool:
     """Alive and not a zombie (an exited child of ours waits for its parent to reap it)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return state != "Z"
 
 
 class LocalHead(Backend):

@@ -1,0 +1,28 @@
+"""Waiting for a condition: one deadline-and-poll loop for every caller (a head coming up, processes gone, a job
+ending, room on a cluster), so the poll interval and the deadline are never re-derived by hand."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def poll_until(
+    predicate: Callable[[], T],
+    timeout_s: float,
+    every_s: float = 0.2,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T | None:
+    """Call ``predicate`` until it returns something truthy (returned), at most every ``every_s`` seconds; its last
+    (falsy) value once ``timeout_s`` passed. The predicate runs at least once, and once more at the deadline."""
+    deadline = clock() + timeout_s
+    while True:
+        value = predicate()
+        left = deadline - clock()
+        if value or left <= 0:
+            return value
+        sleep(min(every_s, left))
