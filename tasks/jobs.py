@@ -9,7 +9,6 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any
 
 from prefect import task
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact
@@ -139,23 +138,48 @@ def cancelled(e: BaseException) -> bool:
     return isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)) or "Termination" in type(e).__name__
 
 
-async def _forward_logs(address: str, submission_id: str, log) -> None:
-    """Follow the job's log into the flow's log; a broken stream (a proxy's reset, a restarting dashboard) is
-    re-opened, skipping the lines already forwarded."""
-    forwarded = 0
-    while True:
-        try:
-            client = await asyncio.wait_for(asyncio.to_thread(jobs_client, address), jobsapi.TIMEOUT_S)
-            seen = 0
-            async for chunk in client.tail_job_logs(submission_id):
-                for line in _ANSI.sub("", chunk).splitlines():
-                    seen += 1
-                    if seen > forwarded and line.strip():
-                        log.info("[ray] %s", line.rstrip())
-                forwarded = max(forwarded, seen)
-            return
-        except Exception:  # the tail is a convenience: never fatal, retried
-            await asyncio.sleep(2.0)
+class _LogForwarder:
+    """The job's log into the flow's log: followed while it is written (Ray's log stream; a broken stream -- a
+    proxy's reset, a restarting dashboard -- is re-opened, skipping the lines already forwarded), and once the job
+    ended, completed from one read of the whole log: the stream delivers its last lines ~2-3 s after the end."""
+
+    def __init__(self, address: str, submission_id: str, log):
+        self.address, self.sid, self.log = address, submission_id, log
+        self.forwarded = 0  # lines of the job's log forwarded so far
+
+    def _forward(self, lines: list[str], first: int) -> None:
+        """``lines`` are the job's log lines ``first``, ``first + 1``, ...: forward those not forwarded yet."""
+        for n, line in enumerate(lines, first + 1):
+            if n > self.forwarded and line.strip():
+                self.log.info("[ray] %s", line.rstrip())
+        self.forwarded = max(self.forwarded, first + len(lines))
+
+    async def follow(self) -> None:
+        while True:
+            try:
+                client = await asyncio.wait_for(asyncio.to_thread(jobs_client, self.address), jobsapi.TIMEOUT_S)
+                seen = 0
+                async for chunk in client.tail_job_logs(self.sid):
+                    lines = _ANSI.sub("", chunk).splitlines()
+                    self._forward(lines, seen)
+                    seen += len(lines)
+                return
+            except Exception:  # the log is a convenience: never fatal, retried
+                await asyncio.sleep(TAIL_RETRY_S)
+
+    async def finish(self, follower: asyncio.Task) -> None:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        text = await asyncio.to_thread(jobsapi.job_logs, self.address, self.sid)
+        if text is not None:
+            self._forward(_ANSI.sub("", text).splitlines(), 0)
+
+
+TAIL_RETRY_S = 2.0
+# How often a watch reads its job's status (one small GET): the end of a job is noticed within this. Progress
+# artifacts and the registry (``on_poll``) are updated every ``poll_s`` (every so many status reads).
+STATUS_POLL_S = 0.5
 
 
 class _Watch:
@@ -199,22 +223,23 @@ async def watch(
     on and the watchdog adopts it."""
     log = run_logger()
     state = _Watch(handle.address, submission_id, confirm_s, log)
-    tail = asyncio.create_task(_forward_logs(handle.address, submission_id, log))
-    view = jobsapi.JobView("unknown")
+    logs = _LogForwarder(handle.address, submission_id, log)
+    tail = asyncio.create_task(logs.follow())
+    view, polls, every = jobsapi.JobView("unknown"), 0, max(1, round(poll_s / STATUS_POLL_S))
     try:
         while True:
             view = await asyncio.to_thread(jobsapi.read_job, handle.address, submission_id)
             state.observe(view)
-            if view.api == "ok" and on_poll is not None:
+            polls += 1
+            if view.api == "ok" and on_poll is not None and (view.terminal or (polls - 1) % every == 0):
                 try:
                     await on_poll(view.status)
                 except Exception as e:  # plumbing: retried next poll
                     state.warn("on_poll", f"watch: {type(e).__name__}: {e} (training goes on; retried)")
             if view.terminal:
                 break
-            await asyncio.sleep(poll_s)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(tail), timeout=15)  # let the last log lines arrive
+            await asyncio.sleep(STATUS_POLL_S)
+        await logs.finish(tail)
     except BaseException as e:
         if cancelled(e):
             _stop_for_cancel(handle.address, submission_id, log)
@@ -285,21 +310,3 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
             await aupdate_progress_artifact(progress_id, progress=progress)
 
     return await watch(handle, submission_id, poll_s, on_poll=update_progress, confirm_s=cfg.fault_tolerance.confirm_s)
-
-
-@task(name="prefetch-shards", cache_policy=NO_CACHE)
-async def prefetch_shards(handle: ClusterHandle, submission_id: str, spec_url: str) -> list[dict[str, Any]]:
-    """Run the preflight job: check cluster resources, then warm every node's shard cache (checksum-verified)."""
-    submit(handle, submission_id, "ray_jobs.preflight", spec_url)
-    client = jobs_client(handle.address)
-    try:
-        await watch(handle, submission_id, poll_s=1.0)
-    except JobFailed as e:
-        logs = client.get_job_logs(submission_id)
-        reasons = [ln.split("PREFLIGHT FAILED: ", 1)[1] for ln in logs.splitlines() if "PREFLIGHT FAILED: " in ln]
-        raise JobFailed(f"preflight failed: {reasons[0] if reasons else e}") from e
-    logs = client.get_job_logs(submission_id)
-    nodes = [json.loads(ln.split("PREFLIGHT CACHE ", 1)[1]) for ln in logs.splitlines() if "PREFLIGHT CACHE " in ln]
-    for n in nodes:
-        run_logger().info("shard cache on node %s: %s", n["node"], n)
-    return nodes

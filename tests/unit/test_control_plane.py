@@ -1,5 +1,5 @@
 """The flow's side of the control plane, without a cluster: what its watch does with blips, plumbing errors and
-cancels; that an attempt is recorded only after preflight; that a run never gets a second job in flight."""
+cancels; that an attempt is recorded only once the run fits its cluster; that a run never gets a second job in flight."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def api(monkeypatch):
         return None
 
     monkeypatch.setattr(jobs.jobsapi, "read_job", read_job)
-    monkeypatch.setattr(jobs, "_forward_logs", no_tail)
+    monkeypatch.setattr(jobs, "STATUS_POLL_S", 0.01)
+    monkeypatch.setattr(jobs._LogForwarder, "follow", no_tail)
+    monkeypatch.setattr(jobs.jobsapi, "job_logs", lambda *a, **k: None)
     return script
 
 
@@ -62,6 +64,31 @@ def test_errors_of_the_watchs_own_plumbing_never_end_it(api) -> None:
 
     assert watch(on_poll=broken_progress) == "SUCCEEDED"
     assert len(calls) == 6
+
+
+def test_the_log_lines_the_stream_has_not_delivered_when_the_job_ends_come_from_one_read_of_the_log(
+    monkeypatch,
+) -> None:
+    """Ray's log stream closes ~2-3 s after a job ended; the watch does not wait for it but reads the whole log once
+    and forwards exactly the lines the stream had not (each line once, in order)."""
+    logged = []
+
+    class Log:
+        def info(self, fmt, line):
+            logged.append(line)
+
+    fwd = jobs._LogForwarder("http://127.0.0.1:1", "sid", Log())
+    fwd._forward(["a", "", "b"], 0)  # what the stream delivered (a blank line counts, is not forwarded)
+    fwd._forward(["b", "c"], 2)  # a re-opened stream repeats what was seen
+    monkeypatch.setattr(jobs.jobsapi, "job_logs", lambda *a, **k: "a\n\nb\nc\n\x1b[36md\x1b[0m\ne\n")
+
+    async def finish():
+        follower = asyncio.create_task(asyncio.sleep(3600))
+        await fwd.finish(follower)
+        return follower.cancelled()
+
+    assert asyncio.run(finish()), "the stream is not waited for"
+    assert logged == ["a", "b", "c", "d", "e"]
 
 
 def test_only_a_cancel_stops_the_job(api, monkeypatch) -> None:
@@ -118,7 +145,7 @@ def test_a_prepared_attempt_number_taken_meanwhile_is_refused(tmp_path: Path) ->
         registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", expect=prepared)
 
 
-def test_a_watchdog_pass_during_preflight_finds_nothing_to_do(tmp_path: Path, monkeypatch) -> None:
+def test_a_watchdog_pass_while_the_fit_is_checked_finds_nothing_to_do(tmp_path: Path, monkeypatch) -> None:
     import flows.finetune as flow
     from tasks.stage import Staged
     from tasks.watchdog import check_run
@@ -126,12 +153,13 @@ def test_a_watchdog_pass_during_preflight_finds_nothing_to_do(tmp_path: Path, mo
     c = cfg(tmp_path / "storage")
     seen = {}
 
-    async def preflight(handle, sid, spec_url):
+    def does_not_fit(cfg, handle, manifest):
         seen["active"] = registry.active_runs(c.storage)
         seen["outcome"] = check_run(c.storage, c.name)
-        raise RuntimeError("preflight failed: not enough CPUs")
+        raise RuntimeError("the run cannot start: not enough CPUs")
 
-    monkeypatch.setattr(flow, "prefetch_shards", preflight)
+    monkeypatch.setattr(flow, "check_cluster_fits", does_not_fit)
+    (tmp_path / "m.json").write_text('{"shards": {"train": [], "eval": []}}')
     staged = Staged(dataset_id="ds-1", manifest_url=str(tmp_path / "m.json"), cache_hit=False, counts={})
     with pytest.raises(RuntimeError, match="not enough CPUs"):
         asyncio.run(
@@ -140,7 +168,7 @@ def test_a_watchdog_pass_during_preflight_finds_nothing_to_do(tmp_path: Path, mo
             )
         )
     assert seen["active"] == [] and seen["outcome"].action == "inactive"
-    assert registry.load(c.storage, c.name) is None  # a failed preflight leaves no attempt behind
+    assert registry.load(c.storage, c.name) is None  # a run that does not fit leaves no attempt behind
 
 
 def test_a_dataset_event_naming_a_secret_file_is_refused_before_anything_is_read(
