@@ -1,4 +1,5 @@
-"""The finetune flow: prepare model -> stage -> provision -> prefetch -> submit -> watch -> summarize.
+"""The finetune flow: prepare model -> stage (while the cluster is provisioned) -> check it fits -> submit -> watch ->
+summarize.
 
 Orchestration only; each stage is a task in ``tasks/``. The config is validated before any task runs, so a bad
 config fails here without touching storage or a cluster.
@@ -6,26 +7,29 @@ config fails here without touching storage or a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_link_artifact
+from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from prefect.states import State
 
 from flows.stage import stage_for
 from ray_jobs.config import Config, ConfigError, load_config
+from ray_jobs.storage import read_json
 from tasks import registry, series
 from tasks.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
-from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
-from tasks.jobs import JobFailed, cancelled, prefetch_shards, stop_and_wait, submit_job, watch_job, write_job_spec
-from tasks.model import check_model_options, prepare_base_model
+from tasks.cluster import ClusterHandle, check_cluster_fits, provision_cluster, stop_cluster
+from tasks.jobs import JobFailed, cancelled, stop_and_wait, submit_job, watch_job, write_job_spec
+from tasks.model import base_model_ready, check_model_options, prepare_base_model
 from tasks.params import run_config
 from tasks.report import publish_series, summarize
 from tasks.sources import SourceRefused, rejected_event
-from tasks.stage import Staged, stage_dataset
+from tasks.stage import Staged, cached_dataset, stage_dataset, stages_on_cluster
 from tasks.watchdog import failed_job_incident
 
 
@@ -78,26 +82,50 @@ async def finetune(
 
 
 async def _finetune(cfg: Config) -> dict[str, Any] | State:
-    model_path = prepare_base_model(cfg)
-    check_model_options(cfg, model_path)  # a LoRA layer the model lacks fails here, before staging or a cluster
-    series.check_eval_source(cfg)
-    staged, handle = stage_for(cfg, model_path)  # a cluster only when staging runs there
+    early = _provision_early(cfg) if not base_model_ready(cfg) else None  # a new base: nothing trained on it yet
+    handle: ClusterHandle | None = None
     try:
+        model_path = prepare_base_model(cfg)
+        check_model_options(cfg, model_path)  # a LoRA layer the model lacks fails here, before staging or a cluster
+        series.check_eval_source(cfg)
+        if early is None and (done := _trained_already(cfg, model_path)):  # source fingerprints only, no staging
+            return nothing_new(cfg, done)
+        early = early or _provision_early(cfg)  # the cluster comes up while the data is staged
+        staged, handle = stage_for(cfg, model_path)  # a cluster here only when staging ran on it
+        handle = handle or early.result()
+        early = None
         staged_as = cfg.name
         cfg = cfg.resolved(staged.dataset_id, _started_at())
         if done := series.already_trained(cfg, staged.dataset_id):
             return nothing_new(cfg, done)
-        registry.check_compatible(cfg, staged.dataset_id)  # before any cluster work
+        registry.check_compatible(cfg, staged.dataset_id)
         lineage = _lineage(cfg, staged, model_path)
-        if handle is None:
-            handle = provision_cluster(cfg)
-        elif cfg.name != staged_as and handle.local:  # staged under the name's template: the run takes over the head
+        if cfg.name != staged_as and handle.local:  # provisioned under the name's template: the run takes the head
             handle = provision_cluster(cfg)
             stop_cluster(cfg, handle, run=staged_as)
         return await _train(cfg, handle, staged, lineage)
     finally:
+        if early is not None:  # the flow ended before it needed the cluster it was bringing up (if it came up)
+            with contextlib.suppress(Exception):
+                handle = early.result()
         if handle is not None:
             _release_cluster(cfg, handle)
+
+
+def _provision_early(cfg: Config) -> PrefectFuture | None:
+    """Start provisioning the cluster now, in the background (Prefect's task runner), when staging runs here: a head
+    takes seconds to come up, and the base model and the data are prepared meanwhile. None when staging runs on the
+    cluster (``stage_for`` provisions it first)."""
+    return None if stages_on_cluster(cfg) else provision_cluster.submit(cfg)
+
+
+def _trained_already(cfg: Config, model_path: str) -> dict[str, Any] | None:
+    """The run of this series that already trained this data with this recipe, when source fingerprints alone show
+    the dataset staged (no staging, no cluster: a cron tick on unchanged data ends here)."""
+    if stages_on_cluster(cfg):
+        return None
+    found = cached_dataset(cfg, model_path)
+    return series.already_trained(cfg, found.dataset_id) if found is not None else None
 
 
 def nothing_new(cfg: Config, done: dict[str, Any]) -> State:
@@ -155,16 +183,16 @@ def _release_cluster(cfg: Config, handle: ClusterHandle) -> None:
 
 
 async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage) -> dict[str, Any]:
-    """One attempt: preflight, then record the attempt and submit, watch, summarize.
+    """One attempt: check the run fits its cluster, then record the attempt and submit, watch, summarize.
 
-    The attempt is recorded only once the preflight job passed (a watchdog pass meanwhile sees nothing to do),
+    The attempt is recorded only once the run is known to fit (a watchdog pass meanwhile sees nothing to do),
     under the run's lease, and refused while another attempt of the run is in flight. When the training job fails,
     this flow does not retry: it records the incident, leaves the run ``recovering`` and fails, so the watchdog
     restarts it from the newest valid checkpoint. If this flow dies, the job trains on and the watchdog adopts it.
     """
+    check_cluster_fits(cfg, handle, read_json(staged.manifest_url))
     attempt = registry.next_attempt(cfg)
     spec_url = write_job_spec(cfg, attempt, staged.manifest_url, lineage.start, None, lineage.score_manifest_url)
-    await prefetch_shards(handle, registry.submission_id(cfg.name, attempt, "preflight"), spec_url)
     stop_superseded_job(cfg)
     parent = lineage.parent["run"] if lineage.parent else None
     extra = {"manifest_url": staged.manifest_url, "model_path": lineage.start, "parent": parent,

@@ -298,7 +298,8 @@ class ClusterConfig(_Section):
     kept at every world size, gradient accumulation adjusted: every training row of an epoch is used exactly once
     whatever the world size did."""
     start_timeout_s: float = Field(600.0, gt=0)
-    """How long the preflight waits for the cluster to have room for ``num_workers`` (its ``min``) before failing."""
+    """How long a run waits for the cluster to have room for ``num_workers`` (its ``min``) before failing, before
+    anything is submitted (nodes may still be joining: an autoscaler, a host restarting)."""
     resize_check_s: float = Field(60.0, gt=0)
     """Elastic runs: how often Ray Train checks whether more workers fit and, if so, restarts the group bigger
     (``ScalingConfig.elastic_resize_monitor_interval_s``)."""

@@ -8,10 +8,10 @@ from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
 from tasks.logs import run_logger
-from unbroken.backends import backend_for
+from unbroken.backends import backend_for, fit
 from unbroken.backends.base import ClusterError, ClusterHandle
 
-__all__ = ["ClusterError", "ClusterHandle", "provision_cluster", "stop_cluster"]
+__all__ = ["ClusterError", "ClusterHandle", "check_cluster_fits", "provision_cluster", "stop_cluster"]
 
 
 @task(name="provision-cluster", cache_policy=NO_CACHE)
@@ -34,6 +34,26 @@ def provision_cluster(cfg: Config) -> ClusterHandle:
         gpus = sum(n.gpus for n in h.alive)
         log.info("cluster health: %d node(s) alive, %g CPUs, %g GPUs", len(h.alive), sum(n.cpus for n in h.alive), gpus)
     return handle
+
+
+@task(name="check-cluster-fits", cache_policy=NO_CACHE)
+def check_cluster_fits(cfg: Config, handle: ClusterHandle, manifest: dict) -> None:
+    """Refuse a run that could never start (unbroken/backends/fit.py): a dataset without a train shard for every
+    data rank, or a cluster without room for the fewest workers after waiting ``cluster.start_timeout_s`` for nodes
+    to join. Raises DoesNotFit naming every reason; a cluster whose resources cannot be read is not refused here."""
+    log = run_logger()
+    backend = backend_for(cfg)
+    health = backend.health(handle)
+    if health.nodes is None:
+        problems = fit.data_problems(cfg, manifest)
+        log.warning("cluster resources not read (%s): room for the workers not checked", health.why)
+    else:
+        problems = fit.check_fit(cfg, fit.resources(health), manifest)
+        if problems and not fit.data_problems(cfg, manifest):  # nodes may still be joining: wait a while
+            log.info("waiting up to %g s for room: %s", cfg.cluster.start_timeout_s, "; ".join(problems))
+            problems = fit.wait_for_room(cfg, lambda: fit.resources(backend.health(handle)))
+    if problems:
+        raise fit.DoesNotFit("the run cannot start: " + "; ".join(problems))
 
 
 @task(name="stop-cluster", cache_policy=NO_CACHE)

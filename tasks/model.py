@@ -15,6 +15,16 @@ from ray_jobs.storage import Layout, exists, join, upload_dir
 from tasks.logs import run_logger
 
 
+def base_model_ready(cfg: Config) -> bool:
+    """Whether the base model is there to load: always for a hub id or a folder; for the built-in model, whether it
+    was built on this storage already (when not, no run on this storage can have trained on it yet)."""
+    return not is_builtin(cfg.model) or exists(join(_builtin_url(cfg), "README.md"))
+
+
+def _builtin_url(cfg: Config) -> str:
+    return Layout(cfg.storage).model_dir(builtin_name(cfg.model, cfg.train.seed))
+
+
 @task(name="prepare-base-model", cache_policy=NO_CACHE)
 def prepare_base_model(cfg: Config) -> str:
     """Return where the job loads the base model from: a hub id, a folder, or the built-in model on storage."""
@@ -22,8 +32,8 @@ def prepare_base_model(cfg: Config) -> str:
         check_local_folder(cfg.model.name_or_path)
         return cfg.model.name_or_path
     log = run_logger()
-    url = Layout(cfg.storage).model_dir(builtin_name(cfg.model, cfg.train.seed))
-    if exists(join(url, "README.md")):
+    url = _builtin_url(cfg)
+    if base_model_ready(cfg):
         log.info("built-in base model already on storage: %s", url)
         return url
     with tempfile.TemporaryDirectory(prefix="unbroken-model-") as d:

@@ -177,7 +177,7 @@ def phase_clock(attempt: dict[str, Any], beat: dict[str, Any] | None, cfg: Confi
 
 def still_submitting(attempt: dict[str, Any], cfg: Config, now: float) -> bool:
     """Whether a job the cluster does not know may simply not be submitted yet (recorded, never seen running, and
-    younger than the stall limit). The flow records an attempt only after its preflight job, right before it
+    younger than the stall limit). The flow records an attempt only once the run fits its cluster, right before it
     submits, so this window covers the submit call itself."""
     return attempt["status"] == "SUBMITTED" and now - attempt["started_at"] < cfg.fault_tolerance.stall_timeout_s
 

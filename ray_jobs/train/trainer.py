@@ -17,6 +17,7 @@ import logging
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,15 @@ class Trainer:
         self.lora = cfg.model.lora is not None
         self.device = rt.device()
         setup_determinism(cfg, self.device)
-        self.model = build_model(cfg, model_path, rt)
+        self.cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, cfg.data.cache_max_gb * 1e9)
+        with ThreadPoolExecutor(1, thread_name_prefix="warm-cache") as pool:
+            # This rank's shards are fetched (checksum-verified) and decoded into the node cache while the model
+            # loads: the job warms its own cache, no separate Ray job before it.
+            warming = pool.submit(self._load_data)
+            self.model = build_model(cfg, model_path, rt)
+            warming.result()
+        self.warmup = self.cache.counters()  # a cold cache shows misses here; a warm one, a restart's, none
+        log.info("rank %d node cache warm-up: %s", rt.rank, self.warmup)
         bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and self.device.type == "cuda")
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
@@ -107,8 +116,6 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = get_scheduler(t.lr_schedule, self.optimizer, t.warmup_steps, t.max_steps)
-        self.cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, cfg.data.cache_max_gb * 1e9)
-        self._load_data()
         self.loop = LoopState(world_size=rt.world_size, dataset_id=manifest["dataset_id"])
         self.cursors = self.plan.start()  # the global cursor: one per data rank, the same on every worker
         self.trace = rowtrace.open_trace(rt)  # test-only (None unless UNBROKEN_TRACE_ROWS is set)
@@ -745,5 +752,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
-    log.info("rank %d shard cache: %s; checkpoint stalls (s): %s", trainer.rt.rank, trainer.cache.counters(),
+    after = {k: v - trainer.warmup[k] for k, v in trainer.cache.counters().items()}  # what training itself read
+    log.info("rank %d shard cache after warm-up: %s; checkpoint stalls (s): %s", trainer.rt.rank, after,
              [round(s, 4) for s in trainer.stalls_s])  # fmt: skip

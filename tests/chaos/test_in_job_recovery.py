@@ -52,10 +52,12 @@ def test_kill_9_of_a_worker_after_the_first_checkpoint_ends_bit_identical(ray_cl
     assert re.search(r"resumed from \S+checkpoint-step-\d{8} at step \d+", logs), logs[-5000:]
     assert victim not in train_worker_pids()
     assert final_weights_hash(cfg) == baseline
-    # The first attempt filled the node cache (no preflight here); the restarted workers read nothing remotely.
-    counters = re.findall(r"rank (\d) shard cache: (\{[^}]*\})", logs)
-    assert sorted(r for r, _ in counters) == ["0", "1"], logs[-3000:]
-    assert all("'bytes_from_storage': 0" in c and "'misses': 0" in c for _, c in counters), counters
+    # The first attempt's workers filled the node cache; the restarted ones read nothing remotely, warming or after.
+    restarted = dict(re.findall(r"rank (\d) node cache warm-up: (\{[^}]*\})", logs))  # each rank's last warm-up
+    counters = re.findall(r"rank (\d) shard cache after warm-up: (\{[^}]*\})", logs)
+    assert sorted(restarted) == ["0", "1"] and sorted(r for r, _ in counters) == ["0", "1"], logs[-3000:]
+    for c in [*restarted.values(), *(c for _, c in counters)]:
+        assert "'bytes_from_storage': 0" in c and "'misses': 0" in c, (restarted, counters)
 
 
 def test_sigterm_saves_the_current_step_and_the_restart_repeats_no_step(ray_cluster, baseline, tmp_path) -> None:

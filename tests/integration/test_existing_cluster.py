@@ -48,7 +48,7 @@ def test_a_job_the_cluster_cannot_fit_fails_with_a_clear_reason(cluster: str, tm
     r = run_cli("run", DEMO, *sets(storage, name="toobig", **{"cluster.address": cluster, "cluster.num_workers": 64}))
     assert r.returncode == 1, r.explain()
     assert "cluster.num_workers=64" in r.stderr and "CPUs; the cluster has" in r.stderr, r.explain()
-    # The preflight job refused it: an attempt is recorded only after preflight, so nothing is left for a watchdog.
+    # Refused before its attempt was recorded (check-cluster-fits): nothing is left for a watchdog.
     assert not (storage / "runs" / "toobig" / "run.json").exists()
     assert not (storage / "runs" / "toobig" / "final").exists()
 

@@ -39,10 +39,12 @@ def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> No
     assert "eval loss:" in r.stdout and "at step 0 ->" in r.stdout
 
     logs = r.stdout + r.stderr  # Prefect's console log goes to stderr
-    preflight = re.findall(r"shard cache on node \w+: (\{[^}]*\})", logs)
-    workers = re.findall(r"rank \d shard cache: (\{[^}]*\})", logs)
-    assert preflight and "'misses': 0" not in preflight[0], "the preflight job filled the cold node cache"
-    assert len(workers) == 2 and all("'bytes_from_storage': 0" in w for w in workers), "workers read only the cache"
+    warmed = dict(re.findall(r"rank (\d) node cache warm-up: (\{[^}]*\})", logs))
+    after = re.findall(r"rank \d shard cache after warm-up: (\{[^}]*\})", logs)
+    assert sorted(warmed) == ["0", "1"], logs[-3000:]
+    assert all("'misses': 0" not in w for w in warmed.values()), "each worker filled the cold node cache with its shards"
+    assert len(after) == 2 and all("'bytes_from_storage': 0" in w for w in after), "training read only the cache"
+    assert "check-cluster-fits" in logs and "unbroken-e2e-preflight" not in logs, "no Ray job before training's"
 
     reg = read_registry(storage, "e2e")
     assert reg["state"] == "succeeded"

@@ -1,10 +1,12 @@
-"""Preflight: a job that could never start is refused up front, with every reason named."""
+"""A run that could never start is refused before its attempt is recorded, with every reason named
+(unbroken/backends/fit.py): a dataset without a shard per data rank, a cluster without room for the fewest workers."""
 
 from __future__ import annotations
 
 from ray_jobs.config import load_config
-from ray_jobs.preflight import check_fit
 from tests.conftest import ROOT
+from unbroken.backends.fit import check_fit, resources, wait_for_room
+from unbroken.backends.health import Health, Node
 
 MANIFEST = {"shards": {"train": [{"file": f"train-{i:05d}.parquet"} for i in range(4)], "eval": []}}
 
@@ -34,40 +36,24 @@ def test_an_elastic_run_needs_room_for_its_min_and_shards_for_its_max() -> None:
                      MANIFEST) == []  # fmt: skip
 
 
-def test_the_preflight_waits_for_nodes_to_join_up_to_the_start_timeout_then_names_it() -> None:
-    from ray_jobs.preflight import wait_for_room, workers_that_fit
+def test_the_resources_counted_are_the_alive_nodes_as_the_dashboard_reports_them() -> None:
+    nodes = [Node("a", "10.0.0.1", True, True, cpus=0), Node("b", "10.0.0.2", True, False, cpus=1, gpus=1),
+             Node("c", "10.0.0.3", False, False, cpus=8, gpus=8)]  # fmt: skip
+    assert resources(Health(nodes)) == {"CPU": 1.0, "GPU": 1.0}
 
+
+def test_a_run_waits_for_nodes_to_join_up_to_the_start_timeout_then_names_it() -> None:
     c = cfg("cluster.num_workers={min: 2, max: 4}", "train.grad_accum_steps=3", "cluster.start_timeout_s=10")
-    now, seen = [0.0], []
+    now = [0.0]
 
     def sleep(s):
         now[0] += s
 
     def joining():  # a node joins at t=4
-        seen.append(now[0])
         return {"CPU": 1.0 if now[0] < 4 else 3.0}
 
     assert wait_for_room(c, joining, sleep, lambda: now[0]) == [] and 4 <= now[0] < 10
-    assert workers_that_fit(c, joining()) == 3
     now[0] = 0.0
     left = wait_for_room(c, lambda: {"CPU": 1.0}, sleep, lambda: now[0])
     assert now[0] == 10 and len(left) == 1
     assert left[0].endswith("needs 2 CPUs; the cluster has 1 (waited cluster.start_timeout_s=10 s)")
-
-
-def test_ranks_are_predicted_as_ray_train_assigns_them_grouped_by_node_in_first_bundle_order() -> None:
-    from ray_jobs.preflight import predict_ranks
-
-    assert predict_ranks(["b", "a", "b", "a"]) == {"b": [0, 1], "a": [2, 3]}
-    assert predict_ranks(["a", "a", "a"]) == {"a": [0, 1, 2]}
-
-
-def test_each_node_is_warmed_with_its_ranks_train_shards_and_every_eval_shard() -> None:
-    from ray_jobs.preflight import node_entries
-
-    manifest = {"shards": {"train": MANIFEST["shards"]["train"], "eval": [{"file": "eval-00000.parquet"}]}}
-    plan = node_entries(cfg(), manifest, {"n1": [0], "n2": [1]}, world=2)
-    assert [e["file"] for e in plan["n1"]] == ["train-00000.parquet", "train-00002.parquet", "eval-00000.parquet"]
-    assert [e["file"] for e in plan["n2"]] == ["train-00001.parquet", "train-00003.parquet", "eval-00000.parquet"]
-    shrunk = node_entries(cfg(), manifest, {"n1": [0]}, world=1)  # one worker serves both data ranks
-    assert [e["file"] for e in shrunk["n1"]][:4] == [f"train-0000{i}.parquet" for i in (0, 2, 1, 3)]

@@ -177,7 +177,7 @@ def test_recoveries_and_give_ups_are_prefect_events_named_by_run(asserting_event
 @pytest.mark.parametrize(
     ("status", "age_s", "submitting"),
     [
-        ("SUBMITTED", 5, True),  # recorded, the flow still writing the spec or running the preflight job
+        ("SUBMITTED", 5, True),  # recorded, the flow still writing the spec or submitting
         ("SUBMITTED", 70, False),  # its submitter took longer than the stall limit: lost
         ("RUNNING", 5, False),  # seen running once: a 404 now means the cluster forgot it
     ],
