@@ -42,7 +42,9 @@ def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> No
     warmed = dict(re.findall(r"rank (\d) node cache warm-up: (\{[^}]*\})", logs))
     after = re.findall(r"rank \d shard cache after warm-up: (\{[^}]*\})", logs)
     assert sorted(warmed) == ["0", "1"], logs[-3000:]
-    assert all("'misses': 0" not in w for w in warmed.values()), "each worker filled the cold node cache with its shards"
+    assert all("'misses': 0" not in w for w in warmed.values()), (
+        "each worker filled the cold node cache with its shards"
+    )
     assert len(after) == 2 and all("'bytes_from_storage': 0" in w for w in after), "training read only the cache"
     assert "check-cluster-fits" in logs and "unbroken-e2e-preflight" not in logs, "no Ray job before training's"
 
