@@ -23,7 +23,7 @@ from ray_jobs.config import Config, ConfigError, load_config
 from ray_jobs.storage import read_json
 from tasks import registry, series
 from tasks.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
-from tasks.cluster import ClusterHandle, check_cluster_fits, provision_cluster, stop_cluster
+from tasks.cluster import ClusterHandle, begin_cluster, check_cluster_fits, provision_cluster, stop_cluster
 from tasks.jobs import JobFailed, cancelled, stop_and_wait, submit_job, watch_job, write_job_spec
 from tasks.model import base_model_ready, check_model_options, prepare_base_model
 from tasks.params import run_config
@@ -110,6 +110,15 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
                 handle = early.result()
         if handle is not None:
             _release_cluster(cfg, handle)
+
+
+def start_cluster_early(cfg: Config):
+    """For ``unbroken run``, before the flow starts (while Prefect's temporary server boots): begin bringing up the
+    cluster when the run will surely need it -- staging runs here, and no succeeded run of this series trained this
+    recipe (so the run cannot have nothing new to train). Returns what to ``release()`` after the flow, or None."""
+    if stages_on_cluster(cfg) or series.trained_this_recipe(cfg):
+        return None
+    return begin_cluster(cfg)
 
 
 def _provision_early(cfg: Config) -> PrefectFuture | None:

@@ -36,6 +36,13 @@ def provision_cluster(cfg: Config) -> ClusterHandle:
     return handle
 
 
+def begin_cluster(cfg: Config):
+    """Start bringing the run's cluster up in the background of this process, before any flow runs (``unbroken run``
+    does, while Prefect's server boots); the flow's provision-cluster takes it over. Returns what to ``release()``
+    once the flow ended (a cluster it never took is let go), or None when the backend starts nothing ahead."""
+    return backend_for(cfg).begin_up(cfg.name)
+
+
 @task(name="check-cluster-fits", cache_policy=NO_CACHE)
 def check_cluster_fits(cfg: Config, handle: ClusterHandle, manifest: dict) -> None:
     """Refuse a run that could never start (unbroken/backends/fit.py): a dataset without a train shard for every

@@ -78,6 +78,14 @@ def already_trained(cfg: Config, dataset_id: str) -> dict[str, Any] | None:
     return None
 
 
+def trained_this_recipe(cfg: Config) -> bool:
+    """Whether some succeeded run of this series trained with this recipe (on any data): only then can a run of it
+    turn out to have nothing new to train."""
+    mine = recipe(cfg)
+    return any(e.get("recipe") == mine and state_of(cfg.storage, e["run"]) == "succeeded"
+               for e in (load(cfg.storage, cfg.series_name) or {}).get("runs", []))  # fmt: skip
+
+
 def warm_start(cfg: Config) -> dict[str, Any] | None:
     """The run ``model.init_from`` names (the champion, or the newest succeeded run) with its final folder, or None
     for ``base`` and for a series that has no such run yet."""

@@ -51,9 +51,14 @@ def _quiet_defaults() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.finetune import finetune
+    from flows.finetune import finetune, start_cluster_early
 
-    s = asyncio.run(finetune(args.config, args.overrides))
+    early = start_cluster_early(load_config(args.config, args.overrides))  # comes up while Prefect boots
+    try:
+        s = asyncio.run(finetune(args.config, args.overrides))
+    finally:
+        if early is not None:
+            early.release()  # a head the flow never took over (it ended before it needed one)
     if s.get("nothing_new"):
         print(s["message"])
         print(f"final model: {s['final_model']}")

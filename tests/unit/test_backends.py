@@ -119,3 +119,33 @@ def test_a_managed_cluster_is_taken_down_only_by_the_run_that_brought_it_up(monk
         cluster.stop_cluster.fn(cfg, ClusterHandle("http://h:8265", "http://h:8265", started_here, "python",
                                                    backend="ray-up"), run="r")  # fmt: skip
         assert downs == want, (started_here, keep)
+
+
+def test_a_local_head_begun_early_is_taken_over_by_up_or_let_go_if_no_up_came(tmp_path: Path, monkeypatch) -> None:
+    """``unbroken run`` begins the head while Prefect boots: the flow's ``up`` takes that start over (no second
+    ``ray start``); a run that ended without needing a cluster (nothing new to train) has it released."""
+    from unbroken.backends import local
+    from unbroken.backends.base import ClusterHandle
+
+    starts, downs = [], []
+
+    def fake_start(cfg, run=None):
+        starts.append(run)
+        return ClusterHandle("http://127.0.0.1:8266", "http://127.0.0.1:8266", True, "python", local=True)
+
+    monkeypatch.setattr(local, "start_local_head", fake_start)
+    monkeypatch.setattr(local.LocalHead, "down", lambda self, handle, run=None: downs.append(run) or "stopped")
+    monkeypatch.setattr(local, "HEADS_DIR", tmp_path)
+    monkeypatch.setattr(local, "_EARLY", {})
+    cfg = load_config(DEMO, [f"storage={tmp_path}", "name=r", "cluster.dashboard_port=8266"])
+
+    taken = backend_for(cfg).begin_up("r")
+    assert backend_for(cfg).begin_up("r") is None, "one early start per head"
+    handle = backend_for(cfg).up("r")
+    assert handle.started_here and handle.spec == {"head_port": 6379, "dashboard_port": 8266}
+    assert taken.release() is None and downs == [], "taken over: the run releases it, not the early start"
+    assert starts == ["r"]
+
+    let_go = backend_for(cfg).begin_up("r")
+    assert let_go.release() == "stopped" and downs == ["r"]
+    assert starts == ["r", "r"] and backend_for(cfg).begin_up("r") is not None, "released: a new start may begin"

@@ -59,6 +59,11 @@ class Backend:
     def up(self, run: str | None = None) -> ClusterHandle:
         raise NotImplementedError
 
+    def begin_up(self, run: str | None = None):
+        """Start bringing the cluster up in the background, in this process, for a later ``up`` to take over; an
+        object whose ``release()`` undoes it if no ``up`` did, or None when the backend starts nothing ahead."""
+        return None
+
     def address(self) -> str | None:
         raise NotImplementedError
 

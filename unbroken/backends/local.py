@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -223,6 +224,31 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
+# -- started ahead of need ------------------------------------------------------------------------------------
+# A start begun early in this process (``LocalHead.begin_up``: the CLI, while Prefect's temporary server boots), by
+# dashboard port; the first ``up`` for that port takes it over instead of starting the head itself.
+_EARLY: dict[int, tuple[Future, str]] = {}
+
+
+class EarlyStart:
+    """A local head coming up in the background for a run; ``release`` stops it if no ``up`` took it over (the run
+    ended before it needed a cluster), as the run's own ``down`` would."""
+
+    def __init__(self, backend: LocalHead, future: Future, run: str):
+        self.backend, self.future, self.run = backend, future, run
+
+    def release(self) -> str | None:
+        port = self.backend.cfg.cluster.dashboard_port
+        if _EARLY.get(port, (None,))[0] is not self.future:
+            return None  # taken over: the run releases it
+        _EARLY.pop(port, None)
+        try:
+            handle = self.future.result()
+        except Exception:  # it never came up; whatever half started is its own next start's to clean
+            return None
+        return self.backend.down(handle, self.run)
+
+
 class LocalHead(Backend):
     name = "local"
 
@@ -230,8 +256,28 @@ class LocalHead(Backend):
         c = self.cfg.cluster
         return {"head_port": c.head_port, "dashboard_port": c.dashboard_port}
 
+    def begin_up(self, run: str | None = None) -> EarlyStart | None:
+        """Start the head in a background thread of this process, for ``up`` to take over (None if one is already
+        on its way here)."""
+        port, run = self.cfg.cluster.dashboard_port, run or self.cfg.name
+        if port in _EARLY:
+            return None
+        pool = ThreadPoolExecutor(1, thread_name_prefix="local-head")
+        future = pool.submit(start_local_head, self.cfg, run=run)
+        pool.shutdown(wait=False)
+        _EARLY[port] = (future, run)
+        return EarlyStart(self, future, run)
+
     def up(self, run: str | None = None) -> ClusterHandle:
-        handle = start_local_head(self.cfg, run=run)
+        early = _EARLY.pop(self.cfg.cluster.dashboard_port, None)
+        if early is not None:
+            future, started_for = early
+            handle = future.result()
+            if (run or self.cfg.name) != started_for:
+                _add_user(_port_of(handle.address), run or self.cfg.name, self.cfg.storage,
+                          self.cfg.cluster.keep_running)  # fmt: skip
+        else:
+            handle = start_local_head(self.cfg, run=run)
         handle.spec = self.spec()
         return handle
 
