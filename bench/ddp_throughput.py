@@ -79,7 +79,7 @@ def run_unbroken(cfg: Config, manifest: dict, model: str, warmup: int) -> float:
 
     ray.init(num_cpus=WORLD, include_dashboard=False, log_to_driver=False)
     try:
-        build_trainer(cfg, manifest, model, resume_from=None).fit()
+        build_trainer(cfg, {"config": cfg.model_dump_json(), "manifest": manifest, "model_path": model}).fit()
     finally:
         ray.shutdown()
     lines = Path(Layout(cfg.storage).metrics(cfg.name)).read_text().splitlines()

@@ -385,8 +385,9 @@ class FaultToleranceConfig(_Section):
     """Worker-group restarts Ray Train does inside one job (FailureConfig); -1 = unlimited."""
     max_restarts: int = Field(3, ge=0)
     """Job resubmissions the watchdog may do for one run."""
-    restart_backoff_s: float = Field(10.0, ge=0)
-    """The watchdog waits this long after detecting trouble before the first restart, doubling for each further one."""
+    restart_backoff_s: float = Field(2.0, ge=0)
+    """The watchdog waits this long after detecting trouble before the first restart, doubling for each further one
+    (2, 4, 8 ... s up to ``restart_backoff_max_s``): a one-off fault is back at once, a crash loop slows down."""
     restart_backoff_max_s: float = Field(600.0, ge=0)
     """Cap on that wait."""
     stall_timeout_s: float = Field(600.0, gt=0)

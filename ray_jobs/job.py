@@ -24,14 +24,20 @@ log = logging.getLogger("unbroken.job")
 POLL_INTERVAL_ENV, POLL_INTERVAL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 
 
-def build_trainer(
-    cfg: Config,
-    manifest: dict,
-    model_path: str,
-    resume_from: str | None,
-    attempt: int = 0,
-    score_manifest: dict | None = None,
-):
+def loop_config(spec: dict, cfg: Config) -> dict:
+    """What every rank's loop is given (``train.trainer.run_worker``), from a job spec: the manifests are read once."""
+    return {
+        "config": cfg.model_dump_json(),
+        "manifest": read_json(spec["manifest_url"]),
+        "model_path": spec["model_path"],
+        "resume_from": spec.get("resume_from"),
+        "attempt": spec.get("attempt", 0),
+        "score_manifest": read_json(spec["score_manifest_url"]) if spec.get("score_manifest_url") else None,
+    }
+
+
+def build_trainer(cfg: Config, loop: dict):
+    """Ray Train's TorchTrainer for this run: every worker runs ``train_loop_per_worker(loop)``."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
@@ -42,14 +48,7 @@ def build_trainer(
     fs = pyarrow_filesystem(storage)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "config": cfg.model_dump_json(),
-            "manifest": manifest,
-            "model_path": model_path,
-            "resume_from": resume_from,
-            "attempt": attempt,
-            "score_manifest": score_manifest,
-        },
+        train_loop_config=loop,
         torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s),
         scaling_config=scaling_config(cfg),
         run_config=RunConfig(
@@ -104,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     spec, cfg = job_spec("ray_jobs.job", argv)
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    manifest = read_json(spec["manifest_url"])
-    score = read_json(spec["score_manifest_url"]) if spec.get("score_manifest_url") else None
-    trainer = build_trainer(
-        cfg, manifest, spec["model_path"], spec.get("resume_from"), spec.get("attempt", 0), score_manifest=score
-    )
+    trainer = build_trainer(cfg, loop_config(spec, cfg))
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps worker errors; name the root cause plainly for the watchdog's policy

@@ -737,9 +737,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point Ray Train runs on every worker (and re-runs after a worker-group restart)."""
     from ray_jobs.train.runtime import RayRuntime
 
+    run_worker(loop_config, RayRuntime())
+
+
+def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
+    """One rank's whole job, whatever runs it (Ray Train, torchrun, this process): resume or start, train, score on
+    the series' eval set, export. ``loop_config``: what ``ray_jobs.job.loop_config`` makes of a job spec."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = from_json(loop_config["config"])
-    rt = RayRuntime()
     attempt = loop_config.get("attempt", 0)
     heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 else None  # before the model loads
     try:
@@ -755,3 +760,4 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     after = {k: v - trainer.warmup[k] for k, v in trainer.cache.counters().items()}  # what training itself read
     log.info("rank %d shard cache after warm-up: %s; checkpoint stalls (s): %s", trainer.rt.rank, after,
              [round(s, 4) for s in trainer.stalls_s])  # fmt: skip
+    return trainer

@@ -247,7 +247,8 @@ def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
          "fault_tolerance.max_failures=5", "fault_tolerance.preemption_grace_s=12",
          "fault_tolerance.max_preemptions=7"],
     )  # fmt: skip
-    trainer = build_trainer(cfg, {"dataset_id": "ds-x"}, "/m", None)
+    loop = {"config": cfg.model_dump_json(), "manifest": {"dataset_id": "ds-x"}, "model_path": "/m"}
+    trainer = build_trainer(cfg, loop)
     run = trainer.run_config
     assert run.name == "demo" and run.storage_path == "/tmp/x/ray"
     assert run.checkpoint_config.num_to_keep == 4
@@ -257,7 +258,7 @@ def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
     assert trainer.scaling_config.num_workers == 2
     elastic = cfg.model_copy(deep=True)
     elastic.cluster.num_workers, elastic.cluster.resize_check_s = {"min": 1, "max": 2}, 15
-    scaling = build_trainer(elastic, {"dataset_id": "ds-x"}, "/m", None).scaling_config
+    scaling = build_trainer(elastic, loop).scaling_config
     assert (scaling.min_workers, scaling.max_workers, scaling.elastic_resize_monitor_interval_s) == (1, 2, 15)
     assert trainer.backend_config.preemption_grace_s == 12 and trainer.backend_config.backend == "gloo"
 
