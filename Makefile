@@ -44,11 +44,12 @@ ui: setup
 serve: setup
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(VENV)/bin/unbroken serve
 
-# Each run also times itself (tests/suite_report.py): a table per tier and the slowest tests at the end of the output,
-# and tiers.json, tests.tsv, cpu.tsv and junit.xml under $(REPORT).
+# Every tier, as two pytest sessions at once (tests/lanes.py: one alone leaves half the machine idle, waiting on real
+# processes). Each times itself (tests/suite_report.py): a table per tier and the slowest tests, and tiers.json,
+# tests.tsv, cpu.tsv and junit.xml under $(REPORT)/lane-<n>/. One tier alone: the targets below.
 REPORT ?= .unbroken/test-report
 test: setup
-	$(VENV)/bin/pytest --junitxml=$(REPORT)/junit.xml
+	$(PY) -m tests.lanes --report $(REPORT)
 
 test-unit: setup
 	$(VENV)/bin/pytest tests/unit

@@ -74,6 +74,15 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> tuple[str, Path]:
+    """The chaos config trained once, uninterrupted, for the whole session (tests/chaos/harness.uninterrupted_run):
+    (final-weights hash, row trace folder) that the chaos, multinode and launcher scenarios compare against."""
+    from tests.chaos.harness import uninterrupted_run
+
+    return uninterrupted_run(tmp_path_factory.mktemp("baseline"))
+
+
+@pytest.fixture(scope="session")
 def shared_prefect(tmp_path_factory):
     """One real Prefect server for every CLI run and flow of the session (tests/prefect_server.py), exported as
     ``PREFECT_API_URL``; the integration and chaos packages use it (their conftest), unit tests keep in-process ones."""

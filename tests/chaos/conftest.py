@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ray_jobs.config import load_config
-from tests.chaos.harness import DEMO, REPORT, baseline_hash
+from tests.chaos.harness import CHAOS_GCS_PORT, CHAOS_PORT, DEMO, REPORT
 from unbroken.backends.base import ClusterHandle
 from unbroken.backends.local import start_local_head, stop_local_head
 
@@ -20,7 +20,8 @@ def _prefect(shared_prefect):
 @pytest.fixture(scope="package")  # stopped before other packages start their own heads (one per machine)
 def ray_cluster(tmp_path_factory) -> ClusterHandle:
     storage = tmp_path_factory.mktemp("chaos-cluster")
-    cfg = load_config(DEMO, [f"storage={storage}", "cluster.dashboard_port=8285", "cluster.head_port=6399"])
+    cfg = load_config(DEMO, [f"storage={storage}", f"cluster.dashboard_port={CHAOS_PORT}",
+                             f"cluster.head_port={CHAOS_GCS_PORT}"])  # fmt: skip
     handle = start_local_head(cfg)
     assert handle.started_here, "another Ray cluster is already running on this machine"
     yield handle
@@ -28,9 +29,9 @@ def ray_cluster(tmp_path_factory) -> ClusterHandle:
 
 
 @pytest.fixture(scope="package")
-def baseline(ray_cluster, tmp_path_factory) -> str:
+def baseline(uninterrupted) -> str:
     """Final-weights hash of the chaos config trained without interruption (same seed, same world size)."""
-    return baseline_hash(ray_cluster, tmp_path_factory.mktemp("baseline"))
+    return uninterrupted[0]
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

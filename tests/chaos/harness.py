@@ -6,11 +6,14 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from ray_jobs.config import Config, load_config
 from ray_jobs.storage import Layout, join, read_bytes
+from ray_jobs.train import rowtrace
 from tasks import registry
 from tasks.jobs import submit, write_job_spec
 from tasks.model import prepare_base_model
@@ -21,6 +24,7 @@ from tests.procs import processes, train_worker_pids, wait_for  # noqa: F401 (th
 from unbroken.backends.base import ClusterHandle, jobs_client
 
 DEMO = ROOT / "configs" / "demo.yaml"
+CHAOS_PORT, CHAOS_GCS_PORT = 8285, 6399  # the chaos suite's head (conftest): its dashboard and GCS ports
 REPORT: list[dict] = []  # one row per fault: what it cost (printed by conftest at the end of the session)
 
 
@@ -36,8 +40,8 @@ def chaos_config(root: Path, name: str, **extra: object) -> Config:
         "checkpoint.num_to_keep": 50,  # keep every checkpoint so the test can inspect them
         "fault_tolerance.max_failures": 3,
         "fault_tolerance.heartbeat_every_s": 0.5,
-        "cluster.dashboard_port": 8285,  # the chaos suite's head (conftest), where a watchdog re-provisions it
-        "cluster.head_port": 6399,
+        "cluster.dashboard_port": CHAOS_PORT,  # the chaos suite's head (conftest), where a watchdog re-provisions it
+        "cluster.head_port": CHAOS_GCS_PORT,
         "cluster.keep_running": True,
     }
     return load_config(DEMO, tiny_overrides(root, **(base | extra)))
@@ -86,13 +90,23 @@ def wait_job(handle: ClusterHandle, sid: str, timeout_s: float = 300) -> str:
     raise TimeoutError(f"job {sid} did not finish in {timeout_s}s; logs:\n{job_logs(handle, sid)[-5000:]}")
 
 
-def baseline_hash(handle: ClusterHandle, root: Path, env: dict | None = None) -> str:
-    """Final-weights hash of the chaos config trained on ``handle``'s cluster without interruption (same seed, same
-    world size): what every broken run is compared against. ``env``: for the job (a row trace, say)."""
+def uninterrupted_run(root: Path) -> tuple[str, Path]:
+    """The chaos config trained once without interruption, and the hash of its final weights: what every broken run
+    -- on the chaos suite's head, the multinode hosts, a ``ray up`` cluster -- must match bit for bit (same seed, same
+    world size). Trained by two gloo processes under ``torchrun`` (``ray_jobs.local``: the loop Ray Train runs,
+    without Ray), with its row trace (which rows every step trained, ray_jobs/train/rowtrace.py) in ``root/rows``;
+    its checkpoints stay under ``root/storage/ray/baseline``. Returns (hash, row trace folder)."""
     cfg = chaos_config(root / "storage", "baseline")
-    sid = start_training(handle, cfg, env=env)
-    assert wait_job(handle, sid) == "SUCCEEDED", job_logs(handle, sid)[-5000:]
-    return final_weights_hash(cfg)
+    model_path = prepare_base_model.fn(cfg)
+    staged = stage_dataset.fn(cfg, model_path)
+    spec = write_job_spec(cfg, 1, staged.manifest_url, model_path, None)
+    rows = root / "rows"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{rowtrace.ENV: str(rows)})
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ray_jobs.local", "--spec", spec]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"the uninterrupted run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-5000:]}"
+    return final_weights_hash(cfg), rows
 
 
 def job_logs(handle: ClusterHandle, sid: str) -> str:

@@ -16,6 +16,7 @@ import pytest
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.storage import Layout
 from tests.chaos.harness import (
+    CHAOS_PORT,
     REPORT,
     chaos_config,
     final_weights_hash,
@@ -50,7 +51,7 @@ def test_kill_9_of_a_worker_after_the_first_checkpoint_ends_bit_identical(ray_cl
                    "lost_steps": max(0, at_kill - beat["started_step"])})  # fmt: skip
     logs = job_logs(ray_cluster, sid)
     assert re.search(r"resumed from \S+checkpoint-step-\d{8} at step \d+", logs), logs[-5000:]
-    assert victim not in train_worker_pids()
+    assert victim not in train_worker_pids(CHAOS_PORT)
     assert final_weights_hash(cfg) == baseline
     # The first attempt's workers filled the node cache; the restarted ones read nothing remotely, warming or after.
     restarted = dict(re.findall(r"rank (\d) node cache warm-up: (\{[^}]*\})", logs))  # each rank's last warm-up

@@ -23,6 +23,7 @@ from ray_jobs.config import Config
 from ray_jobs.storage import Layout
 from tasks import registry
 from tests.chaos.harness import (
+    CHAOS_PORT,
     REPORT,
     chaos_config,
     driver_pid,
@@ -129,7 +130,7 @@ def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, wat
     cfg = watched_config(watched, "hang")
     start_run(ray_cluster, cfg)
     started_and_checkpointed(cfg)
-    victim = next(p for p in train_worker_pids() if p != rank0_pid(cfg))  # rank 1: rank 0 keeps beating
+    victim = next(p for p in train_worker_pids(CHAOS_PORT) if p != rank0_pid(cfg))  # rank 1: rank 0 keeps beating
     fault_at = time.time()
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -176,7 +177,9 @@ def test_whole_cluster_stopped_is_reprovisioned_and_resumed(ray_cluster, baselin
     start_run(ray_cluster, cfg)
     started_and_checkpointed(cfg)
     fault_at = time.time()
-    for pid in head_pids(8285):  # the whole head dies at once, as a lost machine's would; nothing else on this one
+    for pid in head_pids(
+        CHAOS_PORT
+    ):  # the whole head dies at once, as a lost machine's would; nothing else on this one
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

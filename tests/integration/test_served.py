@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from unbroken.backends.base import jobs_client, reachable
 
 pytestmark = pytest.mark.integration
 SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"
-STEP_DELAY_S = 0.5  # 30 steps: ~15 s of training per run
+STEP_DELAY_S = 0.5  # 30 steps: ~15 s of training, for the run a Prefect server restart must land in
+DELAY_FILE = Path(tempfile.gettempdir()) / f"unbroken-served-delay-{os.getpid()}"  # read by each job's workers
 FIRST_RUN: list[str] = []  # the run the first dataset event made (later tests compare with it)
 FIRST_LANDING: list[Path] = []
 
@@ -49,9 +51,10 @@ def served(server, tmp_path_factory):
     """``unbroken serve`` with a tiny config; yields (config path, storage)."""
     root = tmp_path_factory.mktemp("served")
     storage = root / "storage"
-    # Events may name datasets under this module's temp folders only; each step sleeps (a sleep changes no weight)
-    # so a Prefect server restart lands mid-training; the variable reaches jobs only because it is passed through.
-    passthrough = [*ClusterConfig().env_passthrough, "UNBROKEN_INJECT_DELAY"]
+    # Events may name datasets under this module's temp folders only. A run's steps sleep (a sleep changes no weight)
+    # while DELAY_FILE names a delay, so a Prefect server restart lands mid-training; the variable reaches jobs only
+    # because it is passed through.
+    passthrough = [*ClusterConfig().env_passthrough, "UNBROKEN_INJECT_DELAY_FILE"]
     (root / "data").mkdir()
     shutil.copy(SAMPLE_DATA, root / "data" / "addition.jsonl")  # the scheduled run's data: a test may change it
     extra = {
@@ -64,7 +67,7 @@ def served(server, tmp_path_factory):
     config = root / "served.yaml"
     config.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False))
     env = dict(os.environ, PREFECT_API_URL=server, PREFECT_RUNNER_POLL_FREQUENCY="2", PYTHONUNBUFFERED="1",
-               PREFECT_HOME=str(root / "prefect-client"), UNBROKEN_INJECT_DELAY=f"step:{STEP_DELAY_S}")  # fmt: skip
+               PREFECT_HOME=str(root / "prefect-client"), UNBROKEN_INJECT_DELAY_FILE=str(DELAY_FILE))  # fmt: skip
     log = open(root / "serve.log", "w")  # noqa: SIM115
     cmd = [sys.executable, "-m", "unbroken", "serve", "--config", str(config), "--storage", str(storage),
            "--watchdog-interval", "3600", "--sensor-interval", "3600"]  # fmt: skip
@@ -305,7 +308,7 @@ def test_cancelling_a_finetune_run_leaves_no_ray_job_running(served) -> None:
         assert jobs_client(address).get_job_status(sid).is_terminal()
     reg = read_registry(storage, "cancel-me")
     assert reg["state"] == "failed" and reg["attempts"][-1]["status"] in ("STOPPED", "FAILED"), reg
-    assert not train_worker_pids(), "no Ray Train worker may outlive the cancelled run"
+    assert not train_worker_pids(8265), "no Ray Train worker may outlive the cancelled run"
 
 
 def test_an_event_naming_a_file_outside_the_allowed_sources_is_refused(served) -> None:
@@ -328,7 +331,15 @@ def test_a_prefect_server_restart_mid_run_neither_stops_nor_doubles_training(ser
     from prefect.deployments import run_deployment
 
     config, storage, log = served
-    flow_run = run_deployment("finetune/finetune", parameters={"overrides": ["name=restart-me"]}, timeout=0)
+    DELAY_FILE.write_text(f"step:{STEP_DELAY_S}")  # this run's workers read it when they start
+    try:
+        flow_run = run_deployment("finetune/finetune", parameters={"overrides": ["name=restart-me"]}, timeout=0)
+        _restart_mid_run(flow_run, storage, log, prefect_server)
+    finally:
+        DELAY_FILE.unlink(missing_ok=True)
+
+
+def _restart_mid_run(flow_run, storage: Path, log: Path, prefect_server) -> None:
     jobs = RayJobsSeen("http://127.0.0.1:8265", "unbroken-restart-me-train-")
     beat = storage / "runs" / "restart-me" / "heartbeat.json"
     wait_for("training steps", lambda: beat.exists() and json.loads(beat.read_text()).get("step", 0) >= 3, 300, 1)

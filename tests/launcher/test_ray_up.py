@@ -1,7 +1,7 @@
 """``cluster.backend: ray-up`` for real: the Ray cluster launcher brings the shipped on-prem cluster YAML up over SSH
-on namespace hosts, runs a training job, brings a killed worker host back on ``up``, and -- with the whole cluster
-torn down under a running job -- the watchdog re-provisions it through the same backend and the run finishes
-bit-identical to an uninterrupted one on that cluster. Then ``down`` leaves no Ray process on any host."""
+on namespace hosts, brings a killed worker host back on ``up``, runs a training job, and -- with the whole cluster torn
+down under it -- the watchdog re-provisions it through the same backend and the run finishes bit-identical to the
+uninterrupted run of the same config. Then ``down`` leaves no Ray process on any host."""
 
 from __future__ import annotations
 
@@ -13,17 +13,7 @@ from ray_jobs import checkpoint as ckpt
 from ray_jobs.storage import Layout
 from tasks import registry
 from tasks.cluster import provision_cluster
-from tests.chaos.harness import (
-    REPORT,
-    chaos_config,
-    final_weights_hash,
-    heartbeat_step,
-    job_logs,
-    start_run,
-    start_training,  # fmt: skip
-    until_finished,
-    wait_job,
-)
+from tests.chaos.harness import REPORT, chaos_config, final_weights_hash, heartbeat_step, start_run, until_finished
 from tests.chaos.test_control_plane import WatchdogLoop
 from tests.hosts import VENV_BIN
 from tests.launcher.conftest import cluster_yaml
@@ -42,23 +32,21 @@ def alive(backend, handle) -> list[str]:
     return sorted(n.ip for n in h.alive) if h.nodes is not None else []
 
 
-def test_ray_up_runs_a_job_brings_a_lost_host_back_and_the_watchdog_reprovisions_through_it(machines, tmp_path):
+def test_ray_up_runs_a_job_brings_a_lost_host_back_and_the_watchdog_reprovisions_through_it(
+    machines, uninterrupted, tmp_path
+):
     config = cluster_yaml(machines, tmp_path / "onprem.yaml")
     ray_up = {"cluster.backend": "ray-up", "cluster.ray_up.config": str(config), "cluster.keep_running": False,
               "cluster.python": str(VENV_BIN / "python")}  # fmt: skip
-    base = chaos_config(tmp_path / "baseline", "baseline", **ray_up)
-    backend = backend_for(base)
+    cfg = chaos_config(tmp_path / "watched", "rayup", **ray_up, **WATCHED)
+    backend = backend_for(cfg)
     head, *workers = machines.hosts
     t0 = time.time()
-    handle = provision_cluster.fn(base)
+    handle = provision_cluster.fn(cfg)
     up_s = time.time() - t0
     assert handle.backend == "ray-up" and handle.started_here and handle.address == f"http://{head.addr}:8265"
     wait_for("the head and three workers", lambda: len(alive(backend, handle)) == 4, timeout_s=300, every_s=2)
     try:
-        sid = start_training(handle, base)  # a job on the launched cluster: the uninterrupted reference
-        assert wait_job(handle, sid) == "SUCCEEDED", job_logs(handle, sid)[-5000:]
-        baseline = final_weights_hash(base)
-
         # A worker host dies; the machine comes back; `up` again (Ray not restarted) and the head's autoscaler
         # starts Ray on the hosts that are missing.
         victim = next(w for w in workers if w.addr in alive(backend, handle))
@@ -66,13 +54,13 @@ def test_ray_up_runs_a_job_brings_a_lost_host_back_and_the_watchdog_reprovisions
         wait_for(f"{victim.name} counted dead", lambda: victim.addr not in alive(backend, handle), timeout_s=120)
         machines.start_sshd(victim, machines.key)
         t1 = time.time()
-        again = provision_cluster.fn(base)
+        again = provision_cluster.fn(cfg)
         assert not again.started_here, "the live head was updated in place, not restarted"
         wait_for(f"{victim.name} back", lambda: victim.addr in alive(backend, handle), timeout_s=300, every_s=2)
         back_s = time.time() - t1
 
-        # The whole cluster torn down under a running job: the watchdog's restart goes through the backend.
-        cfg = chaos_config(tmp_path / "watched", "rayup", **ray_up, **WATCHED)
+        # A job on the launched cluster, and the whole cluster torn down under it: the watchdog's restart goes
+        # through the backend, and the run ends as the session's uninterrupted run of the same config did.
         start_run(handle, cfg, env={"UNBROKEN_INJECT_DELAY": "step:0.2"})
         wait_for("a checkpoint", lambda: ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name)),
                  timeout_s=300)  # fmt: skip
@@ -89,7 +77,7 @@ def test_ray_up_runs_a_job_brings_a_lost_host_back_and_the_watchdog_reprovisions
         assert (
             reg["cluster"]["backend"] == "ray-up" and reg["cluster"]["spec"]["cluster_name"] == "unbroken-test-onprem"
         )
-        assert final_weights_hash(cfg) == baseline, "bit-identical to the uninterrupted run on this cluster"
+        assert final_weights_hash(cfg) == uninterrupted[0], "bit-identical to the uninterrupted run"
         REPORT.append({"scenario": "ray-up: whole cluster torn down", "detected_by": "watchdog (cluster-unreachable)",
                        "detection_s": incident["detected_at"] - fault_at,
                        "recovery_s": incident["first_new_step_at"] - fault_at,

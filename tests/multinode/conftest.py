@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from ray_jobs.train import rowtrace
-from tests.chaos.harness import baseline_hash
 from tests.hosts import Hosts, can_make_hosts
 from unbroken.backends.base import ClusterHandle
 
@@ -37,11 +35,10 @@ def cluster(hosts: Hosts) -> ClusterHandle:
 
 
 @pytest.fixture(scope="package")
-def baseline_run(cluster, tmp_path_factory) -> tuple[str, Path]:
-    """The chaos config trained on two worker hosts without interruption: its final-weights hash, and the folder of
-    its row trace (which rows every step trained on, ray_jobs/train/rowtrace.py)."""
-    root = tmp_path_factory.mktemp("mn-baseline")
-    return baseline_hash(cluster, root, env={rowtrace.ENV: str(root / "rows")}), root / "rows"
+def baseline_run(uninterrupted) -> tuple[str, Path]:
+    """The chaos config trained without interruption on two workers (the session's one run, tests/conftest.py): its
+    final-weights hash, and the folder of its row trace (which rows every step trained on)."""
+    return uninterrupted
 
 
 @pytest.fixture(scope="package")

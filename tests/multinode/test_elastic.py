@@ -32,7 +32,8 @@ def test_an_elastic_run_shrinks_to_one_worker_grows_back_and_trains_every_row_ex
     victim = absent
     sid = start_training(cluster, cfg, env={"UNBROKEN_INJECT_DELAY": "step:0.3", rowtrace.ENV: str(rows)})
     try:
-        wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name)))
+        ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
+        wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(ckpts))
         training = hosts.training_hosts()
         assert len(training) == 2
         victim, survivor = training
@@ -42,6 +43,10 @@ def test_an_elastic_run_shrinks_to_one_worker_grows_back_and_trains_every_row_ex
         shrunk_beat = wait_for("a new step at world size 1", lambda: (b := heartbeat(cfg))["first_step_at"]
                                and b["first_step_at"] > killed_at and b, timeout_s=120)  # fmt: skip
         assert hosts.training_hosts() == [survivor], "one worker, on the host left"
+        # The world-1 group's steps count only once it checkpointed them: a host joining before that would let the
+        # group grow back and redo them at world 2 (seen once: worlds [2, 2]). Let it join only after the event.
+        wait_for("a checkpoint written by the world-1 group", lambda: (c := ckpt.find_latest_valid(ckpts))
+                 and c[1]["world_size"] == 1 and c[1]["step"] > shrunk_beat["started_step"], timeout_s=120)  # fmt: skip
         assert heartbeat_step(cfg) < cfg.train.max_steps - 40, "enough of the run left to grow back"
         back_at = time.time()
         hosts.start_worker(absent)  # a host joins: the next resize check grows the group

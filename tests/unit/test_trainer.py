@@ -367,6 +367,20 @@ def test_malformed_fault_injection_is_an_error() -> None:
         faults.delays("exporting")
 
 
+def test_a_delay_file_adds_to_the_variable_and_is_read_once_per_process(tmp_path, monkeypatch) -> None:
+    from ray_jobs.train import faults
+
+    spec = tmp_path / "delay"
+    spec.write_text("step:0.5\n")
+    monkeypatch.setenv(faults.ENV, "exporting:2")
+    monkeypatch.setenv(faults.FILE_ENV, str(spec))
+    assert faults.delays() == {"exporting": 2.0, "step": 0.5}
+    spec.unlink()  # a process that started with it keeps it; one started after the file went has none
+    assert faults.delays() == {"exporting": 2.0, "step": 0.5}
+    monkeypatch.setenv(faults.FILE_ENV, str(tmp_path / "none"))
+    assert faults.delays() == {"exporting": 2.0}
+
+
 @pytest.mark.parametrize(
     ("valid", "explicit", "chosen", "why"),
     [
