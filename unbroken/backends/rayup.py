@@ -53,9 +53,19 @@ class RayUp(Backend):
         address = self._jobs_api()
         return address if address and reachable(address) is None else None
 
+    def _live_head(self) -> str | None:
+        """The Jobs API of a head that is up, asked up to 3 times when the launcher knows a head: ``up`` on a head
+        taken for dead restarts Ray there, and with it the running job -- one slow answer (a busy head) must not."""
+        api = self._jobs_api()
+        for attempt in range(3 if api else 0):
+            if reachable(api) is None:
+                return api
+            time.sleep(2.0 * (attempt < 2))
+        return None
+
     def up(self, run: str | None = None) -> ClusterHandle:
         path, limit = self.cfg.cluster.ray_up.config, self.cfg.cluster.ray_up.up_timeout_s
-        already = self.address()
+        already = self._live_head()
         if (self._yaml().get("provider") or {}).get("type") == "local":
             # Ray 2.60's autoscaler v2 (ray up's default) never replaces a dead worker of the local provider: the
             # new instance waits on the dead one's IP, whose termination times out (seen here, 300 s and again). v1
