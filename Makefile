@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo smollm2 test test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
+.PHONY: setup demo smollm2 gpu-wheels gpu-check test test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
 
 setup: $(STAMP)
 
@@ -73,3 +73,26 @@ format: setup
 
 clean:
 	rm -rf .unbroken
+
+# The GPU kit (bench/gpu) on a lent GPU machine: PyTorch is there, Ray and Prefect are not needed, pydantic is missing
+# and its transformers/peft are other versions. `make gpu-wheels` (here) puts this project's pinned versions of what
+# the kit imports into .whl/ (git-ignored; the device tool carries it: carry [".whl"]); `make gpu-check` (there)
+# installs them into a folder of their own and runs every leg at full size, one JSON line each into $(GPU_OUT).
+GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection typing_extensions transformers huggingface_hub \
+	tokenizers safetensors peft accelerate httpx2 httpcore2 truststore h11 click hf-xet regex anyio idna tqdm
+GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+GPU_OUT ?= .unbroken/gpu-check.jsonl
+GPU_SITE ?= /tmp/unbroken-gpu-site
+GPU_SIZE ?= 1b
+
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	specs=$$(for n in $(GPU_WHEELS); do grep -iE "^$$(echo $$n | sed 's/[-_]/[-_]/g')==" constraints.txt; done); \
+	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d .whl $$specs
+	@du -sh .whl
+
+gpu-check:
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
+	mkdir -p $(dir $(GPU_OUT))
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 -m bench.gpu --size $(GPU_SIZE) --out $(GPU_OUT)

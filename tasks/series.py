@@ -56,6 +56,8 @@ def recipe(cfg: Config) -> str:
     Two runs with the same dataset and recipe train the same thing."""
     tree = json.loads(cfg.model_dump_json(include={"model", "train"}))
     tree["train"].pop("sample_generations", None)
+    if not tree["train"].get("compile"):  # added later: off (the default) hashes as before, so old runs still match
+        tree["train"].pop("compile", None)
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -1,5 +1,6 @@
-"""``unbroken`` command line: ``run`` (the finetune flow), ``stage`` (the staging flow), ``status`` (a run's record),
-``watchdog`` (the recovery flow, once or in a loop).
+"""``unbroken`` command line: ``run`` (the finetune flow), ``stage`` (the staging flow), ``train --local`` (local
+mode: the training without Ray or Prefect, ray_jobs/local.py), ``status`` (a run's record), ``watchdog`` (the recovery
+flow, once or in a loop).
 
 The config is validated here first, so a bad config fails in a fraction of a second with every bad field named,
 before Prefect, storage or a cluster is touched.
@@ -18,11 +19,19 @@ from ray_jobs.config import ConfigError, load_config
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unbroken", description="Fault-tolerant LLM fine-tuning on Prefect + Ray.")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("run", "run the finetune flow"), ("stage", "stage the dataset only")):
+    commands = (
+        ("run", "run the finetune flow"),
+        ("stage", "stage the dataset only"),
+        ("train", "local mode: train in this process (or each torchrun process), without Ray or Prefect"),
+    )
+    for name, help_ in commands:
         c = sub.add_parser(name, help=help_)
         c.add_argument("config", help="YAML config file (see configs/)")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set train.max_steps=100 (repeatable)")  # fmt: skip
+        if name == "train":
+            c.add_argument("--local", action="store_true", help="train here (the only mode `train` has: on Ray, "
+                           "`unbroken run` trains); under torchrun --nproc-per-node N, N processes")  # fmt: skip
     wd = sub.add_parser("watchdog", help="check every active run under a storage root and recover what broke")
     wd.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
     wd.add_argument("--once", action="store_true", help="one pass, then exit (a scheduled deployment does this)")
@@ -84,6 +93,25 @@ def cmd_stage(args: argparse.Namespace) -> int:
     r = stage_flow(args.config, args.overrides)
     print(f"dataset id: {r['dataset_id']}{' (cache hit)' if r['cache_hit'] else ''}")
     print(f"manifest: {r['manifest_url']}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Local mode (ray_jobs/local.py): the run's training here, no Ray, no Prefect; rank 0 prints the final folder."""
+    # Under torchrun the mode is local by nature, and torchrun's own parser refuses a `--local` after the module
+    # (an ambiguous abbreviation of its --local-addr / --local-ranks-filter): there it is implied.
+    if not (args.local or "LOCAL_RANK" in os.environ):
+        print("error: `unbroken train` trains here, without Ray: say so with --local (`unbroken run` trains on Ray)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    import logging
+
+    from ray_jobs.local import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    final = train(load_config(args.config, args.overrides))
+    if final is not None:
+        print(f"final model: {final}")
     return 0
 
 
@@ -163,7 +191,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     os.execvpe(prefect, [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], env)
 
 
-COMMANDS = {"run": cmd_run, "stage": cmd_stage, "watchdog": cmd_watchdog, "serve": cmd_serve}
+COMMANDS = {"run": cmd_run, "stage": cmd_stage, "train": cmd_train, "watchdog": cmd_watchdog, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "runs":
         return cmd_runs(args)
     try:
-        if args.command in ("run", "stage"):
+        if args.command in ("run", "stage", "train"):
             load_config(args.config, args.overrides)  # before Prefect is imported
         _quiet_defaults()
         return COMMANDS[args.command](args)

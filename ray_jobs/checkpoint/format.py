@@ -73,6 +73,7 @@ class Part:
 
     step: int
     files: dict[str, tuple[str, Any]]
+    ready: Any = None  # called before the files are read: waits for device-to-host copies still in flight
 
 
 def encode_file(kind: str, obj: Any) -> bytes:
@@ -91,6 +92,8 @@ def encode_file(kind: str, obj: Any) -> bytes:
 
 def write_part(part: Part, url: str) -> dict[str, dict[str, Any]]:
     """Write one rank's files into the checkpoint folder; their size and sha256, computed as they are written."""
+    if part.ready is not None:
+        part.ready()
     if STATE_FILE in part.files:  # rank 0, first: a folder written again must not keep its old manifest meanwhile
         refuse(url)
     entries = {}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -90,18 +91,41 @@ class HostStaging:
     """Host buffers a checkpoint's tensors are copied into, kept from one checkpoint to the next (as DCP's async
     staging does): the copy then writes into memory that is already mapped instead of allocating and faulting in
     a fresh copy of the model each time. Safe because a checkpoint is taken only after the previous write finished
-    (:class:`AsyncWriter` holds one write at a time and the trainer collects it first)."""
+    (:class:`AsyncWriter` holds one write at a time and the trainer collects it first).
+
+    From a GPU the buffers are pinned and the copies asynchronous: the training thread only queues them (a copy into
+    pageable memory waits for the device first, tensor by tensor); they run on the training stream before the next
+    step's kernels, so they read this step's values, and whoever reads the buffers waits on :meth:`ready`'s event."""
 
     def __init__(self):
         self._buffers: dict[str, Any] = {}
+        self._queued = False  # device-to-host copies issued since the last ready()
 
     def __call__(self, key: str, t) -> Any:
+        import torch
+
         t = t.detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._buffers[key] = t.to("cpu", copy=True).contiguous()
-            return buf
+            if not t.is_cuda:
+                buf = self._buffers[key] = t.to("cpu", copy=True).contiguous()
+                return buf
+            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if t.is_cuda:
+            self._queued = True
+            return buf.copy_(t, non_blocking=True)
         return buf.copy_(t)
+
+    def ready(self) -> Callable[[], None] | None:
+        """What a reader of the buffers calls first: waits for the copies queued since the last call (None: none)."""
+        if not self._queued:
+            return None
+        import torch
+
+        self._queued = False
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
 
 
 def _fresh(key: str, t) -> Any:

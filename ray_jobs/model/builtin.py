@@ -85,3 +85,49 @@ def build_builtin(model: ModelConfig, seed: int, out_dir: str | Path) -> Path:
         f"```json\n{json.dumps(model.tiny.model_dump(), indent=2)}\n```\n"
     )
     return out
+
+
+def builtin_url(cfg) -> str:
+    """Where the built-in model of ``cfg`` (a Config) lives on its storage."""
+    from ray_jobs.storage import Layout
+
+    return Layout(cfg.storage).model_dir(builtin_name(cfg.model, cfg.train.seed))
+
+
+def base_model_ready(cfg) -> bool:
+    """Whether the base model is there to load: always for a hub id or a folder; for the built-in model, whether it
+    was built on this storage already (when not, no run on this storage can have trained on it yet)."""
+    from ray_jobs.storage import exists, join
+
+    return not is_builtin(cfg.model) or exists(join(builtin_url(cfg), "README.md"))
+
+
+def check_local_folder(name_or_path: str) -> None:
+    """A path-like model (``/x``, ``./x``, ``~/x``, ``.unbroken/...``) must exist: otherwise transformers would take
+    it for a hub id and fail with a hub error that never names the field."""
+    from ray_jobs.config import ConfigError
+
+    if "://" in name_or_path or not name_or_path.startswith(("/", ".", "~")):
+        return  # a hub id (org/name) or a storage URL, checked where it is read
+    if not Path(name_or_path).expanduser().is_dir():
+        hint = " (run `make smollm2` to build it)" if "smollm2" in name_or_path else ""
+        raise ConfigError([f"model.name_or_path: no such model folder: {name_or_path}{hint}"])
+
+
+def ensure_base_model(cfg) -> tuple[str, bool]:
+    """Where the job loads the base model from -- a hub id, a folder, or the built-in model on storage (built there
+    first when missing) -- and whether it was built now. No Prefect: the flow's task and local mode both call it."""
+    import tempfile
+
+    from ray_jobs.storage import upload_dir
+
+    if not is_builtin(cfg.model):
+        check_local_folder(cfg.model.name_or_path)
+        return cfg.model.name_or_path, False
+    url = builtin_url(cfg)
+    if base_model_ready(cfg):
+        return url, False
+    with tempfile.TemporaryDirectory(prefix="unbroken-model-") as d:
+        build_builtin(cfg.model, cfg.train.seed, d)
+        upload_dir(d, url)
+    return url, True

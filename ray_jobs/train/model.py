@@ -15,13 +15,19 @@ from ray_jobs.train.runtime import Runtime
 def build_model(cfg: Config, model_path: str, rt: Runtime):
     model = load_model_fp32(model_path, cfg.data.cache_dir)
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}  # torch.utils.checkpoint, non-reentrant
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg)
-    if cfg.train.parallelism == "fsdp":
-        return rt.shard_model(model)
-    return rt.prepare_model(model.to(rt.device()))
+    fsdp = cfg.train.parallelism == "fsdp"
+    model = rt.shard_model(model) if fsdp else rt.prepare_model(model.to(rt.device()))
+    if cfg.train.compile:
+        model.compile()  # nn.Module.compile: in place, so state_dict keys (and checkpoints) are unchanged
+    return model
 
 
 def apply_lora(model, cfg: Config):

@@ -165,23 +165,28 @@ class TorchRuntime(RayRuntime):
 
 
 class LocalRuntime:
-    """One process, rank 0 of 1. ``reports`` records what the loop reported (metrics, checkpoint url)."""
+    """One process, rank 0 of 1, on ``device`` (``cpu``, ``cuda``, ``cuda:1``; default cpu). ``reports`` records what
+    the loop reported (metrics, checkpoint url)."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
+        import torch
+
         self.rank = 0
         self.world_size = 1
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # set_device needs an index: this process's current GPU
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self._device = bind_device(dev)
         self.reports: list[tuple[dict[str, Any], str | None]] = []
 
     def prepare_model(self, model):
-        return model
+        return model.to(self._device)
 
     def shard_model(self, model):
-        return model
+        return model.to(self._device)
 
     def device(self):
-        import torch
-
-        return torch.device("cpu")
+        return self._device
 
     def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
         self.reports.append((dict(metrics), checkpoint_url))

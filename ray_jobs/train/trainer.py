@@ -114,7 +114,10 @@ class Trainer:
         )
         t = cfg.train
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        # On a GPU the fused AdamW (one kernel for every parameter's update, fp32 moments as the parameters); on a
+        # CPU the default, whose bits the CPU resume guarantees were shown with.
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, **fused)
         self.scheduler = get_scheduler(t.lr_schedule, self.optimizer, t.warmup_steps, t.max_steps)
         self.loop = LoopState(world_size=rt.world_size, dataset_id=manifest["dataset_id"])
         self.cursors = self.plan.start()  # the global cursor: one per data rank, the same on every worker
@@ -333,31 +336,44 @@ class Trainer:
                 log.info("this attempt trained no steps (the checkpoint is already at step %d)", self.loop.step)
         return self.loop
 
-    def train_step(self) -> tuple[float, int, float]:
-        """Forward/backward over ``grad_accum_steps`` micro-batches and one optimizer step (local numbers)."""
+    def train_step(self) -> tuple[Any, int, Any]:
+        """Forward/backward over ``grad_accum_steps`` micro-batches and one optimizer step (local numbers). The loss
+        and the gradient norm come back as device tensors: nothing here waits for the device (on a GPU a ``.item()``
+        per micro-batch drained the queue each time); ``_agree`` reads them once, after the optimizer step is queued."""
         import torch
 
         self.model.train()
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
         n = self.plan.micro_batches  # grad_accum_steps x (data ranks / world size): the global batch is kept
         for micro in range(n):
             v, idx, epochs = self.plan.batch(self.cursors, micro)
             self.rows_materialized += len(idx)
             if self.trace is not None:
                 self.trace.add(epochs, self.plan.identify(v, idx))
-            ids, labels, pos = (torch.from_numpy(x).to(self.device) for x in self.plan.take(v, idx))
+            arrays = self.plan.take(v, idx)
+            tokens += int((arrays[0] != self.pad_id).sum())  # counted on the host, before the copy
+            ids, labels, pos = (self._to_device(x) for x in arrays)
             with self._grad_sync(micro == n - 1), self.autocast():
                 # use_cache=False: transformers ignores packed position_ids while it builds a KV cache
                 loss = self.model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
             (loss / n).backward()
-            loss_sum += loss.item() / n
-            tokens += int((ids != self.pad_id).sum())
+            loss_sum += loss.detach().to(torch.float64) / n  # float64, as the python float sum it replaces
         self.cursors = self.plan.after(self.cursors)
         grad_norm = self._clip()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, tokens, grad_norm
+
+    def _to_device(self, x: np.ndarray):
+        """A batch array on the training device: on a GPU through pinned memory, asynchronously (a copy from pageable
+        memory synchronizes the stream first: the GPU would idle at every micro-batch)."""
+        import torch
+
+        t = torch.from_numpy(x)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _grad_sync(self, sync: bool):
         """Gradients are all-reduced only on the last micro-batch of an accumulation."""
@@ -374,9 +390,11 @@ class Trainer:
         max_norm = self.cfg.train.max_grad_norm or float("inf")
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # read in _agree: no wait here
 
-    def _agree(self, loss: float, tokens: int, grad_norm: float) -> Agreed:
+    def _agree(self, loss, tokens: int, grad_norm) -> Agreed:
+        """Every rank's step outcome, agreed with one small all-reduce; the step's only wait for the device."""
+        loss, grad_norm = float(loss), float(grad_norm)
         rank0 = self.rt.rank == 0
         every_min = self.cfg.checkpoint.every_minutes
         time_due = rank0 and every_min > 0 and time.monotonic() - self.last_checkpoint_time >= every_min * 60
@@ -511,7 +529,7 @@ class Trainer:
                 "data": {"data_ranks": self.plan.data_ranks, "cursors": [asdict(c) for c in self.cursors]},
             }
             files[ckpt.STATE_FILE] = ("json", state)
-        return ckpt.Part(self.loop.step, files)
+        return ckpt.Part(self.loop.step, files, ready=self.staging.ready())
 
     def _report_pending(self, report: bool = True, wait: bool = True) -> None:
         """Finish the checkpoint in flight, every rank together, in two stages that each end at a step boundary:
