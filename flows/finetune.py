@@ -20,12 +20,13 @@ from prefect.states import State
 
 from flows.stage import stage_for
 from ray_jobs.config import Config, ConfigError, load_config
+from ray_jobs.model.builtin import base_model_ready
 from ray_jobs.storage import read_json
 from tasks import registry, series
 from tasks.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from tasks.cluster import ClusterHandle, begin_cluster, check_cluster_fits, provision_cluster, stop_cluster
 from tasks.jobs import JobFailed, cancelled, stop_and_wait, submit_job, watch_job, write_job_spec
-from tasks.model import base_model_ready, check_model_options, prepare_base_model
+from tasks.model import check_model_options, prepare_base_model
 from tasks.params import run_config
 from tasks.report import publish_series, summarize
 from tasks.sources import SourceRefused, rejected_event

@@ -24,16 +24,24 @@ log = logging.getLogger("unbroken.job")
 POLL_INTERVAL_ENV, POLL_INTERVAL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 
 
+def worker_config(
+    cfg: Config,
+    manifest: dict,
+    model_path: str,
+    resume_from: str | None = None,
+    attempt: int = 0,
+    score_manifest: dict | None = None,
+) -> dict:
+    """What every rank's loop is given (``train.trainer.run_worker``), whoever starts it."""
+    return {"config": cfg.model_dump_json(), "manifest": manifest, "model_path": model_path,
+            "resume_from": resume_from, "attempt": attempt, "score_manifest": score_manifest}  # fmt: skip
+
+
 def loop_config(spec: dict, cfg: Config) -> dict:
-    """What every rank's loop is given (``train.trainer.run_worker``), from a job spec: the manifests are read once."""
-    return {
-        "config": cfg.model_dump_json(),
-        "manifest": read_json(spec["manifest_url"]),
-        "model_path": spec["model_path"],
-        "resume_from": spec.get("resume_from"),
-        "attempt": spec.get("attempt", 0),
-        "score_manifest": read_json(spec["score_manifest_url"]) if spec.get("score_manifest_url") else None,
-    }
+    """:func:`worker_config` from a job spec: the manifests are read once, here, not by every rank."""
+    score = read_json(spec["score_manifest_url"]) if spec.get("score_manifest_url") else None
+    return worker_config(cfg, read_json(spec["manifest_url"]), spec["model_path"], spec.get("resume_from"),
+                         spec.get("attempt", 0), score)  # fmt: skip
 
 
 def build_trainer(cfg: Config, loop: dict):

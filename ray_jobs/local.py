@@ -72,14 +72,14 @@ def prepare(cfg: Config) -> dict[str, Any]:
     """What ``run_worker`` is given, made here without Prefect: the base model (built when it is the built-in one
     and missing) and the staged dataset (a content-addressed cache hit when staged already)."""
     from ray_jobs.data.staging import stage
+    from ray_jobs.job import worker_config
     from ray_jobs.model.builtin import ensure_base_model
     from ray_jobs.model.loading import load_tokenizer
 
     model_path, _ = ensure_base_model(cfg)
     staged = stage(cfg.data, load_tokenizer(model_path, cfg.data.cache_dir), model_path, cfg.storage)
     log.info("dataset %s (%s)", staged.manifest["dataset_id"], "cache hit" if staged.cache_hit else "staged")
-    return {"config": cfg.model_dump_json(), "manifest": staged.manifest, "model_path": model_path,
-            "resume_from": None, "attempt": 0, "score_manifest": None}  # fmt: skip
+    return worker_config(cfg, staged.manifest, model_path)
 
 
 def runtime(cfg: Config):

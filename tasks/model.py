@@ -7,10 +7,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ray_jobs.config import Config
-from ray_jobs.model.builtin import base_model_ready, check_local_folder, ensure_base_model, is_builtin
+from ray_jobs.model.builtin import ensure_base_model, is_builtin
 from tasks.logs import run_logger
-
-__all__ = ["base_model_ready", "check_local_folder", "check_model_options", "prepare_base_model"]
 
 
 @task(name="prepare-base-model", cache_policy=NO_CACHE)

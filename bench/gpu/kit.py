@@ -315,19 +315,14 @@ def run_part(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _weights_sha(checkpoint: str) -> str:
+    import torch
     from safetensors.torch import load_file
 
     state = load_file(str(Path(checkpoint) / "model.safetensors"))
     h = hashlib.sha256()
     for k in sorted(state):
-        h.update(state[k].contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
+        h.update(state[k].contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _u8():
-    import torch
-
-    return torch.uint8
 
 
 def _max_abs_diff(a: Path, b: Path) -> float:

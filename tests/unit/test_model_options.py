@@ -165,7 +165,7 @@ def test_the_tiny_model_with_all_linear_and_modules_to_save_trains(tmp_path) -> 
 
 def test_a_missing_local_model_folder_is_a_config_error_naming_the_field(tmp_path) -> None:
     from ray_jobs.config import ConfigError
-    from tasks.model import check_local_folder
+    from ray_jobs.model.builtin import check_local_folder
 
     with pytest.raises(
         ConfigError, match=r"model.name_or_path: no such model folder: \./nope/smollm2 \(run `make smollm2`"

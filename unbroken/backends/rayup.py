@@ -57,10 +57,13 @@ class RayUp(Backend):
         """The Jobs API of a head that is up, asked up to 3 times when the launcher knows a head: ``up`` on a head
         taken for dead restarts Ray there, and with it the running job -- one slow answer (a busy head) must not."""
         api = self._jobs_api()
-        for attempt in range(3 if api else 0):
+        if api is None:
+            return None
+        for attempt in range(3):
             if reachable(api) is None:
                 return api
-            time.sleep(2.0 * (attempt < 2))
+            if attempt < 2:
+                time.sleep(2.0)
         return None
 
     def up(self, run: str | None = None) -> ClusterHandle:
