@@ -129,7 +129,10 @@ def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, base
 def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, watched, watchdogs) -> None:
     cfg = watched_config(watched, "hang")
     start_run(ray_cluster, cfg)
-    started_and_checkpointed(cfg)
+    # Stopped well clear of the eval pass at step 60 (and the next at 120): rank 0 then waits on rank 1 inside a
+    # training step, the stall this test is about. Stopped just before step 60, rank 0 waits in its eval pass instead
+    # and the watchdog rightly gives it phase_stall_s.evaluating (30 min), not stall_timeout_s.
+    started_and_checkpointed(cfg, past_step=65)
     victim = next(p for p in train_worker_pids(CHAOS_PORT) if p != rank0_pid(cfg))  # rank 1: rank 0 keeps beating
     fault_at = time.time()
     os.kill(victim, signal.SIGSTOP)
