@@ -1,0 +1,55 @@
+"""``fault_tolerance``: restart budgets, stall limits per phase, the heartbeat and preemption handling."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from ray_jobs.config.base import Section
+
+
+class PhaseStallConfig(Section):
+    starting: float = Field(1800.0, gt=0)
+    """Seconds from submitting a job to its first heartbeat (Ray schedules workers, ships the code)."""
+    loading: float = Field(1800.0, gt=0)
+    """Seconds for loading the model, the data and a checkpoint."""
+    evaluating: float = Field(1800.0, gt=0)
+    """Seconds one eval pass may take."""
+    checkpointing: float = Field(1800.0, gt=0)
+    """Seconds a synchronous checkpoint (the last step's, a preemption's) may take."""
+    exporting: float = Field(3600.0, gt=0)
+    """Seconds writing the final model folder may take (merging LoRA, multi-GB uploads)."""
+
+
+class FaultToleranceConfig(Section):
+    max_failures: int = Field(2, ge=-1)
+    """Worker-group restarts Ray Train does inside one job (FailureConfig); -1 = unlimited."""
+    max_restarts: int = Field(3, ge=0)
+    """Job resubmissions the watchdog may do for one run."""
+    restart_backoff_s: float = Field(2.0, ge=0)
+    """The watchdog waits this long after detecting trouble before the first restart, doubling for each further one
+    (2, 4, 8 ... s up to ``restart_backoff_max_s``): a one-off fault is back at once, a crash loop slows down."""
+    restart_backoff_max_s: float = Field(600.0, ge=0)
+    """Cap on that wait."""
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """A training job whose heartbeat shows no new step for this long is treated as hung (the ``training`` phase;
+    other phases have their own limits in ``phase_stall_s``)."""
+    phase_stall_s: PhaseStallConfig = PhaseStallConfig()
+    """How long a job may stay in each non-training phase before it counts as hung."""
+    confirm_s: float = Field(30.0, ge=0)
+    """An ambiguous sign of trouble (the Jobs API unreachable, a 5xx or 401, a job the cluster suddenly does not
+    know) is acted on only when it held this long, over several observations. A definitive one (the job FAILED,
+    a phase over its limit) is acted on at once."""
+    progress_resets_budget_steps: int = Field(100, ge=0)
+    """An attempt that trained at least this many new steps before it failed resets the restart count: a long run
+    on flaky nodes is not given up on for failures spread over days. 0 = never reset."""
+    heartbeat_every_s: float = Field(5.0, gt=0)
+    """How often rank 0 refreshes ``runs/<run>/heartbeat.json`` while training."""
+    preemption_grace_s: float = Field(30.0, gt=0)
+    """After SIGTERM, a worker waits at most this long for its just-in-time checkpoint before exiting."""
+    max_preemptions: int = Field(-1, ge=-1)
+    """Node preemptions (a drain notice with a deadline: a spot reclaim, ``ray drain-node``) Ray Train absorbs
+    inside one job, counted apart from ``max_failures`` (``FailureConfig.max_preemption_failures``); -1 = unlimited.
+    Each one costs no step: every rank checkpoints at once and waits for the restart."""
+    preemption_poll_s: float = Field(2.0, gt=0)
+    """How often the ranks ask Ray Train whether a node of theirs is being drained (one barrier across ranks, at a
+    step boundary). Ray's own watcher polls the cluster every 5 s; a notice is acted on within both."""

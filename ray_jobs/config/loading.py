@@ -1,0 +1,144 @@
+"""Loading a config: YAML on disk, ``--set a.b=c`` overrides, validation into one :class:`ConfigError`, and JSON."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ray_jobs.config.base import ConfigError
+from ray_jobs.config.cluster import ClusterConfig, cluster_problems
+from ray_jobs.config.model import BUILTIN_PREFIX
+from ray_jobs.config.run import Config
+
+
+def absolute_url(url: str | None) -> str | None:
+    """Local relative paths become absolute (the job runs elsewhere); URLs are left alone."""
+    if not url or "://" in url:
+        return url
+    return str(Path(os.path.expanduser(url)).resolve())
+
+
+def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``["a.b=1", "c=x"]`` -> nested dict, with YAML typing of values; returns (tree, problems)."""
+    tree: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"--set {item!r}: expected KEY=VALUE, like train.max_steps=100")
+            continue
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                problems.append(f"--set {item!r}: {part} is not a section")
+                break
+        else:
+            node[parts[-1]] = _override_value(raw)
+    return tree, problems
+
+
+def _override_value(raw: str) -> Any:
+    """YAML typing (``1`` is an int, ``[a, b]`` a list), except that a run name template stays a string:
+    ``{date}-{dataset}`` would be YAML's flow mapping (or a syntax error)."""
+    raw = raw.strip()
+    if re.fullmatch(r"(?:[^{}]*\{\w*\})+[^{}]*", raw):
+        return raw
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError([f"cannot read config file: {e}"], str(path)) from e
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError([f"{where}: not valid YAML: {getattr(e, 'problem', e)}"], str(path)) from e
+    if not isinstance(data, dict):
+        raise ConfigError(["top level must be a mapping of sections"], str(path))
+    return data
+
+
+def _field_name(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    """Validate a raw tree; every problem is collected into one ConfigError (the cluster backend's checks too,
+    which read its files: a ``ray up`` YAML)."""
+    problems: list[str] = []
+    cfg = None
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        for err in e.errors():
+            msg = ("unknown key" if err["type"] == "extra_forbidden" else err["msg"]).removeprefix("Value error, ")
+            named = not err["loc"] and re.match(r"[a-z_]+(\.[a-z_]+)*: ", msg)  # a cross-field check names its field
+            problems.append(msg if named else f"{_field_name(err['loc'])}: {msg}")
+    cluster = cfg.cluster if cfg is not None else _cluster_alone(raw)
+    if cluster is not None:
+        problems += cluster_problems(cluster, str(raw.get("storage") or ""))
+    if problems:
+        raise ConfigError(problems, source)
+    cfg.storage = absolute_url(cfg.storage)
+    cfg.data.train = absolute_url(cfg.data.train)
+    cfg.data.eval = absolute_url(cfg.data.eval)
+    cfg.cluster.ray_up.config = absolute_url(cfg.cluster.ray_up.config) or ""
+    if not cfg.model.name_or_path.startswith(BUILTIN_PREFIX) and Path(cfg.model.name_or_path).exists():
+        cfg.model.name_or_path = absolute_url(cfg.model.name_or_path)
+    return cfg
+
+
+def _cluster_alone(raw: dict[str, Any]) -> ClusterConfig | None:
+    """The cluster section on its own, when the whole config did not validate (its own errors are reported)."""
+    try:
+        return ClusterConfig.model_validate(raw.get("cluster") or {})
+    except ValidationError:
+        return None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (optional), apply ``--set`` overrides, validate; raises ConfigError naming every bad field."""
+    raw = _read_yaml(path) if path is not None else {}
+    tree, problems = parse_overrides(overrides or [])
+    if problems:
+        raise ConfigError(problems, str(path or "overrides"))
+    return validate(_merge(raw, tree), str(path or "config"))
+
+
+def from_json(text: str) -> Config:
+    """The inverse of ``Config.model_dump_json()``: how the Ray job receives its config."""
+    return Config.model_validate_json(text)
+
+
+def job_spec(prog: str, argv: list[str] | None = None) -> tuple[dict, Config]:
+    """What a Ray Jobs entrypoint (``python -m <prog> --spec <url>``) was given: the spec, and its config parsed."""
+    import argparse
+    import json
+
+    from ray_jobs.storage import read_json
+
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--spec", required=True, help="URL of the job spec JSON the flow wrote to storage")
+    spec = read_json(parser.parse_args(argv).spec)
+    return spec, from_json(json.dumps(spec["config"]))

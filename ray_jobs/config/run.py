@@ -1,0 +1,126 @@
+"""The root of the tree: a run's name and storage, one section per component, and the checks across sections."""
+
+from __future__ import annotations
+
+from pydantic import field_validator, model_validator
+
+from ray_jobs.config.base import Section
+from ray_jobs.config.checkpoint import CheckpointConfig
+from ray_jobs.config.cluster import ClusterConfig
+from ray_jobs.config.data import DataConfig
+from ray_jobs.config.fault_tolerance import FaultToleranceConfig
+from ray_jobs.config.model import BUILTIN_PREFIX, ModelConfig
+from ray_jobs.config.series import (
+    PLACEHOLDER,
+    PLACEHOLDERS,
+    RUN_NAME,
+    RUN_NAME_RULE,
+    SeriesConfig,
+    name_values,
+    render_name,
+    series_of,
+)
+from ray_jobs.config.train import TrainConfig
+
+
+class Config(Section):
+    name: str
+    """Run name: names the run folder, the Ray Train run and the Ray job submissions. May be a template with
+    ``{dataset}`` (short content id of the staged dataset), ``{date}`` (UTC YYYYMMDD), ``{time}`` (UTC HHMMSS),
+    resolved once per flow run: ``nightly-{dataset}`` makes every new dataset a new run of series ``nightly``."""
+    series: SeriesConfig = SeriesConfig()
+    """The lineage of runs this one belongs to: warm starts, the promotion gate and its champion."""
+    storage: str
+    """Shared storage root, any fsspec URL: a local/NFS path or ``s3://bucket/prefix``."""
+    data: DataConfig
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        unknown = sorted({p for p in PLACEHOLDER.findall(v) if p not in PLACEHOLDERS})
+        if unknown:
+            known = ", ".join(f"{{{k}}}" for k in PLACEHOLDERS)
+            raise ValueError(f"unknown placeholder {', '.join(f'{{{u}}}' for u in unknown)} (known: {known})")
+        example = render_name(v, PLACEHOLDERS)
+        if not RUN_NAME.fullmatch(example):
+            shown = f" (renders like {example!r})" if example != v else ""
+            raise ValueError(f"{v!r}{shown} {RUN_NAME_RULE}")
+        return v
+
+    @property
+    def is_template(self) -> bool:
+        return bool(PLACEHOLDER.search(self.name))
+
+    @property
+    def series_name(self) -> str:
+        return self.series.name or series_of(self.name)
+
+    def resolved(self, dataset_id: str, at: float) -> Config:
+        """This config with its run name template resolved (and its series named, so the run's recorded config
+        still knows its series)."""
+        return self.named(render_name(self.name, name_values(dataset_id, at)))
+
+    def named(self, run: str) -> Config:
+        """This config as the run a template resolved to (known from elsewhere: the series registry)."""
+        out = self.model_copy(deep=True)
+        out.series.name = self.series_name
+        out.name = run
+        return out
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_url(cls, v: str) -> str:
+        return _check_url(v)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        if self.series.name is None and not series_of(self.name):
+            raise ValueError(f"series.name: name {self.name!r} is only placeholders; name the series")
+        if self.model.lora is not None and self.train.parallelism == "fsdp":
+            raise ValueError("model.lora with train.parallelism=fsdp is not supported yet; use ddp for LoRA")
+        problem = batch_split_problem(self.cluster.min_workers, self.cluster.max_workers, self.train.grad_accum_steps)
+        if problem:
+            raise ValueError(f"cluster.num_workers: {problem}")
+        builtin = self.model.name_or_path.startswith(BUILTIN_PREFIX)
+        if builtin and self.data.seq_len > self.model.tiny.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.tiny.max_position_embeddings "
+                f"({self.model.tiny.max_position_embeddings})"
+            )
+        return self
+
+
+def batch_split_problem(lo: int, hi: int, grad_accum_steps: int) -> str | None:
+    """Why a global batch of ``hi`` x ``grad_accum_steps`` micro-batches cannot be split evenly over every world size
+    from ``lo`` to ``hi`` (each worker must run the same number of micro-batches per step), or None."""
+    import math
+
+    slots = hi * grad_accum_steps
+    bad = [w for w in range(lo, hi + 1) if slots % w]
+    if not bad:
+        return None
+    every = math.lcm(*range(lo, hi + 1))
+    need = every // math.gcd(every, hi)  # the smallest grad_accum_steps that splits evenly at every size
+    return (
+        f"the global batch is {hi} x train.grad_accum_steps={grad_accum_steps} = {slots} micro-batches, which "
+        f"{', '.join(map(str, bad))} worker(s) cannot share evenly; set train.grad_accum_steps to a multiple of "
+        f"{need}, or narrow min..max"
+    )
+
+
+def _check_url(v: str) -> str:
+    import fsspec  # light; only its registry is read
+
+    v = v.strip()
+    if not v:
+        raise ValueError("must not be empty")
+    if "://" in v:
+        protocol = v.split("://", 1)[0]
+        if protocol not in fsspec.registry and protocol not in fsspec.available_protocols():
+            raise ValueError(f"unknown storage protocol {protocol!r}")
+    return v

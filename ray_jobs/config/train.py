@@ -1,0 +1,59 @@
+"""``train``: the optimization loop, its precision and parallelism, and the final export."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ray_jobs.config.base import Section
+
+
+class TrainConfig(Section):
+    seed: int = 0
+    """Seed for model init, data order and every RNG; same seed + same world size = same weights."""
+    max_steps: int = Field(200, ge=1)
+    """Optimizer steps to train for."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Packed sequences per worker per forward pass."""
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak AdamW learning rate."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """Decay after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from 0 to ``lr``."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    eval_every_steps: int = Field(50, ge=1)
+    """Run eval every N steps (and always at step 0 and at the end)."""
+    eval_max_batches: int = Field(0, ge=0)
+    """Cap on eval micro-batches per worker; 0 = the whole eval split."""
+    log_every_steps: int = Field(10, ge=1)
+    """Write a metrics.jsonl line every N steps."""
+    sample_generations: int = Field(64, ge=0)
+    """Held-out prompts the run's summary answers greedily with the base model and the fine-tuned one (on the
+    flow's machine, CPU is fine for small models); 0 = none (set 0 for models too big to load there)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision: ``auto`` = bf16 autocast on GPU, fp32 on CPU. Weights and optimizer moments are always fp32
+    (the base model is loaded in fp32 whatever dtype it was saved in)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    compile: bool = False
+    """``torch.compile`` the model (in place: checkpoints keep their keys). Faster steps on a GPU after a compile of
+    a minute or so at the start of every worker; numerics differ from eager, so resume a run with the setting it was
+    started with for bit-identical weights."""
+    deterministic: bool = True
+    """Deterministic kernels (on GPU also ``CUBLAS_WORKSPACE_CONFIG``): a killed and resumed run ends bit-identical
+    to an uninterrupted one. false = fastest kernels; resume then restores the same data order and state, but the
+    weights are not bit-identical."""
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the final export; ``auto`` = the base model's own dtype (training always keeps fp32 weights)."""
+    export_shard_mb: float = Field(5000.0, gt=0)
+    """Largest safetensors file of the final export, in MB; a bigger model is split across files with an index
+    (``save_pretrained``'s ``max_shard_size``)."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """``ddp`` replicates the model on every worker; ``fsdp`` shards it (FSDP2) for models too big for one device."""
