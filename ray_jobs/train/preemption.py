@@ -88,9 +88,10 @@ class Preempted(RuntimeError):
 def torch_config(use_gpu: bool, grace_s: float):
     """A TorchConfig whose backend also installs the SIGTERM handler on every worker."""
     from ray.train.torch import TorchConfig
-    from ray.train.torch.config import _TorchBackend
 
-    class _Backend(_TorchBackend):
+    from ray_jobs.ray_private import torch_backend
+
+    class _Backend(torch_backend()):
         def on_start(self, worker_group, backend_config):
             super().on_start(worker_group, backend_config)
             worker_group.execute(install_sigterm_handler, grace_s=backend_config.preemption_grace_s)

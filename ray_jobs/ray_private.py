@@ -1,0 +1,32 @@
+"""Every private Ray symbol the project uses, in one place: a Ray upgrade that moves one breaks here, and
+``tests/unit/test_ray_private.py`` names it.
+
+Each is imported lazily, inside the function that needs it: importing ``ray_jobs`` must stay fast and must not
+import Ray (flows load ``ray_jobs.config`` without it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (module, name) of each private symbol, for the test that checks a Ray upgrade kept them.
+SYMBOLS = (
+    ("ray._private.authentication.http_token_authentication", "get_auth_headers_if_auth_enabled"),
+    ("ray.train.torch.config", "_TorchBackend"),
+)
+
+
+def auth_headers() -> dict[str, str]:
+    """The HTTP headers that authenticate this machine's Ray client to a Jobs API with token auth (empty when auth
+    is off): Ray has no public call for them."""
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+    return get_auth_headers_if_auth_enabled({})
+
+
+def torch_backend() -> type[Any]:
+    """Ray Train's torch backend class, subclassed to run code on every worker when the group starts (Ray has no
+    public hook for it)."""
+    from ray.train.torch.config import _TorchBackend
+
+    return _TorchBackend

@@ -1,0 +1,40 @@
+"""Every private Ray symbol the project relies on is still where ``ray_jobs.ray_private`` imports it from."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import ray
+
+from ray_jobs import ray_private
+
+
+@pytest.mark.parametrize(("module", "name"), ray_private.SYMBOLS, ids=lambda v: v)
+def test_each_private_ray_symbol_is_still_where_it_is_imported_from(module: str, name: str) -> None:
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"Ray {ray.__version__} has no {module}.{name} (used through ray_jobs.ray_private): {e}")
+    assert callable(found), f"Ray {ray.__version__}: {module}.{name} is no longer callable"
+
+
+def test_the_accessors_return_the_symbols() -> None:
+    from ray.train.torch.config import _TorchBackend
+
+    assert ray_private.torch_backend() is _TorchBackend
+    assert isinstance(ray_private.auth_headers(), dict)
+
+
+def test_every_private_ray_import_in_ray_jobs_goes_through_this_module() -> None:
+    import re
+    from pathlib import Path
+
+    private = re.compile(r"\bray(\.\w+)*\._\w|from ray(\.\w+)* import _\w")  # ray._private..., import _TorchBackend
+    root = Path(ray_private.__file__).parent
+    strays = [
+        str(p.relative_to(root.parent))
+        for p in root.rglob("*.py")
+        if p.name != "ray_private.py" and private.search(p.read_text())
+    ]
+    assert not strays, f"private Ray imports outside ray_jobs/ray_private.py: {strays}"
