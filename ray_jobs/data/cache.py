@@ -53,8 +53,6 @@ class ShardCache:
     def rows_path(self, entry: dict[str, Any], seq_len: int) -> Path:
         """Path of the shard decoded to a raw ``.npy`` (int32 ``[rows, 3, seq_len]``) for memory-mapping; written
         once from the verified Parquet copy, and renamed into place so a half-written one never exists."""
-        from ray_jobs.data.reading import decode_shard
-
         parquet = self.local_path(entry)
         decoded = parquet.with_name(f"{parquet.name}.{entry['sha256'][:16]}.npy")
         if not decoded.exists():
@@ -105,3 +103,27 @@ def _tree_bytes(path: Path) -> int:
         with contextlib.suppress(FileNotFoundError):
             total += p.stat().st_size if p.is_file() else 0
     return total
+
+
+def decode_shard(parquet_path, seq_len: int, out_path) -> None:
+    """Write a Parquet shard's rows to ``out_path`` as one int32 ``.npy`` array ``[rows, 3, seq_len]`` (ids, labels,
+    positions), a column of a row group at a time: memory holds one column chunk, not the shard."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(parquet_path, memory_map=True)
+    out = np.lib.format.open_memmap(out_path, mode="w+", dtype=np.int32, shape=(pf.metadata.num_rows, 3, seq_len))
+    row = 0
+    for rg in range(pf.num_row_groups):
+        n = pf.metadata.row_group(rg).num_rows
+        for k, name in enumerate(("input_ids", "labels", "position_ids")):
+            if name in pf.schema_arrow.names:
+                column = pf.read_row_group(rg, columns=[name]).column(0).combine_chunks()
+                out[row : row + n, k, :] = column.flatten().to_numpy().reshape(-1, seq_len)
+            else:  # staging version 1: positions count 0..seq_len-1 in every row
+                out[row : row + n, k, :] = np.arange(seq_len, dtype=np.int32)
+        row += n
+    out.flush()
+    del out
+    pa.default_memory_pool().release_unused()  # Arrow's allocator keeps freed chunks; a worker should not

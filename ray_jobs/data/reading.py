@@ -76,29 +76,6 @@ def load_rows(
     return rows.take(np.arange(len(rows)))
 
 
-def decode_shard(parquet_path, seq_len: int, out_path) -> None:
-    """Write a Parquet shard's rows to ``out_path`` as one int32 ``.npy`` array ``[rows, 3, seq_len]`` (ids, labels,
-    positions), a column of a row group at a time: memory holds one column chunk, not the shard."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(parquet_path, memory_map=True)
-    out = np.lib.format.open_memmap(out_path, mode="w+", dtype=np.int32, shape=(pf.metadata.num_rows, 3, seq_len))
-    row = 0
-    for rg in range(pf.num_row_groups):
-        n = pf.metadata.row_group(rg).num_rows
-        for k, name in enumerate(("input_ids", "labels", "position_ids")):
-            if name in pf.schema_arrow.names:
-                column = pf.read_row_group(rg, columns=[name]).column(0).combine_chunks()
-                out[row : row + n, k, :] = column.flatten().to_numpy().reshape(-1, seq_len)
-            else:  # staging version 1: positions count 0..seq_len-1 in every row
-                out[row : row + n, k, :] = np.arange(seq_len, dtype=np.int32)
-        row += n
-    out.flush()
-    del out
-    pa.default_memory_pool().release_unused()  # Arrow's allocator keeps freed chunks; a worker should not
-
-
 @dataclass
 class Cursor:
     """Where a rank is in its data: ``pos`` rows into the permutation of ``epoch``."""
