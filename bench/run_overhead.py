@@ -96,8 +96,8 @@ def unbroken_run(storage: Path, name: str, args, **extra) -> dict:
 
 def torchrun(storage: Path, args) -> dict:
     """The same training as two plain torch.distributed processes (ray_jobs.local), on what unbroken staged."""
+    from control.jobs import write_job_spec
     from ray_jobs.config import load_config
-    from tasks.jobs import write_job_spec
     from tasks.model import prepare_base_model
     from tasks.stage import stage_dataset
 

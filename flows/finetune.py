@@ -18,20 +18,21 @@ from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from prefect.states import State
 
+from control import registry, series
+from control.jobs import JobFailed, cancelled, stop_and_wait, write_job_spec
+from control.sources import SourceRefused, rejected_event
+from control.watchdog import failed_job_incident
+from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
+from flows.params import run_config
 from flows.stage import stage_for
 from ray_jobs.config import Config, ConfigError, load_config
 from ray_jobs.model.builtin import base_model_ready
 from ray_jobs.storage import read_json
-from tasks import registry, series
-from tasks.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from tasks.cluster import ClusterHandle, begin_cluster, check_cluster_fits, provision_cluster, stop_cluster
-from tasks.jobs import JobFailed, cancelled, stop_and_wait, submit_job, watch_job, write_job_spec
+from tasks.jobs import submit_job, watch_job
 from tasks.model import check_model_options, prepare_base_model
-from tasks.params import run_config
 from tasks.report import publish_series, summarize
-from tasks.sources import SourceRefused, rejected_event
 from tasks.stage import Staged, cached_dataset, stage_dataset, stages_on_cluster
-from tasks.watchdog import failed_job_incident
 
 
 @dataclass

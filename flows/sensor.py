@@ -20,11 +20,11 @@ from typing import Any
 from prefect import flow
 from prefect.events import emit_event
 
+from control.logs import run_logger
 from ray_jobs.config import absolute_url
 from ray_jobs.data.fingerprint import file_version
 from ray_jobs.data.staging import list_sources
 from ray_jobs.storage import fs_and_path, join, read_json, write_json_atomic
-from tasks.logs import run_logger
 
 EVENT = "unbroken.dataset.updated"
 

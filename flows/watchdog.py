@@ -1,5 +1,5 @@
 """The watchdog flow: one pass over every active run under a storage root; restarts what failed, hung or lost its
-cluster (see tasks/watchdog.py for the rules). Independent of the finetune flow: it needs only the storage.
+cluster (see control/watchdog.py for the rules). Independent of the finetune flow: it needs only the storage.
 
 Each pass is one flow run (a scheduled deployment runs it on an interval; ``unbroken watchdog`` loops it).
 Recoveries and give-ups are Prefect events (``unbroken.run.recovered`` / ``unbroken.run.gave-up``, resource
@@ -16,10 +16,10 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
+from control import registry
+from control.logs import run_logger
+from control.watchdog import Outcome, check_run, janitor
 from ray_jobs.config import absolute_url
-from tasks import registry
-from tasks.logs import run_logger
-from tasks.watchdog import Outcome, check_run, janitor
 
 EVENTS = {"restarted": "unbroken.run.recovered", "gave-up": "unbroken.run.gave-up"}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from control.logs import run_logger
 from ray_jobs.config import Config
 from ray_jobs.model.builtin import ensure_base_model, is_builtin
-from tasks.logs import run_logger
 
 
 @task(name="prepare-base-model", cache_policy=NO_CACHE)

@@ -8,9 +8,9 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from control.logs import run_logger
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
-from tasks.logs import run_logger
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
 CHART_POINTS = 60  # mermaid renders a few dozen points legibly
@@ -233,7 +233,7 @@ async def publish_series(cfg: Config) -> None:
     """The series' lineage as a table artifact and its eval loss across runs as a chart (key ``series-<name>``)."""
     from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
-    from tasks import series
+    from control import series
 
     rows = series.table(cfg.storage, cfg.series_name)
     table = [{k: r[k] for k in ("run", "state", "dataset", "score", "parent", "champion", "verdict")} for r in rows]

@@ -9,14 +9,14 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from control.backends.base import ClusterHandle
+from control.jobs import JobFailed, run_to_end, submit
+from control.logs import run_logger
 from ray_jobs.config import Config
 from ray_jobs.data.fingerprint import describe
 from ray_jobs.data.staging import StageResult, StagingError, cached, stage
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout, exists, is_local, read_json, write_json_atomic
-from tasks.cluster import ClusterHandle
-from tasks.jobs import JobFailed, run_to_end, submit
-from tasks.logs import run_logger
 
 
 @dataclass

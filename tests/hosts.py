@@ -146,7 +146,7 @@ class Hosts:
         self._start(h, ["--head", f"--port={gcs_port}", "--dashboard-host=0.0.0.0", f"--dashboard-port={dashboard_port}",
                         f"--num-cpus={num_cpus}"], self.HEALTH_CHECK)  # fmt: skip
         address = f"http://{h.addr}:{dashboard_port}"
-        from unbroken.backends.base import reachable
+        from control.backends.base import reachable
 
         wait_for(f"the head on {h.name}", lambda: reachable(address) is None, timeout_s=90, every_s=0.5)
         return address

@@ -38,7 +38,7 @@ def processes() -> Iterator[tuple[int, bytes]]:
 def train_worker_pids(head_port: int) -> list[int]:
     """PIDs of the live Ray Train worker processes of the local head on ``head_port`` (its dashboard port): never a
     worker of another head on this machine, such as another test lane's (their process title names the actor)."""
-    from unbroken.backends.local import head_pids
+    from control.backends.local import head_pids
 
     mine = set(head_pids(head_port))
     return sorted(pid for pid, cmdline in processes() if b"RayTrainWorker" in cmdline and pid in mine)

@@ -116,9 +116,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from control.registry import describe
+    from control.series import lineage_lines
     from ray_jobs.config import absolute_url
-    from tasks.registry import describe
-    from tasks.series import lineage_lines
 
     storage = absolute_url(args.storage)
     try:
@@ -130,8 +130,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    from control.series import format_table, table
     from ray_jobs.config import absolute_url
-    from tasks.series import format_table, table
 
     print(format_table(table(absolute_url(args.storage), args.series)))
     return 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from control.backends.base import ClusterHandle
+from control.backends.local import start_local_head, stop_local_head
 from ray_jobs.config import load_config
 from tests.chaos.harness import CHAOS_GCS_PORT, CHAOS_PORT, DEMO, REPORT
-from unbroken.backends.base import ClusterHandle
-from unbroken.backends.local import start_local_head, stop_local_head
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -11,17 +11,17 @@ import sys
 import time
 from pathlib import Path
 
+from control import registry
+from control.backends.base import ClusterHandle, jobs_client
+from control.jobs import submit, write_job_spec
+from control.registry import submission_id
 from ray_jobs.config import Config, load_config
 from ray_jobs.storage import Layout, join, read_bytes
 from ray_jobs.train import rowtrace
-from tasks import registry
-from tasks.jobs import submit, write_job_spec
 from tasks.model import prepare_base_model
-from tasks.registry import submission_id
 from tasks.stage import stage_dataset
 from tests.conftest import ROOT, tiny_overrides
 from tests.procs import processes, train_worker_pids, wait_for  # noqa: F401 (the chaos tests import them from here)
-from unbroken.backends.base import ClusterHandle, jobs_client
 
 DEMO = ROOT / "configs" / "demo.yaml"
 CHAOS_PORT, CHAOS_GCS_PORT = 8285, 6399  # the chaos suite's head (conftest): its dashboard and GCS ports

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from control import registry
+from control.backends.base import ClusterHandle, jobs_client
+from control.watchdog import check_run
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import read_rows
-from tasks import registry
-from tasks.watchdog import check_run
 from tests.chaos.harness import (
     REPORT,
     chaos_config,
@@ -42,7 +43,6 @@ from tests.chaos.harness import (
 from tests.faults import FaultProxy, dashboard_pids, listening_pids, paused
 from tests.s3 import ENV as S3_ENV
 from tests.s3 import make_bucket, moto_server
-from unbroken.backends.base import ClusterHandle, jobs_client
 
 pytestmark = pytest.mark.chaos
 

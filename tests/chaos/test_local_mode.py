@@ -16,12 +16,12 @@ from pathlib import Path
 import psutil
 import yaml
 
+from control.backends.base import jobs_client
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.storage import Layout
 from tests.chaos.harness import chaos_config, final_weights_hash, start_run, wait_job
 from tests.conftest import ROOT
 from tests.procs import wait_for
-from unbroken.backends.base import jobs_client
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 SLOW = {"UNBROKEN_INJECT_DELAY": "step:0.1"}  # ~24 s for the run's 240 steps: time to kill it after a checkpoint

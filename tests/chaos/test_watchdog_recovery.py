@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from control import registry
+from control.backends.local import head_pids
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
-from tasks import registry
 from tests.chaos.harness import (
     CHAOS_PORT,
     REPORT,
@@ -36,7 +37,6 @@ from tests.chaos.harness import (
     wait_for,
 )
 from tests.conftest import ROOT
-from unbroken.backends.local import head_pids
 
 pytestmark = pytest.mark.chaos
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import ray_jobs.data.staging as staging
+from control.backends.local import head_pids
 from tests.conftest import ROOT, SAMPLE_DATA
 from tests.integration.conftest import run_cli
 from tests.unit.staging_cases import outputs, run_cases
-from unbroken.backends.local import head_pids
 
 pytestmark = pytest.mark.integration
 GOLDEN = json.loads((ROOT / "tests" / "unit" / "staging_golden.json").read_text())

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from control.backends.base import reachable
+from control.backends.local import start_local_head, stop_local_head
 from ray_jobs.config import load_config
 from tests.conftest import ROOT, tiny_overrides
 from tests.integration.conftest import read_registry, run_cli
-from unbroken.backends.base import reachable
-from unbroken.backends.local import start_local_head, stop_local_head
 
 pytestmark = pytest.mark.integration
 DEMO = str(ROOT / "configs" / "demo.yaml")

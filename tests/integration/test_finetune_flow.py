@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from control.backends.base import reachable
 from tests.conftest import ROOT, tiny_overrides
 from tests.integration.conftest import read_metrics, read_registry, run_cli
-from unbroken.backends.base import reachable
 
 pytestmark = pytest.mark.integration
 DEMO = str(ROOT / "configs" / "demo.yaml")

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from control.backends.base import ClusterError, jobs_client, reachable
+from control.backends.local import _run, head_pids, start_local_head, stop_local_head
 from ray_jobs.config import load_config
 from tasks.cluster import stop_cluster
 from tests.conftest import ROOT, tiny_overrides
 from tests.procs import wait_for
-from unbroken.backends.base import ClusterError, jobs_client, reachable
-from unbroken.backends.local import _run, head_pids, start_local_head, stop_local_head
 
 pytestmark = pytest.mark.integration
 DEMO = ROOT / "configs" / "demo.yaml"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from control.backends.base import ClusterHandle
+from control.backends.local import start_local_head, stop_local_head
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import load_config
 from ray_jobs.storage import Layout
@@ -29,8 +31,6 @@ from tests.chaos.harness import (
 )
 from tests.conftest import ROOT
 from tests.integration.conftest import read_metrics, read_registry, run_cli
-from unbroken.backends.base import ClusterHandle
-from unbroken.backends.local import start_local_head, stop_local_head
 
 pytestmark = pytest.mark.integration
 RECIPE = ROOT / "configs" / "smollm2-chat-lora.yaml"

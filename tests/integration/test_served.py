@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from control import series
+from control.backends.base import jobs_client, reachable
 from ray_jobs.config import ClusterConfig, load_config
-from tasks import series
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import read_registry
 from tests.prefect_server import serving
 from tests.procs import train_worker_pids, wait_for
-from unbroken.backends.base import jobs_client, reachable
 
 pytestmark = pytest.mark.integration
 SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from control.backends.base import reachable
 from tests.conftest import ROOT, tiny_overrides
 from tests.integration.conftest import read_registry
-from unbroken.backends.base import reachable
 
 pytestmark = pytest.mark.integration
 DEMO = str(ROOT / "configs" / "demo.yaml")

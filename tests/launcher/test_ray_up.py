@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from control import registry
+from control.backends import backend_for
+from control.backends.base import reachable
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.storage import Layout
-from tasks import registry
 from tasks.cluster import provision_cluster
 from tests.chaos.harness import REPORT, chaos_config, final_weights_hash, heartbeat_step, start_run, until_finished
 from tests.chaos.test_control_plane import WatchdogLoop
 from tests.hosts import VENV_BIN
 from tests.launcher.conftest import cluster_yaml
 from tests.procs import wait_for
-from unbroken.backends import backend_for
-from unbroken.backends.base import reachable
 
 pytestmark = pytest.mark.multinode
 

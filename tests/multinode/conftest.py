@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from control.backends.base import ClusterHandle
 from tests.hosts import Hosts, can_make_hosts
-from unbroken.backends.base import ClusterHandle
 
 GCS_PORT, DASHBOARD_PORT = 6411, 8411
 

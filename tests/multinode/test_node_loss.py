@@ -8,8 +8,8 @@ import time
 import pytest
 
 import ray_jobs.checkpoint as ckpt
+from control import watchdog
 from ray_jobs.storage import Layout
-from tasks import watchdog
 from tests.chaos.harness import (
     REPORT,
     chaos_config,

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from control import registry
+from control.backends import backend_for
 from ray_jobs.config import ConfigError, load_config
-from tasks import registry
 from tests.conftest import ROOT
-from unbroken.backends import backend_for
 
 DEMO = ROOT / "configs" / "demo.yaml"
 CLUSTER_YAMLS = sorted((ROOT / "configs" / "clusters").glob("*.yaml"))
@@ -100,8 +100,8 @@ def test_the_run_records_which_backend_made_its_cluster(tmp_path: Path) -> None:
 
 
 def test_a_managed_cluster_is_taken_down_only_by_the_run_that_brought_it_up(monkeypatch, tmp_path: Path) -> None:
-    from tasks import cluster
-    from unbroken.backends import ClusterHandle
+    from control import cluster
+    from control.backends import ClusterHandle
 
     downs = []
 
@@ -116,7 +116,7 @@ def test_a_managed_cluster_is_taken_down_only_by_the_run_that_brought_it_up(monk
     for started_here, keep, want in ((True, False, ["r"]), (False, False, []), (True, True, [])):
         downs.clear()
         cfg.cluster.keep_running = keep
-        cluster.stop_cluster.fn(cfg, ClusterHandle("http://h:8265", "http://h:8265", started_here, "python",
+        cluster.release(cfg, ClusterHandle("http://h:8265", "http://h:8265", started_here, "python",
                                                    backend="ray-up"), run="r")  # fmt: skip
         assert downs == want, (started_here, keep)
 
@@ -124,8 +124,8 @@ def test_a_managed_cluster_is_taken_down_only_by_the_run_that_brought_it_up(monk
 def test_a_local_head_begun_early_is_taken_over_by_up_or_let_go_if_no_up_came(tmp_path: Path, monkeypatch) -> None:
     """``unbroken run`` begins the head while Prefect boots: the flow's ``up`` takes that start over (no second
     ``ray start``); a run that ended without needing a cluster (nothing new to train) has it released."""
-    from unbroken.backends import local
-    from unbroken.backends.base import ClusterHandle
+    from control.backends import local
+    from control.backends.base import ClusterHandle
 
     starts, downs = [], []
 

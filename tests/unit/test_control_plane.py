@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from control import jobs, registry
+from control.backends.base import ClusterHandle
+from control.jobsapi import JobView
 from ray_jobs.config import load_config
-from tasks import jobs, registry
-from tasks.jobsapi import JobView
 from tests.conftest import ROOT, tiny_overrides
-from unbroken.backends.base import ClusterHandle
 
 HANDLE = ClusterHandle("http://127.0.0.1:1", "http://127.0.0.1:1", False, "python")
 
@@ -147,8 +147,8 @@ def test_a_prepared_attempt_number_taken_meanwhile_is_refused(tmp_path: Path) ->
 
 def test_a_watchdog_pass_while_the_fit_is_checked_finds_nothing_to_do(tmp_path: Path, monkeypatch) -> None:
     import flows.finetune as flow
+    from control.watchdog import check_run
     from tasks.stage import Staged
-    from tasks.watchdog import check_run
 
     c = cfg(tmp_path / "storage")
     seen = {}
@@ -176,8 +176,8 @@ def test_a_dataset_event_naming_a_secret_file_is_refused_before_anything_is_read
 ) -> None:
     from prefect.events.worker import EventsWorker
 
+    from control.sources import SourceRefused
     from flows.finetune import finetune
-    from tasks.sources import SourceRefused
 
     overrides = tiny_overrides(tmp_path / "storage", name="served")
     with pytest.raises(SourceRefused, match="data.allowed_sources"):
@@ -193,12 +193,12 @@ def test_a_machine_without_a_ray_token_yet_probes_a_head_as_unanswered_instead_o
     whether a head is already up must say "no answer", not raise."""
     from ray.exceptions import AuthenticationError
 
-    from tasks import jobsapi
+    from control import jobsapi, rayapi
 
     def no_token():
         raise AuthenticationError("Token authentication is enabled but Ray couldn't find an authentication token")
 
-    monkeypatch.setattr(jobsapi, "_headers", no_token)
+    monkeypatch.setattr(rayapi, "headers", no_token)
     why = jobsapi.unanswered("http://127.0.0.1:1")
     assert why is not None and "no Ray auth token" in why
     assert jobsapi.read_job("http://127.0.0.1:1", "unbroken-r-train-001").api == "unknown"

@@ -1,12 +1,12 @@
 """A run that could never start is refused before its attempt is recorded, with every reason named
-(unbroken/backends/fit.py): a dataset without a shard per data rank, a cluster without room for the fewest workers."""
+(control/backends/fit.py): a dataset without a shard per data rank, a cluster without room for the fewest workers."""
 
 from __future__ import annotations
 
+from control.backends.fit import check_fit, resources, wait_for_room
+from control.backends.health import Health, Node
 from ray_jobs.config import load_config
 from tests.conftest import ROOT
-from unbroken.backends.fit import check_fit, resources, wait_for_room
-from unbroken.backends.health import Health, Node
 
 MANIFEST = {"shards": {"train": [{"file": f"train-{i:05d}.parquet"} for i in range(4)], "eval": []}}
 

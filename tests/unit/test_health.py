@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import copy
 
+from control import watchdog
+from control.backends import health
+from control.backends.health import Health
 from ray_jobs.config import load_config
-from tasks import watchdog
 from tests.conftest import ROOT
-from unbroken.backends import health
-from unbroken.backends.health import Health
 
 GIB = 1024**3
 

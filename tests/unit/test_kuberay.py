@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from control import registry, watchdog
+from control.backends import ClusterError, backend_for, kuberay
 from ray_jobs.config import load_config
-from tasks import registry, watchdog
 from tests.conftest import ROOT
 from tests.kube import FakeKube
-from unbroken.backends import ClusterError, backend_for, kuberay
 
 # The fields of ray.io/v1 (KubeRay CRD API reference, v1.6.2 / v1.7.1: docs.ray.io, cluster/kubernetes/references/
 # api.html): RayClusterSpec, HeadGroupSpec, WorkerGroupSpec, AuthOptions. Anything else the API server would prune

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from control import registry
 from ray_jobs.config import load_config
-from tasks import registry
 from tests.conftest import ROOT
 
 

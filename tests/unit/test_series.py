@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from control import registry, series
 from ray_jobs.config import ConfigError, load_config
 from ray_jobs.storage import Layout
-from tasks import registry, series
 from tests.conftest import ROOT, tiny_overrides
 from tests.unit.test_trainer import setup  # noqa: F401 (a fixture: a staged tiny dataset and model)
 

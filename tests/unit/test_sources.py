@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from control.sources import SourceRefused, check_allowed_source, rejected_event
 from ray_jobs.config import load_config
-from tasks.sources import SourceRefused, check_allowed_source, rejected_event
 from tests.conftest import ROOT, SAMPLE_DATA
 
 

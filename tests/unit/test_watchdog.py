@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ray_jobs.config import load_config
-from ray_jobs.storage import create_exclusive
-from tasks import lease as leases
-from tasks import registry
-from tasks.jobsapi import JobView
-from tasks.watchdog import (
+from control import lease as leases
+from control import registry
+from control.jobsapi import JobView
+from control.watchdog import (
     Verdict,
     backoff_s,
     budget_used,
@@ -23,6 +21,8 @@ from tasks.watchdog import (
     give_up_reason,
     still_submitting,
 )
+from ray_jobs.config import load_config
+from ray_jobs.storage import create_exclusive
 from tests.conftest import ROOT
 
 
@@ -159,8 +159,8 @@ def test_status_shows_incidents_with_their_cost(tmp_path: Path) -> None:
 def test_recoveries_and_give_ups_are_prefect_events_named_by_run(asserting_events) -> None:
     from prefect.events.worker import EventsWorker
 
+    from control.watchdog import Outcome
     from flows.watchdog import emit
-    from tasks.watchdog import Outcome
 
     emit(Outcome("r1", "restarted", "attempt 2 from step 80", {"kind": "stalled", "lost_steps": 3}))
     emit(Outcome("r2", "ok", "RUNNING, step 9"))  # nothing to tell

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import psutil
 
+from control.backends.base import AUTH_MODE_ENV, Backend, ClusterError, ClusterHandle, ray_cli, reachable, redact
 from ray_jobs.config import Config
 from ray_jobs.poll import poll_until
 from ray_jobs.storage import exclusive_lock
-from unbroken.backends.base import AUTH_MODE_ENV, Backend, ClusterError, ClusterHandle, ray_cli, reachable, redact
 
 # -- a local head of our own ----------------------------------------------------------------------------------
 # Each local head unbroken starts has its own Ray temp dir, named by its dashboard port (a short path: Ray's unix
@@ -132,7 +132,7 @@ def _add_user(port: int, run: str, storage: str, keep: bool = False) -> None:
 def head_users(port: int, ignore: str | None = None) -> list[str]:
     """Runs that still use the local head on ``port``: their process lives, they registered lately, or their run
     is active (a job the watchdog looks after)."""
-    from tasks import registry
+    from control import registry
 
     live = []
     for f in sorted((head_dir(port) / "users").glob("*.json")):

@@ -1,17 +1,17 @@
 """Cluster backends: the ways a run gets its Ray cluster (``cluster.backend``), behind one interface
-(:class:`~unbroken.backends.base.Backend`: ``up``, ``address``, ``health``, ``down``) that the finetune flow and
+(:class:`~control.backends.base.Backend`: ``up``, ``address``, ``health``, ``down``) that the finetune flow and
 the watchdog both call -- re-provisioning after a cluster died is the same code for every backend.
 
-- ``local``: a head on this machine (unbroken/backends/local.py)
-- ``address``: an existing cluster's Jobs API (unbroken/backends/address.py)
-- ``ray-up``: the Ray cluster launcher from a cluster YAML (unbroken/backends/rayup.py)
-- ``kuberay``: a RayCluster on Kubernetes (unbroken/backends/kuberay.py)
+- ``local``: a head on this machine (control/backends/local.py)
+- ``address``: an existing cluster's Jobs API (control/backends/address.py)
+- ``ray-up``: the Ray cluster launcher from a cluster YAML (control/backends/rayup.py)
+- ``kuberay``: a RayCluster on Kubernetes (control/backends/kuberay.py)
 """
 
 from __future__ import annotations
 
+from control.backends.base import Backend, ClusterError, ClusterHandle
 from ray_jobs.config import Config
-from unbroken.backends.base import Backend, ClusterError, ClusterHandle
 
 __all__ = ["Backend", "ClusterError", "ClusterHandle", "backend_for"]
 
@@ -21,19 +21,19 @@ def backend_for(cfg: Config) -> Backend:
     ``local``)."""
     name = cfg.cluster.backend_name
     if name == "local":
-        from unbroken.backends.local import LocalHead
+        from control.backends.local import LocalHead
 
         return LocalHead(cfg)
     if name == "address":
-        from unbroken.backends.address import Address
+        from control.backends.address import Address
 
         return Address(cfg)
     if name == "ray-up":
-        from unbroken.backends.rayup import RayUp
+        from control.backends.rayup import RayUp
 
         return RayUp(cfg)
     if name == "kuberay":
-        from unbroken.backends.kuberay import KubeRay
+        from control.backends.kuberay import KubeRay
 
         return KubeRay(cfg)
     raise ClusterError(f"cluster.backend: unknown backend {name!r}")

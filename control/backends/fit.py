@@ -3,7 +3,7 @@ has a train shard for every data rank, and the cluster's alive nodes hold the fe
 up to ``cluster.start_timeout_s`` for nodes still joining (an autoscaler, a host restarting). A job that could never
 start fails here with every reason named, instead of pending forever.
 
-The resources come from the dashboard's node summary (:func:`unbroken.backends.health.read`): one HTTP request, no
+The resources come from the dashboard's node summary (:func:`control.backends.health.read`): one HTTP request, no
 Ray job. (A preflight Ray job used to ask ``ray.cluster_resources()`` and warm the node caches: ~8 s a run; the
 training job's workers now warm their own shards while their model loads.)
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from control.backends.base import ClusterError
+from control.backends.health import Health
 from ray_jobs.config import Config
 from ray_jobs.poll import poll_until
-from unbroken.backends.base import ClusterError
-from unbroken.backends.health import Health
 
 
 class DoesNotFit(ClusterError):

@@ -5,7 +5,7 @@ This does, from outside: everything it needs is on shared storage (registry, hea
 so it can run anywhere that reaches the storage and the Jobs API -- a scheduled Prefect deployment, or
 ``unbroken watchdog`` on a laptop.
 
-Every action on a run happens under the run's storage lease (tasks/lease.py): two watchdogs never both restart it.
+Every action on a run happens under the run's storage lease (control/lease.py): two watchdogs never both restart it.
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from control import jobsapi, registry, series
+from control import lease as leases
+from control.backends import backend_for, health
+from control.backends.base import ClusterError, ClusterHandle
+from control.cluster import provision, release
+from control.jobs import StopUnverified, last_step, stop_and_wait, submit, write_job_spec
+from control.logs import run_logger
+from control.rayapi import first_line as _first_line
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, from_json
 from ray_jobs.storage import Layout, exists, read_json
-from tasks import jobsapi, registry, series
-from tasks import lease as leases
-from tasks.cluster import ClusterError, ClusterHandle, provision_cluster, stop_cluster
-from tasks.jobs import StopUnverified, last_step, stop_and_wait, submit_job, write_job_spec
-from tasks.logs import run_logger
-from unbroken.backends import backend_for, health
 
 # Exceptions that say the code or the config is wrong: the same job would fail the same way again.
 USER_ERRORS = frozenset(
@@ -338,7 +340,7 @@ def _healthy(cfg: Config, reg: dict[str, Any], verdict: Verdict, now: float) -> 
 
 
 def look_at_cluster(cfg: Config, reg: dict[str, Any], now: float, read=None) -> tuple[bool, list[str]]:
-    """The cluster's health while its job runs (its backend's ``health``, unbroken/backends/health.py): each new
+    """The cluster's health while its job runs (its backend's ``health``, control/backends/health.py): each new
     finding becomes an incident of its kind with action ``noted`` (named, logged, never a restart: the job still
     runs, and Ray Train or the next failure decides), and one that no longer holds is marked cleared. Returns
     (registry changed, the findings' keys).
@@ -432,7 +434,7 @@ def _open(cfg: Config, reg: dict[str, Any], verdict: Verdict, now: float) -> dic
 def failed_job_incident(cfg: Config, attempt: int, address: str, failure: Exception) -> dict[str, Any]:
     """For the finetune flow, whose watch saw its job fail (or its cluster vanish): the incident the watchdog
     would have written."""
-    from tasks.jobs import ClusterLost
+    from control.jobs import ClusterLost
 
     reg = registry.load(cfg.storage, cfg.name)
     entry = reg["attempts"][attempt - 1]
@@ -441,11 +443,6 @@ def failed_job_incident(cfg: Config, attempt: int, address: str, failure: Except
     beat = current_heartbeat(cfg.storage, cfg.name, attempt)
     verdict = Verdict("cluster-unreachable" if lost else "job-failed", str(failure), error, beat)
     return new_incident(cfg, entry, verdict, time.time(), "finetune-flow")
-
-
-def _first_line(text: str) -> str:
-    """Ray's job message carries up to 20,000 characters of log; the registry keeps the headline."""
-    return (text.strip().splitlines() or [""])[0][:300]
 
 
 def _resumed_step(attempt: dict[str, Any]) -> int:
@@ -462,7 +459,7 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
         return _stand_down(cfg, reg, incident, again)
     _stop_leftovers(cfg, reg, old["submission_id"])  # verified, or this raises and nothing is submitted
     lease.renew()
-    handle = provision_cluster(cfg)  # the finetune flow's task: starts a local head again if it is gone
+    handle = provision(cfg)  # the finetune flow's task: starts a local head again if it is gone
     lease.renew()
     found = ckpt.find_latest_valid(Layout(storage).checkpoints_dir(run))
     resume_from = found[0] if found else None
@@ -486,7 +483,7 @@ def _restart(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], lease: 
     spec = write_job_spec(
         cfg, attempt, reg["manifest_url"], reg["model_path"], resume_from, reg.get("score_manifest_url")
     )
-    sid = submit_job(handle, registry.submission_id(run, attempt), spec)
+    sid = submit(handle, registry.submission_id(run, attempt), "ray_jobs.job", spec)
     reg = registry.load(storage, run)
     incident = registry.open_incident(reg)
     incident.update(
@@ -549,7 +546,7 @@ def _stop_leftovers(cfg: Config, reg: dict[str, Any], sid: str) -> None:
 
 
 def _stop_head_processes(address: str) -> None:
-    from unbroken.backends.local import stop_local_head
+    from control.backends.local import stop_local_head
 
     stop_local_head(ClusterHandle(address, address, True, "", local=True))
 
@@ -592,7 +589,7 @@ def _release_cluster(cfg: Config, reg: dict[str, Any]) -> None:
     if cfg.cluster.keep_running:
         return
     with contextlib.suppress(ClusterError):  # stop_cluster leaves alone a cluster the run did not bring up
-        stop_cluster(cfg, _recorded_handle(reg), run=cfg.name)
+        release(cfg, _recorded_handle(reg), run=cfg.name)
 
 
 def _recorded_handle(reg: dict[str, Any]) -> ClusterHandle:
@@ -619,7 +616,7 @@ def janitor(storage: str) -> list[str]:
     gone) and did not ask to keep them: what a flow or watchdog killed before its ``down`` left running. Looks in
     every namespace that a run under ``storage`` still marked for it used (``registry.kuberay_runs``); a finished run
     is unmarked once its namespace was cleaned. Returns the clusters deleted."""
-    from unbroken.backends.kuberay import KubeRay
+    from control.backends.kuberay import KubeRay
 
     def over(at: str, run: str) -> bool:
         reg = registry.load(at, run)

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from unbroken.backends.base import Backend, ClusterError, ClusterHandle, enable_token_auth, reachable, redact
+from control.backends.base import Backend, ClusterError, ClusterHandle, enable_token_auth, reachable, redact
 
 DASHBOARD_PORT = 8265
 

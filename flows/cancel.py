@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from control import registry, series
+from control.backends.base import ClusterError
+from control.logs import run_logger
+from flows.params import run_config
 from ray_jobs.config import ConfigError
-from tasks import registry, series
-from tasks.cluster import ClusterError
-from tasks.logs import run_logger
-from tasks.params import run_config
 
 SLOT_LEASE_S = 60  # a crashed holder's slot frees itself after this long
 
@@ -69,7 +69,7 @@ def _current_attempt(flow_run):
 
 def stop_ray_job(flow_run, why: str) -> str | None:
     """Stop the Ray job of this flow run's current attempt if it still runs; returns its submission id."""
-    from tasks.jobs import stop_and_wait
+    from control.jobs import stop_and_wait
 
     found = _current_attempt(flow_run)
     if found is None:

@@ -3,7 +3,7 @@ neither creates nor removes it: ``up`` only checks that it answers, ``down`` lea
 
 from __future__ import annotations
 
-from unbroken.backends.base import Backend, ClusterError, ClusterHandle, reachable
+from control.backends.base import Backend, ClusterError, ClusterHandle, reachable
 
 
 class Address(Backend):

@@ -25,8 +25,9 @@ import re
 import time
 from typing import Any
 
+from control.backends.base import Backend, ClusterError, ClusterHandle, reachable
+from control.rayapi import headers
 from ray_jobs.config import Config
-from unbroken.backends.base import Backend, ClusterError, ClusterHandle, enable_token_auth, reachable
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 RAY_VERSION = "2.60.0"
@@ -135,10 +136,7 @@ def token_secret_manifest(cfg: Config, run: str, token: str) -> dict[str, Any]:
 def _local_token() -> str:
     """This machine's Ray auth token: what its Ray client sends (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
     ``~/.ray/auth_token``)."""
-    enable_token_auth()
-    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
-
-    header = next(iter(get_auth_headers_if_auth_enabled({}).values()), "")
+    header = next(iter(headers().values()), "")
     token = header.split(" ", 1)[-1].strip()
     if not token:
         raise ClusterError("no Ray auth token on this machine for the RayCluster to share (make one with `ray "

@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from unbroken.backends.base import enable_token_auth
+from control.rayapi import first_line as _first_line
+from control.rayapi import get as _get
+from control.rayapi import headers as _headers
 
 TIMEOUT_S = 10.0
 
@@ -31,32 +33,6 @@ class JobView:
     @property
     def terminal(self) -> bool:
         return self.status in ("SUCCEEDED", "FAILED", "STOPPED")
-
-
-def _headers() -> dict[str, str]:
-    enable_token_auth()
-    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
-
-    return get_auth_headers_if_auth_enabled({})
-
-
-def _get(address: str, path: str, timeout_s: float):
-    """(response, None) or (None, why) when there was no HTTP answer at all."""
-    import requests
-    from ray.exceptions import AuthenticationError
-
-    try:
-        headers = _headers()
-    except AuthenticationError:  # token auth on, no token on this machine yet (a fresh one): we cannot ask
-        return None, "no Ray auth token here (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
-    try:
-        return requests.get(address.rstrip("/") + path, headers=headers, timeout=timeout_s), None
-    except requests.RequestException as e:
-        return None, f"{type(e).__name__}: {_first_line(str(e))}"
-
-
-def _first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:200]
 
 
 def read_job(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> JobView:

@@ -79,7 +79,8 @@ def parse_summary(body: dict[str, Any]) -> list[Node]:
 
 def read(address: str, timeout_s: float = 10.0) -> Health:
     """The cluster's nodes as its dashboard reports them, or why they could not be read."""
-    from tasks.jobsapi import _first_line, _get
+    from control.rayapi import first_line as _first_line
+    from control.rayapi import get as _get
 
     # nocache=1: the dashboard caches this route stale-while-revalidate (ray.dashboard.optional_utils.aiohttp_cache):
     # once its 2 s are up, the next request still gets the old answer and only starts a refresh. A watchdog asks once

@@ -2,7 +2,7 @@
 
 Written atomically (whole-file replace), read by ``unbroken status`` and the watchdog. Writers: the finetune
 flow (first attempt, its end) and the watchdog (incidents, later attempts) -- the watchdog only while it holds the
-run's lease (tasks/lease.py), so two writers never interleave a read-modify-write on the same run.
+run's lease (control/lease.py), so two writers never interleave a read-modify-write on the same run.
 
 States: ``submitted`` (a job was submitted) -> ``running`` (Ray says RUNNING) -> ``succeeded``; on trouble
 ``recovering`` (an open incident: the watchdog will restart it, or is waiting out a backoff) and ``failed``
@@ -16,6 +16,7 @@ import json
 import time
 from typing import Any
 
+from control import lease as leases
 from ray_jobs.config import Config
 from ray_jobs.storage import (
     Layout,
@@ -27,7 +28,6 @@ from ray_jobs.storage import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from tasks import lease as leases
 
 STATES = ("submitted", "running", "recovering", "succeeded", "failed")
 ACTIVE = ("submitted", "running", "recovering")

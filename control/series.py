@@ -3,7 +3,7 @@
 A series is what a platform team retrains on every new drop of data: runs in order, each with the dataset it
 trained on, the run it was warm-started from, its score on the series' fixed eval set, and whether it was promoted
 to champion. Like the run registry it is a whole-file JSON replaced atomically, and every writer holds the series'
-lease (tasks/lease.py), so a flow and a watchdog finishing two runs of one series never interleave.
+lease (control/lease.py), so a flow and a watchdog finishing two runs of one series never interleave.
 
 The run registry stays the truth about a run's state (``runs/<run>/run.json``); this file holds only lineage.
 
@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from control import lease as leases
+from control import registry
 from ray_jobs.config import Config, from_json
 from ray_jobs.storage import Layout, exists, fs_and_path, join, read_json, write_json_atomic
-from tasks import lease as leases
-from tasks import registry
 
 log = logging.getLogger("unbroken.series")
 T = TypeVar("T")

@@ -1,0 +1,279 @@
+"""Ray jobs through the Jobs API: submit, stop, and watch one to its end (status polling with one confirmation rule
+for "the cluster is gone", log tail). The Prefect tasks that use these are in tasks/jobs.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import shlex
+import time
+from pathlib import Path
+
+from control import jobsapi
+from control.backends.base import ClusterError, ClusterHandle, jobs_client
+from control.logs import run_logger
+from ray_jobs.config import Config
+from ray_jobs.storage import Layout, write_json_atomic
+from ray_jobs.train.metrics import MetricsTail
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# What never travels to the cluster in runtime_env.working_dir (the venv alone is GBs).
+WORKING_DIR_EXCLUDES = [
+    ".venv/", ".git/", ".unbroken/", "tests/", "bench/", "**/__pycache__/", "*.egg-info/", ".ruff_cache/",
+    ".pytest_cache/",
+]  # fmt: skip
+
+
+class JobFailed(RuntimeError):
+    """A Ray job ended in a state other than SUCCEEDED."""
+
+
+class ClusterLost(JobFailed):
+    """The cluster stopped answering while a job ran on it (the job's fate is unknown)."""
+
+
+AGENT_WAIT_S = 60.0  # how long a submission retries "No available agent to submit job" (a head still starting)
+LOST_AFTER_ERRORS = 5  # consecutive failed status polls that mean the cluster is gone, not a blip
+
+
+class StopUnverified(ClusterError):
+    """The cluster could not say whether the job still runs, so it cannot be known to have stopped."""
+
+
+def stop_and_wait(address: str, submission_id: str, wait_s: float = 60.0) -> bool:
+    """Stop a Ray job if the cluster still runs it and wait until Ray says it ended. False when there was nothing
+    to stop (the cluster answers: no such job, or it already ended). StopUnverified when the cluster does not
+    answer (the job may still run), ClusterError when it outlives ``wait_s``."""
+    view = jobsapi.read_job(address, submission_id)
+    if view.api == "unknown":
+        raise StopUnverified(f"cannot tell whether Ray job {submission_id} still runs: {view.why}")
+    if view.api == "missing" or view.terminal:
+        return False
+    jobsapi.stop_job(address, submission_id)
+    deadline = time.monotonic() + wait_s
+    while not ((view := jobsapi.read_job(address, submission_id)).terminal or view.api == "missing"):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"Ray job {submission_id} did not stop within {wait_s:.0f}s ({view.status or view.why})")
+        time.sleep(0.5)
+    return True
+
+
+def write_job_spec(
+    cfg: Config,
+    attempt: int,
+    manifest_url: str,
+    model_path: str,
+    resume_from: str | None,
+    score_manifest_url: str | None = None,
+) -> str:
+    """Everything a job needs, on shared storage where the cluster can read it; returns its URL.
+    ``model_path``: the weights to start from (the base model, or a warm start's folder); ``score_manifest_url``:
+    the series' pinned eval set the finished model is scored on."""
+    url = Layout(cfg.storage).job_spec(cfg.name, attempt)
+    spec = {
+        "config": json.loads(cfg.model_dump_json()),
+        "manifest_url": manifest_url,
+        "model_path": model_path,
+        "resume_from": resume_from,
+        "attempt": attempt,
+        "score_manifest_url": score_manifest_url,
+    }
+    write_json_atomic(url, spec)
+    return url
+
+
+def submit(
+    handle: ClusterHandle, submission_id: str, module: str, spec_url: str, env: dict[str, str] | None = None
+) -> str:
+    """Submit ``python -m <module> --spec <url>``; a job already submitted under this id is not submitted twice.
+    ``env``: extra variables for the job's processes (its runtime_env)."""
+    log = run_logger()
+    client = jobs_client(handle.address)
+    if any(j.submission_id == submission_id for j in client.list_jobs()):
+        log.info("Ray job %s was already submitted; watching it", submission_id)
+        return submission_id
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            client.submit_job(
+                entrypoint=f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
+                submission_id=submission_id,
+                runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES}
+                | ({"env_vars": dict(env)} if env else {}),
+                entrypoint_num_cpus=0,
+            )
+            break
+        except RuntimeError as e:  # a head that just started answers before its job agent is up
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            log.info("the cluster's job agent is not up yet; retrying the submission")
+            time.sleep(1.0)
+    log.info("submitted Ray job %s (%s)", submission_id, module)
+    return submission_id
+
+
+def last_step(metrics_url: str) -> int:
+    """Newest step in the metrics log (0 when there is none yet)."""
+    return MetricsTail(metrics_url).last_step()
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+WARN_EVERY_S = 60.0  # a persisting plumbing error is logged once a minute, not once a poll
+
+
+def cancelled(e: BaseException) -> bool:
+    """A cancel or termination of the flow run (the user's wish to stop), as opposed to an error in it."""
+    return isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)) or "Termination" in type(e).__name__
+
+
+class _LogForwarder:
+    """The job's log into the flow's log: followed while it is written (Ray's log stream; a broken stream -- a
+    proxy's reset, a restarting dashboard -- is re-opened, skipping the lines already forwarded), and once the job
+    ended, completed from one read of the whole log: the stream delivers its last lines ~2-3 s after the end."""
+
+    def __init__(self, address: str, submission_id: str, log):
+        self.address, self.sid, self.log = address, submission_id, log
+        self.forwarded = 0  # lines of the job's log forwarded so far
+
+    def _forward(self, lines: list[str], first: int) -> None:
+        """``lines`` are the job's log lines ``first``, ``first + 1``, ...: forward those not forwarded yet."""
+        for n, line in enumerate(lines, first + 1):
+            if n > self.forwarded and line.strip():
+                self.log.info("[ray] %s", line.rstrip())
+        self.forwarded = max(self.forwarded, first + len(lines))
+
+    async def follow(self) -> None:
+        while True:
+            try:
+                client = await asyncio.wait_for(asyncio.to_thread(jobs_client, self.address), jobsapi.TIMEOUT_S)
+                seen = 0
+                async for chunk in client.tail_job_logs(self.sid):
+                    lines = _ANSI.sub("", chunk).splitlines()
+                    self._forward(lines, seen)
+                    seen += len(lines)
+                return
+            except Exception:  # the log is a convenience: never fatal, retried
+                await asyncio.sleep(TAIL_RETRY_S)
+
+    async def finish(self, follower: asyncio.Task) -> None:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        text = await asyncio.to_thread(jobsapi.job_logs, self.address, self.sid)
+        if text is not None:
+            self._forward(_ANSI.sub("", text).splitlines(), 0)
+
+
+TAIL_RETRY_S = 2.0
+# How often a watch reads its job's status (one small GET): the end of a job is noticed within this. Progress
+# artifacts and the registry (``on_poll``) are updated every ``poll_s`` (every so many status reads).
+STATUS_POLL_S = 0.5
+
+
+class _Watch:
+    """The state of one watch: consecutive unanswered polls since when, and rate-limited plumbing warnings."""
+
+    def __init__(self, address: str, submission_id: str, confirm_s: float, log):
+        self.address, self.sid, self.confirm_s, self.log = address, submission_id, confirm_s, log
+        self.unknown_since: float | None = None
+        self.unknown_polls = 0
+        self.warned_at: dict[str, float] = {}
+
+    def observe(self, view: jobsapi.JobView) -> None:
+        """A poll that told nothing about the job: ClusterLost once that held for ``confirm_s`` over at least
+        LOST_AFTER_ERRORS polls (before, it may be a blip: a 502, a restarting dashboard)."""
+        if view.api == "ok":
+            if self.unknown_since is not None:
+                self.log.info("the Jobs API answers again after %.0fs", time.monotonic() - self.unknown_since)
+            self.unknown_since, self.unknown_polls = None, 0
+            return
+        self.unknown_since = self.unknown_since or time.monotonic()
+        self.unknown_polls += 1
+        held = time.monotonic() - self.unknown_since
+        self.warn("poll", f"Ray job {self.sid}: {view.why} (for {held:.0f}s; not acted on before {self.confirm_s:g}s)")
+        if held >= self.confirm_s and self.unknown_polls >= LOST_AFTER_ERRORS:
+            what = "has no record of" if view.api == "missing" else "stopped answering about"
+            raise ClusterLost(f"the Ray cluster at {self.address} {what} job {self.sid} for {held:.0f}s: {view.why}")
+
+    def warn(self, key: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self.warned_at.get(key, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self.warned_at[key] = now
+            self.log.warning(message)
+
+
+async def watch(
+    handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, on_poll=None, confirm_s: float = 30.0
+) -> str:
+    """Poll the job until it ends, forwarding its log. Errors of the watch's own plumbing (``on_poll``: progress
+    artifacts, the registry) are logged and retried, never fatal to the job; an unanswered poll is a blip until it
+    held for ``confirm_s``. Only a cancel of the flow run stops the job: if the flow itself fails, the job trains
+    on and the watchdog adopts it."""
+    log = run_logger()
+    state = _Watch(handle.address, submission_id, confirm_s, log)
+    logs = _LogForwarder(handle.address, submission_id, log)
+    tail = asyncio.create_task(logs.follow())
+    view, polls, every = jobsapi.JobView("unknown"), 0, max(1, round(poll_s / STATUS_POLL_S))
+    try:
+        while True:
+            view = await asyncio.to_thread(jobsapi.read_job, handle.address, submission_id)
+            state.observe(view)
+            polls += 1
+            if view.api == "ok" and on_poll is not None and (view.terminal or (polls - 1) % every == 0):
+                try:
+                    await on_poll(view.status)
+                except Exception as e:  # plumbing: retried next poll
+                    state.warn("on_poll", f"watch: {type(e).__name__}: {e} (training goes on; retried)")
+            if view.terminal:
+                break
+            await asyncio.sleep(STATUS_POLL_S)
+        await logs.finish(tail)
+    except BaseException as e:
+        if cancelled(e):
+            _stop_for_cancel(handle.address, submission_id, log)
+        raise
+    finally:
+        tail.cancel()
+    if view.status != "SUCCEEDED":
+        raise JobFailed(f"Ray job {submission_id} ended {view.status}: {view.message}")
+    return view.status
+
+
+def run_to_end(handle: ClusterHandle, submission_id: str, poll_s: float = 1.0, confirm_s: float = 30.0) -> str:
+    """Wait (without an event loop: from a sync task) for a submitted job to end, forwarding its new log lines;
+    its final status, or JobFailed. A cancel of the flow run stops the job, as ``watch`` does."""
+    log = run_logger()
+    state = _Watch(handle.address, submission_id, confirm_s, log)
+    forwarded = 0
+    try:
+        while True:
+            view = jobsapi.read_job(handle.address, submission_id)
+            state.observe(view)
+            with contextlib.suppress(Exception):  # the log is a convenience: a failed read is tried next poll
+                lines = [
+                    ln for ln in _ANSI.sub("", jobs_client(handle.address).get_job_logs(submission_id)).splitlines()
+                ]
+                for line in lines[forwarded:]:
+                    if line.strip():
+                        log.info("[ray] %s", line.rstrip())
+                forwarded = max(forwarded, len(lines))
+            if view.terminal:
+                break
+            time.sleep(poll_s)
+    except BaseException as e:
+        if cancelled(e):
+            _stop_for_cancel(handle.address, submission_id, log)
+        raise
+    if view.status != "SUCCEEDED":
+        raise JobFailed(f"Ray job {submission_id} ended {view.status}: {view.message}")
+    return view.status
+
+
+def _stop_for_cancel(address: str, submission_id: str, log) -> None:
+    try:
+        if stop_and_wait(address, submission_id, wait_s=30):
+            log.warning("flow run cancelled: stopped Ray job %s", submission_id)
+    except Exception as e:
+        log.warning("flow run cancelled; could not stop Ray job %s: %s", submission_id, e)

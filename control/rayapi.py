@@ -1,0 +1,81 @@
+"""Talking to a Ray cluster's dashboard over HTTP, the plumbing under the Jobs API reader (control/jobsapi.py), the
+health reader and the backends: token auth, authenticated GETs with a timeout, the SDK's Jobs API client, and keeping
+secrets out of every message."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from pathlib import Path
+
+from ray_jobs.ray_private import auth_headers
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def enable_token_auth() -> None:
+    """Clients of a token-auth cluster need RAY_AUTH_MODE=token; an explicit setting by the user wins.
+
+    Ray's C++ config reads the variable when Ray is imported, so if Ray was imported already it is re-read.
+    """
+    if AUTH_MODE_ENV in os.environ:
+        return
+    os.environ[AUTH_MODE_ENV] = "token"
+    if "ray" in sys.modules:
+        from ray._raylet import Config
+
+        Config.initialize("")
+
+
+def jobs_client(address: str):
+    enable_token_auth()
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address)
+
+
+def headers() -> dict[str, str]:
+    enable_token_auth()
+    return auth_headers()
+
+
+def get(address: str, path: str, timeout_s: float):
+    """(response, None) or (None, why) when there was no HTTP answer at all."""
+    import requests
+    from ray.exceptions import AuthenticationError
+
+    try:
+        hdrs = headers()
+    except AuthenticationError:  # token auth on, no token on this machine yet (a fresh one): we cannot ask
+        return None, "no Ray auth token here (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+    try:
+        return requests.get(address.rstrip("/") + path, headers=hdrs, timeout=timeout_s), None
+    except requests.RequestException as e:
+        return None, f"{type(e).__name__}: {first_line(str(e))}"
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """The first line of ``text``, cut to ``limit`` characters: what a one-line message quotes of an error."""
+    return (text.strip().splitlines() or [""])[0][:limit]
+
+
+# -- secrets --------------------------------------------------------------------------------------------------
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.IGNORECASE)
+
+
+def _secrets() -> list[str]:
+    """Values that must never appear in a message: the Ray auth token, and secret-looking variables' values."""
+    values = [v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 8]
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    with contextlib.suppress(OSError):
+        values.append(token_file.read_text().strip())
+    return sorted({v for v in values if len(v) >= 8}, key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret value masked."""
+    for value in _secrets():
+        text = text.replace(value, "***")
+    return text
