@@ -49,17 +49,18 @@ def listing(url: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: Path):
-    """Hold an exclusive ``flock`` on a local lock file (its folder made if missing) while the block runs."""
-    import fcntl
+def exclusive_lock(path: Path, timeout_s: float = 3600.0):
+    """Hold an exclusive lock on a local lock file (its folder made if missing) while the block runs; waiting longer
+    than ``timeout_s`` for it is an error naming the file (its holder is hung: a dead one's lock is released)."""
+    from filelock import FileLock, Timeout
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        lock = FileLock(path, timeout=timeout_s).acquire()
+    except Timeout:
+        raise TimeoutError(f"waited {timeout_s:g} s for the lock file {path}: another process holds it") from None
+    with lock:
+        yield
 
 
 def exists(url: str) -> bool:
@@ -77,6 +78,15 @@ def read_bytes(url: str) -> bytes:
 
 def read_json(url: str) -> Any:
     return json.loads(read_bytes(url))
+
+
+def file_sha256(url: str) -> str:
+    """sha256 of a file on any storage, streamed (memory stays one buffer whatever the file's size)."""
+    import hashlib
+
+    fs, path = fs_and_path(url)
+    with fs.open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_bytes_atomic(url: str, data: bytes) -> None:
@@ -174,9 +184,10 @@ def upload_dir(local_dir: str | os.PathLike, url: str) -> None:
         os.replace(staging, path)
         return
     files = sorted(p for p in local.rglob("*") if p.is_file())
-    files.sort(key=lambda p: p.name == "README.md")
-    for p in files:
-        fs.put_file(str(p), join(path, str(p.relative_to(local))))
+    marker = [p for p in files if p.name == "README.md"]
+    for batch in ([p for p in files if p not in marker], marker):  # in parallel on async stores; the marker after
+        if batch:
+            fs.put([str(p) for p in batch], [join(path, str(p.relative_to(local))) for p in batch])
 
 
 class Layout:

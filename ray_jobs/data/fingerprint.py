@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_jobs.data.sources import StagingError, list_sources
-from ray_jobs.storage import Layout, fs_and_path, join, read_json, write_json_atomic
-
-_HASH_BLOCK = 8 << 20
+from ray_jobs.storage import Layout, file_sha256, fs_and_path, join, read_json, write_json_atomic
 
 
 @dataclass
@@ -61,16 +59,11 @@ def describe(url: str, field_name: str) -> list[Source]:
 
 
 def hash_file(url: str) -> str:
-    """sha256 of a file, read in blocks (memory stays one block whatever the file's size)."""
-    fs, path = fs_and_path(url)
-    h = hashlib.sha256()
+    """sha256 of a file, streamed (memory stays one buffer whatever the file's size)."""
     try:
-        with fs.open(path, "rb") as f:
-            while block := f.read(_HASH_BLOCK):
-                h.update(block)
+        return file_sha256(url)
     except OSError as e:
         raise StagingError(f"{url}: cannot read: {e}") from e
-    return h.hexdigest()
 
 
 class SourceIndex:

@@ -58,6 +58,9 @@ STAGING_VERSION = 2
 BATCH_BYTES = 4 << 20  # of source per piece a worker reads
 COMMIT_BATCHES = 8  # progress is recorded every this many pieces (and at the end of every source file)
 
+# The other staging of this dataset may run for hours on a big source; one holding it for a day is hung.
+STAGING_LOCK_TIMEOUT_S = 24 * 3600.0
+
 
 @dataclass
 class StageResult:
@@ -81,7 +84,7 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: st
     if exists(manifest_url):
         return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
     # two stagings of one dataset on this machine must never share a spill: the second waits, then finds it staged
-    with exclusive_lock(Path(data.work_dir) / f"{ds_id}.lock"):
+    with exclusive_lock(Path(data.work_dir) / f"{ds_id}.lock", timeout_s=STAGING_LOCK_TIMEOUT_S):
         if exists(manifest_url):
             return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
         out_dir = layout.dataset_dir(ds_id)
