@@ -98,51 +98,57 @@ def write_sharded_export(cfg: Config, model_path: str, model, rank: int, folder:
     """An FSDP model's weights as HF sharded safetensors, gathered one tensor at a time (every rank takes part in
     each gather; rank 0 writes a file each time ``train.export_shard_mb`` fills): memory holds one file's worth,
     never the whole model. What ``save_pretrained(max_shard_size=...)`` writes, without the full state dict."""
-    import json
-
     import torch
-    from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
 
     dtype = getattr(torch, export_dtype(cfg, model_path))
     state = model.state_dict()
     names = [n for n in state if n not in ckpt.tied_aliases(model)]
-    files = _plan_files(names, {n: state[n].numel() * dtype.itemsize for n in names}, cfg.train.export_shard_mb)
-    weight_map = {}
-    for i, group in enumerate(files):
-        name = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        tensors = {}
-        for n in group:
-            t = state[n].full_tensor() if isinstance(state[n], DTensor) else state[n]  # a collective
-            if rank == 0:
-                tensors[n] = t.detach().to("cpu", dtype).contiguous()
-            weight_map[n] = name
-        if rank == 0:
-            save_file(tensors, f"{folder}/{name}", metadata={"format": "pt"})
+    plan = plan_export_files({n: state[n].numel() * dtype.itemsize for n in names}, cfg.train.export_shard_mb)
+    for name, group in plan.filename_to_tensors.items():  # the same plan, in the same order, on every rank
+        _write_export_file(state, group, dtype, rank, f"{folder}/{name}")
     if rank == 0:
-        if len(files) > 1:
-            total = sum(state[n].numel() * dtype.itemsize for n in names)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            with open(f"{folder}/model.safetensors.index.json", "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-        model.config.dtype = dtype
-        _inference_config(model, model_path)
-        model.config.save_pretrained(folder)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(folder)
+        _write_export_config(model, model_path, dtype, plan, folder)
 
 
-def _plan_files(names: list[str], sizes: dict[str, int], shard_mb: float) -> list[list[str]]:
-    """Tensors in order into files of at most ``shard_mb`` MB (a bigger tensor gets a file of its own)."""
-    files: list[list[str]] = [[]]
-    used = 0
+def plan_export_files(sizes: dict[str, int], shard_mb: float):
+    """Tensors in order into files of at most ``shard_mb`` MB, named and indexed as ``save_pretrained`` does (the
+    planner it uses: ``huggingface_hub``'s), from their sizes in bytes alone: no tensor is gathered to plan."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    # An integer byte count L exceeds shard_mb * 1e6 exactly when it exceeds its floor: the cut is the same.
+    return split_state_dict_into_shards_factory(sizes, get_storage_size=lambda size: size,
+                                                get_storage_id=lambda size: None,  # tied aliases are left out
+                                                filename_pattern="model{suffix}.safetensors",
+                                                max_shard_size=int(shard_mb * 1e6))  # fmt: skip
+
+
+def _write_export_file(state: dict[str, Any], names: list[str], dtype, rank: int, path: str) -> None:
+    """Gather each tensor of one file (a collective: every rank calls this), rank 0 writing the file."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    tensors = {}
     for n in names:
-        if files[-1] and used + sizes[n] > shard_mb * 1e6:
-            files.append([])
-            used = 0
-        files[-1].append(n)
-        used += sizes[n]
-    return files
+        t = state[n].full_tensor() if isinstance(state[n], DTensor) else state[n]
+        if rank == 0:
+            tensors[n] = t.detach().to("cpu", dtype).contiguous()
+    if rank == 0:
+        save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _write_export_config(model, model_path: str, dtype, plan, folder: str) -> None:
+    """The index of a sharded export (as ``save_pretrained`` writes it), the model's config and generation config."""
+    import json
+
+    if plan.is_sharded:
+        index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
+        with open(f"{folder}/model.safetensors.index.json", "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    model.config.dtype = dtype
+    _inference_config(model, model_path)
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
 
 
 def export_dtype(cfg: Config, model_path: str) -> str:
