@@ -1,0 +1,68 @@
+"""The series record and the champion pointer as typed records: files written before they were typed load and
+round-trip unchanged (plus ``schema_version``), a field this version does not know is refused naming the file and the
+field.
+
+The golden files in ``series_golden/`` were written by the untyped series code (a champion, a rejected challenger,
+a final folder deleted by retention, a warm-started run still training); only the eval pin and the champion's folder
+were edited to look like a real storage's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from control.records.base import RecordError
+from control.records.series import ChampionPointer, SeriesRecord
+
+GOLDEN = Path(__file__).parent / "series_golden"
+
+
+def _as_written(tree: dict) -> str:
+    """What write_json_atomic puts on storage for a tree."""
+    return json.dumps(tree, indent=2, sort_keys=True) + "\n"
+
+
+@pytest.mark.parametrize(("model", "name"), [(SeriesRecord, "series.json"), (ChampionPointer, "champion.json")])
+def test_a_file_in_todays_format_loads_and_writes_back_the_same_bytes_plus_its_version(model, name) -> None:
+    text = (GOLDEN / name).read_text()
+    record = model.parse(json.loads(text), name)
+    tree = record.dump()
+    assert tree.pop("schema_version") == 1, "a file without a version is version 1, and says so once rewritten"
+    assert _as_written(tree) == text
+
+
+def test_the_typed_fields_read_as_the_untyped_entries_said() -> None:
+    rec = SeriesRecord.parse(json.loads((GOLDEN / "series.json").read_text()), "series.json")
+    assert rec.champion_entry().run == "sums-b" and rec.eval.source == "the eval split of run sums-a"
+    a, b, c, d = rec.runs
+    assert a.final_deleted_at is not None and a.verdict.promoted and a.verdict.champion is None
+    assert b.parent == "sums-a" and b.verdict.champion_score == 1.0
+    assert not c.verdict.promoted and "does not beat" in c.verdict.why
+    assert (d.verdict, d.score, d.ended_at, d.parent) == (None, None, None, "sums-b"), "still training"
+    assert d.flow_run_id == "3f1c2b9e-6a0d-4d55-9a51-2f8e0c1d7a42"
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda t: t["runs"][1].update(note="hand-edited"), "series.json: runs.1.note: Extra inputs are not permitted"),
+        (lambda t: t["runs"][0]["verdict"].update(by="me"), "runs.0.verdict.by: Extra inputs are not permitted"),
+        (lambda t: t.update(owner="team-a"), "series.json: owner: Extra inputs are not permitted"),
+        (lambda t: t["runs"][2].update(score="low"), "runs.2.score: Input should be a valid number"),
+        (lambda t: t.update(schema_version=9), "schema_version 9 is newer than this unbroken reads (1)"),
+    ],
+)
+def test_an_unknown_field_or_a_wrong_value_is_refused_naming_the_file_and_the_field(change, says) -> None:
+    tree = json.loads((GOLDEN / "series.json").read_text())
+    change(tree)
+    with pytest.raises(RecordError) as e:
+        SeriesRecord.parse(tree, "series.json")
+    assert says in str(e.value), str(e.value)
+
+
+def test_an_unknown_field_in_the_champion_pointer_is_refused_too() -> None:
+    tree = json.loads((GOLDEN / "champion.json").read_text()) | {"signed_by": "ci"}
+    with pytest.raises(RecordError, match="champion.json: signed_by: Extra inputs are not permitted"):
+        ChampionPointer.parse(tree, "champion.json")
