@@ -20,6 +20,7 @@ from prefect.states import State
 
 from control import registry, series
 from control.jobs import JobFailed, cancelled, stop_and_wait, write_job_spec
+from control.records.series import EvalPin, SeriesRun
 from control.sources import SourceRefused, rejected_event
 from control.watchdog import failed_job_incident
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
@@ -39,12 +40,12 @@ from tasks.stage import Staged, cached_dataset, stage_dataset, stages_on_cluster
 class Lineage:
     base: str  # model.name_or_path's folder: tokenization follows it
     start: str  # the weights the run starts from: the base, or a warm start's final folder
-    parent: dict[str, Any] | None  # the run warm-started from (series.warm_start)
-    pin: dict[str, Any]  # the series' fixed eval set: dataset_id, manifest_url, source
+    parent: series.WarmStart | None  # the run warm-started from (series.warm_start)
+    pin: EvalPin  # the series' fixed eval set
 
     @property
     def score_manifest_url(self) -> str:
-        return self.pin["manifest_url"]
+        return self.pin.manifest_url
 
 
 def flow_run_name() -> str:
@@ -130,7 +131,7 @@ def _provision_early(cfg: Config) -> PrefectFuture | None:
     return None if stages_on_cluster(cfg) else provision_cluster.submit(cfg)
 
 
-def _trained_already(cfg: Config, model_path: str) -> dict[str, Any] | None:
+def _trained_already(cfg: Config, model_path: str) -> SeriesRun | None:
     """The run of this series that already trained this data with this recipe, when source fingerprints alone show
     the dataset staged (no staging, no cluster: a cron tick on unchanged data ends here)."""
     if stages_on_cluster(cfg):
@@ -139,15 +140,15 @@ def _trained_already(cfg: Config, model_path: str) -> dict[str, Any] | None:
     return series.already_trained(cfg, found.dataset_id) if found is not None else None
 
 
-def nothing_new(cfg: Config, done: dict[str, Any]) -> State:
+def nothing_new(cfg: Config, done: SeriesRun) -> State:
     """The series already trained this dataset with this recipe: no cluster, no training, a Completed flow run that
     says so (a cron tick with unchanged data, or the same dataset event twice)."""
     from prefect.states import Completed
 
-    final = registry.load(cfg.storage, done["run"]).get("final_model")
-    message = f"nothing new to train: run {done['run']} already trained on dataset {done['dataset_id']}"
+    final = registry.load(cfg.storage, done.run).get("final_model")
+    message = f"nothing new to train: run {done.run} already trained on dataset {done.dataset_id}"
     get_run_logger().info(message)
-    summary = {"run": done["run"], "dataset_id": done["dataset_id"], "nothing_new": True, "message": message,
+    summary = {"run": done.run, "dataset_id": done.dataset_id, "nothing_new": True, "message": message,
                "final_model": final}  # fmt: skip
     return Completed(message=message, data=summary)
 
@@ -161,13 +162,13 @@ def _lineage(cfg: Config, staged: Staged, base_model: str) -> Lineage:
         log.warning("model.init_from=%s: series %s has no such run yet; starting from the base model %s",
                     cfg.model.init_from, cfg.series_name, cfg.model.name_or_path)  # fmt: skip
     pin = series.pinned_eval(cfg) or _eval_pin(cfg, staged, base_model)
-    start = parent["final_model"] if parent else base_model
+    start = parent.final_model if parent else base_model
     if parent:
-        log.info("warm start from run %s (%s): %s", parent["run"], cfg.model.init_from, start)
+        log.info("warm start from run %s (%s): %s", parent.run, cfg.model.init_from, start)
     return Lineage(base_model, start, parent, pin)
 
 
-def _eval_pin(cfg: Config, staged: Staged, base_model: str) -> dict[str, Any]:
+def _eval_pin(cfg: Config, staged: Staged, base_model: str) -> EvalPin:
     """The series' fixed eval set for its first run: ``series.eval`` staged on its own, or this run's eval split."""
     if cfg.series.eval:
         ev = cfg.model_copy(deep=True)
@@ -177,7 +178,7 @@ def _eval_pin(cfg: Config, staged: Staged, base_model: str) -> dict[str, Any]:
         source = f"the eval split of run {cfg.name}"
     if not staged.counts.get("eval_rows"):
         raise ConfigError([f"series.eval: {source} has no eval rows to score the series' runs on; name an eval set"])
-    return {"dataset_id": staged.dataset_id, "manifest_url": staged.manifest_url, "source": source}
+    return EvalPin(dataset_id=staged.dataset_id, manifest_url=staged.manifest_url, source=source)
 
 
 def _release_cluster(cfg: Config, handle: ClusterHandle) -> None:
@@ -205,11 +206,11 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
     attempt = registry.next_attempt(cfg)
     spec_url = write_job_spec(cfg, attempt, staged.manifest_url, lineage.start, None, lineage.score_manifest_url)
     stop_superseded_job(cfg)
-    parent = lineage.parent["run"] if lineage.parent else None
+    parent = lineage.parent.run if lineage.parent else None
     extra = {"manifest_url": staged.manifest_url, "model_path": lineage.start, "parent": parent,
              "score_manifest_url": lineage.score_manifest_url}  # fmt: skip
     registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra, expect=attempt)
-    series.begin_run(cfg, staged.dataset_id, lineage.pin, lineage.parent, flow_run.id)
+    series.begin_run(cfg, staged.dataset_id, lineage.pin, parent, flow_run.id)
     handed_over = False
     try:
         submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
@@ -230,7 +231,8 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
             _end_unless_training(cfg, attempt, e)
         raise
     registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=summary["final_model"])
-    summary["verdict"] = series.finish_run(cfg.storage, cfg.name)
+    verdict = series.finish_run(cfg.storage, cfg.name)
+    summary["verdict"] = verdict.dump() if verdict else None  # the summary stays plain JSON (the flow's result)
     await publish_series(cfg)
     return summary
 

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from control import registry, series
+from control.records.run import RunRecord
+from control.records.series import EvalPin
+from control.series import promotion
 from ray_jobs.config import ConfigError, load_config
 from ray_jobs.storage import Layout
 from tests.conftest import ROOT, tiny_overrides
@@ -75,11 +78,15 @@ def test_a_challenger_must_beat_the_champion_by_the_margin(score, champion, min_
 
 
 # -- the lineage on storage --------------------------------------------------------------------------------------
+PIN = EvalPin(dataset_id="ds-eval", manifest_url="m", source="first")
+
+
 def _finished_run(c, dataset_id: str, score: float | None, steps=(10, 20, 30), parent=None, state="succeeded"):
-    """What a run leaves on storage when it ends: registry, checkpoints, final folder, score (as the job writes)."""
+    """What a run leaves on storage when it ends: registry, checkpoints, final folder, score (as the job writes).
+    ``parent``: the run it was warm-started from."""
     lay = Layout(c.storage)
-    series.begin_run(c, dataset_id, {"dataset_id": "ds-eval", "manifest_url": "m", "source": "first"}, parent, None)
-    reg = {"state": state, "config": json.loads(c.model_dump_json()), "dataset_id": dataset_id, "attempts": []}
+    series.begin_run(c, dataset_id, PIN, parent, None)
+    reg = RunRecord(state=state, config=json.loads(c.model_dump_json()), dataset_id=dataset_id, attempts=[])
     registry.save(c.storage, c.name, reg)
     for s in steps:
         d = Path(lay.checkpoints_dir(c.name)) / f"checkpoint-step-{s:08d}"
@@ -100,24 +107,25 @@ def _run(storage: Path, name: str, **extra):
 
 def test_the_better_run_is_champion_and_a_worse_one_leaves_the_champion_byte_identical(tmp_path, monkeypatch) -> None:
     events = []
-    monkeypatch.setattr(series, "_emit", events.append)
+    monkeypatch.setattr(promotion, "_emit", events.append)
     first, second, third = (_run(tmp_path, n) for n in ("sums-a", "sums-b", "sums-c"))
     _finished_run(first, "ds-a", 1.0)
-    assert series.finish_run(first.storage, "sums-a")["promoted"]
-    _finished_run(second, "ds-b", 0.8, parent={"run": "sums-a"})
+    assert series.finish_run(first.storage, "sums-a").promoted
+    _finished_run(second, "ds-b", 0.8, parent="sums-a")
     verdict = series.finish_run(second.storage, "sums-b")
-    assert verdict["promoted"] and verdict["champion"] == "sums-a" and verdict["champion_score"] == 1.0
+    assert verdict.promoted and verdict.champion == "sums-a" and verdict.champion_score == 1.0
     pointer_path = Path(Layout(str(tmp_path)).champion("sums"))
     before = pointer_path.read_bytes()
     pointer = json.loads(before)
     assert pointer["run"] == "sums-b" and pointer["folder"].endswith("runs/sums-b/final")
     assert set(pointer["files"]) == {"config.json", "model.safetensors", "README.md"}
+    assert series.champion(str(tmp_path), "sums").files == pointer["files"]
 
     _finished_run(third, "ds-c", 0.95)
     rejected = series.finish_run(third.storage, "sums-c")
-    assert not rejected["promoted"] and "does not beat the champion's 0.8000" in rejected["why"]
+    assert not rejected.promoted and "does not beat the champion's 0.8000" in rejected.why
     assert pointer_path.read_bytes() == before, "a rejected challenger never touches the champion pointer"
-    assert [e["promoted"] for e in events] == [True, True, False]
+    assert [e.promoted for e in events] == [True, True, False]
     assert series.finish_run(third.storage, "sums-c") == rejected and len(events) == 3, "decided once"
 
     rows = series.table(str(tmp_path), "sums")
@@ -129,7 +137,7 @@ def test_the_better_run_is_champion_and_a_worse_one_leaves_the_champion_byte_ide
 
 
 def test_after_success_only_keep_after_success_checkpoints_remain(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(series, "_emit", lambda v: None)
+    monkeypatch.setattr(promotion, "_emit", lambda v: None)
     c = _run(tmp_path, "sums-a", **{"checkpoint.keep_after_success": 1})
     _finished_run(c, "ds-a", 1.0)
     active = _run(tmp_path, "sums-b")
@@ -148,13 +156,13 @@ def registry_ckpts(storage: Path, run: str):
 
 
 def test_keep_runs_deletes_old_finals_but_never_the_champion_or_an_active_runs_parent(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(series, "_emit", lambda v: None)
+    monkeypatch.setattr(promotion, "_emit", lambda v: None)
     a, b, c, d = (_run(tmp_path, f"sums-{x}", **{"series.keep_runs": 1}) for x in "abcd")
     _finished_run(a, "ds-a", 0.5)  # the champion: never beaten below
     series.finish_run(a.storage, "sums-a")
     _finished_run(b, "ds-b", 0.9)
     series.finish_run(b.storage, "sums-b")
-    _finished_run(d, "ds-d", None, parent={"run": "sums-b"}, state="running")  # trains from b's final
+    _finished_run(d, "ds-d", None, parent="sums-b", state="running")  # trains from b's final
     _finished_run(c, "ds-c", 0.8)
     series.finish_run(c.storage, "sums-c")
     finals = {r: Path(Layout(str(tmp_path)).final_model(r)).exists() for r in ("sums-a", "sums-b", "sums-c")}
@@ -168,7 +176,7 @@ def test_keep_runs_deletes_old_finals_but_never_the_champion_or_an_active_runs_p
 
 
 def test_warm_start_from_the_champion_or_the_latest_and_none_before_there_is_one(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(series, "_emit", lambda v: None)
+    monkeypatch.setattr(promotion, "_emit", lambda v: None)
     champ = _run(tmp_path, "sums-c", **{"model.init_from": "series-champion"})
     assert series.warm_start(champ) is None, "no champion yet: the caller falls back to the base model"
     a, b = _run(tmp_path, "sums-a"), _run(tmp_path, "sums-b")
@@ -176,20 +184,20 @@ def test_warm_start_from_the_champion_or_the_latest_and_none_before_there_is_one
     series.finish_run(a.storage, "sums-a")
     _finished_run(b, "ds-b", 0.9)
     series.finish_run(b.storage, "sums-b")
-    assert series.warm_start(champ)["run"] == "sums-a"
+    assert series.warm_start(champ).run == "sums-a"
     latest = _run(tmp_path, "sums-c", **{"model.init_from": "series-latest"})
-    assert series.warm_start(latest) == {"run": "sums-b", "final_model": Layout(str(tmp_path)).final_model("sums-b"),
-                                         "init_from": "series-latest"}  # fmt: skip
+    final = Layout(str(tmp_path)).final_model("sums-b")
+    assert series.warm_start(latest) == series.WarmStart("sums-b", final, "series-latest")
     assert series.warm_start(_run(tmp_path, "sums-c")) is None, "init_from=base"
 
 
 def test_the_same_dataset_and_recipe_is_trained_once_per_series(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(series, "_emit", lambda v: None)
+    monkeypatch.setattr(promotion, "_emit", lambda v: None)
     a = _run(tmp_path, "sums-a")
     _finished_run(a, "ds-a", 1.0)
     series.finish_run(a.storage, "sums-a")
     again = _run(tmp_path, "sums-a2")
-    assert series.already_trained(again, "ds-a")["run"] == "sums-a", "another run name, the same data: trained"
+    assert series.already_trained(again, "ds-a").run == "sums-a", "another run name, the same data: trained"
     assert series.already_trained(again, "ds-b") is None, "new data"
     longer = _run(tmp_path, "sums-a2", **{"train.max_steps": 60})
     assert series.already_trained(longer, "ds-a") is None, "another recipe trains again"
@@ -217,8 +225,8 @@ def test_a_series_eval_set_is_staged_on_its_own_and_pinned_by_its_dataset_id(set
     c.series.eval = str(held_out)
     staged = Staged(manifest["dataset_id"], "unused", True, {"eval_rows": 3})
     pin = _eval_pin(c, staged, model)
-    assert pin["source"] == str(held_out) and pin["dataset_id"] != manifest["dataset_id"]
-    fixed = read_json(pin["manifest_url"])
+    assert pin.source == str(held_out) and pin.dataset_id != manifest["dataset_id"]
+    fixed = read_json(pin.manifest_url)
     assert [f["url"] for f in fixed["sources"]["eval"]] == [str(held_out)] and fixed["counts"]["eval_rows"] > 0
     assert _eval_pin(c, staged, model) == pin, "staged once: the same data is the same pinned id"
 

@@ -1,6 +1,6 @@
 """The series record and the champion pointer as typed records: files written before they were typed load and
 round-trip unchanged (plus ``schema_version``), a field this version does not know is refused naming the file and the
-field.
+field, and the typed code writes the keys the untyped code wrote.
 
 The golden files in ``series_golden/`` were written by the untyped series code (a champion, a rejected challenger,
 a final folder deleted by retention, a warm-started run still training); only the eval pin and the champion's folder
@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from control import series
 from control.records.base import RecordError
 from control.records.series import ChampionPointer, SeriesRecord
+from control.series import promotion
+from tests.unit.test_series import _finished_run, _run
 
 GOLDEN = Path(__file__).parent / "series_golden"
 
@@ -66,3 +69,30 @@ def test_an_unknown_field_in_the_champion_pointer_is_refused_too() -> None:
     tree = json.loads((GOLDEN / "champion.json").read_text()) | {"signed_by": "ci"}
     with pytest.raises(RecordError, match="champion.json: signed_by: Extra inputs are not permitted"):
         ChampionPointer.parse(tree, "champion.json")
+
+
+def _keys(tree: object, at: str = "") -> set[str]:
+    """Every key path in a JSON tree (list items share their list's path)."""
+    if isinstance(tree, dict):
+        return {f"{at}.{k}" for k in tree} | {p for k, v in tree.items() for p in _keys(v, f"{at}.{k}")}
+    if isinstance(tree, list):
+        return {p for v in tree for p in _keys(v, f"{at}[]")}
+    return set()
+
+
+def test_the_typed_code_writes_the_keys_the_untyped_code_wrote(tmp_path, monkeypatch) -> None:
+    """The golden lineage again, through the typed code: the same keys (and ``schema_version``), the same
+    sha256s in the champion pointer (same bytes, hashed with hashlib.file_digest now)."""
+    monkeypatch.setattr(promotion, "_emit", lambda v: None)
+    for name, dataset, score, parent in [("sums-a", "ds-a", 1.0, None), ("sums-b", "ds-b", 0.8, "sums-a"),
+                                         ("sums-c", "ds-c", 0.95, None)]:  # fmt: skip
+        c = _run(tmp_path, name, **{"series.keep_runs": 1})
+        _finished_run(c, dataset, score, parent=parent)
+        series.finish_run(c.storage, name)
+    series.begin_run(_run(tmp_path, "sums-d"), "ds-d", series.pinned_eval(c), "sums-b", "flow-run-d")
+    written = json.loads((tmp_path / "series" / "sums" / "series.json").read_text())
+    golden = json.loads((GOLDEN / "series.json").read_text())
+    assert _keys(written) == _keys(golden) | {".schema_version"}
+    pointer = json.loads((tmp_path / "series" / "sums" / "champion.json").read_text())
+    old_pointer = json.loads((GOLDEN / "champion.json").read_text())
+    assert set(pointer) == set(old_pointer) | {"schema_version"} and pointer["files"] == old_pointer["files"]

@@ -1,0 +1,68 @@
+"""What people read of the series: the runs table (``unbroken runs``, the series artifact) and a run's lineage
+lines (``unbroken status``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from control import registry
+from control.records.series import SeriesRecord, SeriesRun
+from control.series.lineage import load, state_of
+from ray_jobs.storage import fs_and_path, join
+
+
+def table(storage: str, series: str | None = None) -> list[dict[str, Any]]:
+    """One row per run of every series (or one): run, series, state, dataset, score, parent, champion mark. Rows
+    are plain dicts: they are what the CLI prints and what a Prefect table artifact takes."""
+    names = [series] if series else _series_names(storage)
+    rows = []
+    for s in names:
+        rec = load(storage, s) or SeriesRecord.new(s)
+        rows += [_row(storage, rec, e) for e in rec.runs]
+    return rows
+
+
+def _row(storage: str, rec: SeriesRecord, e: SeriesRun) -> dict[str, Any]:
+    return {"series": rec.series, "run": e.run, "state": state_of(storage, e.run), "dataset": e.dataset_id,
+            "score": e.score, "parent": e.parent, "champion": rec.champion == e.run,
+            "verdict": e.verdict.why if e.verdict else None, "started_at": e.started_at}  # fmt: skip
+
+
+def _series_names(storage: str) -> list[str]:
+    fs, path = fs_and_path(join(storage, "series"))
+    fs.invalidate_cache(path)
+    try:
+        return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no runs in any series"
+    head = f"{'series':<16} {'run':<28} {'state':<11} {'dataset':<20} {'eval loss':>9}  {'parent':<28} champion"
+    lines = [head]
+    for r in rows:
+        score = "-" if r["score"] is None else f"{r['score']:.4f}"
+        lines.append(f"{r['series']:<16} {r['run']:<28} {r['state']:<11} {r['dataset']:<20} {score:>9}  "
+                     f"{r['parent'] or '-':<28} {'*' if r['champion'] else ''}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def lineage_lines(storage: str, run: str) -> list[str]:
+    """What ``unbroken status`` says of a run's series: its parent and the promotion verdict."""
+    reg = registry.load(storage, run)
+    if reg is None or not reg.config:
+        return []
+    name = reg.cfg().series_name
+    rec = load(storage, name)
+    e = rec.entry(run) if rec else None
+    if rec is None or e is None:
+        return []
+    verdict = e.verdict
+    said = "not decided yet" if not verdict else ("promoted" if verdict.promoted else "not promoted")
+    lines = [f"series {name}: warm start from {e.parent or 'the base model'} (model.init_from={e.init_from})",
+             f"  promotion: {said}{' -- ' + verdict.why if verdict else ''}"]  # fmt: skip
+    if rec.champion:
+        lines.append(f"  champion: {rec.champion}{' (this run)' if rec.champion == run else ''}")
+    return lines
