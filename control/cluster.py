@@ -4,7 +4,7 @@ watchdog directly."""
 
 from __future__ import annotations
 
-from control.backends import backend_for, fit
+from control.backends import backend_class, backend_for, fit
 from control.backends.base import ClusterError, ClusterHandle
 from control.logs import run_logger
 from ray_jobs.config import Config
@@ -18,12 +18,7 @@ def provision(cfg: Config) -> ClusterHandle:
     log = run_logger()
     backend = backend_for(cfg)
     handle = backend.up(cfg.name)
-    if backend.name == "local":
-        verb = "started" if handle.started_here else "reusing already running"
-        log.info("%s local Ray head; dashboard: %s", verb, handle.dashboard_url)
-    else:
-        verb = "brought up" if handle.started_here else "using"
-        log.info("%s Ray cluster (backend %s) at %s", verb, backend.name, handle.address)
+    log.info(backend.announce(handle))
     h = backend.health(handle)
     if h.nodes is None:
         log.info("cluster health not read: %s", h.why)
@@ -62,9 +57,10 @@ def check_fits(cfg: Config, handle: ClusterHandle, manifest: dict) -> None:
 def release(cfg: Config, handle: ClusterHandle, run: str | None = None) -> None:
     """This run is done with its cluster: the backend's ``down`` -- a local head stops when no other run uses it (its
     users and ``keep_running`` are the head's own record); any other cluster goes only when this run brought it up
-    and did not ask to keep it (an existing cluster, or one an earlier run left up, is never taken down)."""
-    if handle.backend != "local" and (cfg.cluster.keep_running or not handle.started_here):
-        why = "cluster.keep_running" if cfg.cluster.keep_running else "this run did not bring it up"
+    and did not ask to keep it (an existing cluster, or one an earlier run left up, is never taken down): the
+    handle's backend says (``leave_up``)."""
+    why = backend_class(handle.backend).leave_up(cfg, handle)
+    if why is not None:
         run_logger().info("leaving the Ray cluster up (%s): %s", why, handle.dashboard_url)
         return
     run_logger().info(backend_for(cfg).down(handle, run))

@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 from control import jobsapi
-from control.backends.base import ClusterError, ClusterHandle, jobs_client
+from control.backends.base import ClusterError, ClusterHandle, StopUnverified, jobs_client
 from control.logs import run_logger
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.metrics import MetricsTail
+
+__all__ = ["ClusterLost", "JobFailed", "StopUnverified", "run_to_end", "stop_and_wait", "submit", "watch"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # What never travels to the cluster in runtime_env.working_dir (the venv alone is GBs).
@@ -36,10 +38,6 @@ class ClusterLost(JobFailed):
 
 AGENT_WAIT_S = 60.0  # how long a submission retries "No available agent to submit job" (a head still starting)
 LOST_AFTER_ERRORS = 5  # consecutive failed status polls that mean the cluster is gone, not a blip
-
-
-class StopUnverified(ClusterError):
-    """The cluster could not say whether the job still runs, so it cannot be known to have stopped."""
 
 
 def stop_and_wait(address: str, submission_id: str, wait_s: float = 60.0) -> bool:

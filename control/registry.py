@@ -17,6 +17,8 @@ import time
 from typing import Any
 
 from control import lease as leases
+from control.backends import backend_class
+from control.backends import record as cluster_record
 from ray_jobs.config import Config
 from ray_jobs.storage import (
     Layout,
@@ -73,14 +75,15 @@ def _marked(folder: str) -> list[str]:
     return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listing(folder))
 
 
-def kuberay_runs(storage: str) -> list[str]:
-    """Runs that made a RayCluster which the janitor has not yet seen cleaned up (``index/kuberay-runs``): one
-    listing, so a watchdog pass never reads every run that ever finished."""
-    return _marked(Layout(storage).kuberay_index())
+def marked_runs(index: str) -> list[str]:
+    """Runs marked in a janitor's ``index`` (control/backends: ``janitor_index``) that it has not yet seen cleaned
+    up: one listing, so a watchdog pass never reads every run that ever finished."""
+    return _marked(index)
 
 
-def kuberay_cleaned(storage: str, run: str) -> None:
-    _mark(Layout(storage).kuberay_index(), run, False)
+def unmark(index: str, run: str) -> None:
+    """The janitor is done with ``run``: its markers' folder no longer names it."""
+    _mark(index, run, False)
 
 
 def update(storage: str, run: str, **fields: Any) -> dict[str, Any]:
@@ -215,18 +218,9 @@ def begin_attempt(
 
 
 def _cluster_record(cfg, cluster: dict[str, Any]) -> dict[str, Any]:
-    """Which backend made the run's cluster, from what (``spec``), and where it answers; ``mode`` says who owns it:
-    ``local`` (a head on this machine shared by runs), ``existing`` (someone else's), ``managed`` (one unbroken
-    brought up, ``ray up`` or KubeRay)."""
-    backend = cluster.get("backend") or cfg.cluster.backend_name
-    return {
-        "address": cluster["address"],
-        "backend": backend,
-        "spec": cluster.get("spec") or {},
-        "mode": {"local": "local", "address": "existing"}.get(backend, "managed"),
-        # A cluster whose release is owed by whoever finishes the run (unless cluster.keep_running).
-        "started_here": bool(cluster.get("started_here")),
-    }
+    """Which backend made the run's cluster, from what (``spec``), where it answers and who owns it (``mode``): what
+    its backend records (control/backends: ``record``)."""
+    return cluster_record(cfg, cluster)
 
 
 def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> int:
@@ -263,8 +257,9 @@ def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> 
             "status": "SUBMITTED",
         }
     )
-    if reg["cluster"]["backend"] == "kuberay":  # the janitor's to look after once the run is over
-        _mark(Layout(cfg.storage).kuberay_index(), cfg.name, True)
+    # a run whose backend leaves something behind if it ends without its ``down``: the janitor's, once it is over
+    if index := backend_class(reg["cluster"]["backend"]).janitor_index(cfg.storage):
+        _mark(index, cfg.name, True)
     save(cfg.storage, cfg.name, reg)
     return attempt
 

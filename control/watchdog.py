@@ -18,8 +18,9 @@ from typing import Any
 
 from control import jobsapi, registry, series
 from control import lease as leases
-from control.backends import backend_for, health
+from control.backends import backend_for, handle_from_record, health, janitor_backends
 from control.backends.base import ClusterError, ClusterHandle
+from control.backends.janitor import sweep
 from control.cluster import provision, release
 from control.jobs import StopUnverified, last_step, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
@@ -365,8 +366,8 @@ def look_at_cluster(cfg: Config, reg: dict[str, Any], now: float, read=None) -> 
             run_logger().warning("run %s: cluster health: %s", cfg.name, f.key())
             incident = {"kind": f.kind, "detected_by": "watchdog (cluster health)", "detected_at": now,
                         "attempt": attempt, "action": "noted", "detail": f.key()}  # fmt: skip
-            if f.kind == "nodes-missing" and reg["cluster"].get("backend") in REPAIRS:
-                incident["repair"] = _replace_nodes(cfg, reg)
+            if f.kind == "nodes-missing" and (repair := _replace_nodes(cfg)) is not None:
+                incident["repair"] = repair
             reg.setdefault("incidents", []).append(incident)
             changed = True
     for key, inc in noted.items():
@@ -376,22 +377,18 @@ def look_at_cluster(cfg: Config, reg: dict[str, Any], now: float, read=None) -> 
     return changed, keys
 
 
-# Backends whose ``up`` on a live cluster starts missing worker nodes without touching the running job: ``ray up``
-# (no restart; the head's autoscaler starts Ray again on every listed host that answers). A local head has no other
-# hosts, an existing cluster is not unbroken's to change, and KubeRay's operator replaces lost pods by itself.
-REPAIRS = ("ray-up",)
-
-
-def _replace_nodes(cfg: Config, reg: dict[str, Any]) -> str:
-    """Ask the run's backend for its missing nodes back (``up`` again); what it did, for the incident."""
+def _replace_nodes(cfg: Config) -> str | None:
+    """Ask the run's backend for its missing nodes back, if it repairs lost nodes (control/backends:
+    ``replace_nodes``); what it did, for the incident, or None when it does not."""
+    backend = backend_for(cfg)
     try:
-        backend_for(cfg).up(cfg.name)
+        done = backend.replace_nodes(cfg.name)
     except ClusterError as e:
         run_logger().warning("run %s: could not ask for replacement nodes: %s", cfg.name, e)
-        return f"{reg['cluster']['backend']} up failed: {e}"[:300]
-    run_logger().info("run %s: asked %s for replacement nodes (up, Ray not restarted)", cfg.name,
-                      reg["cluster"]["backend"])  # fmt: skip
-    return f"{reg['cluster']['backend']} up: replacement nodes requested"
+        return f"{backend.name} up failed: {e}"[:300]
+    if done is not None:
+        run_logger().info("run %s: asked %s for replacement nodes: %s", cfg.name, backend.name, done)
+    return done
 
 
 def new_incident(
@@ -525,30 +522,17 @@ def _stand_down(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], verd
 
 def _stop_leftovers(cfg: Config, reg: dict[str, Any], sid: str) -> None:
     """Make sure the failed attempt's job no longer runs before another is submitted: stop it and wait until Ray
-    says it ended. When the cluster cannot tell (unreachable), a cluster unbroken manages is taken down outright,
-    which ends the job for certain: a local head of ours by its processes (nothing else on the machine), a cluster
-    unbroken brought up (``ray up``, KubeRay) through its backend's ``down``. Anyone else's cluster: StopUnverified,
-    and no new attempt -- two jobs must never train into the same checkpoints."""
+    says it ended. When the cluster cannot tell (unreachable), its backend takes down what ends the job for certain
+    (``stop_unreachable``: a local head of ours by its processes, a cluster unbroken brought up through its
+    ``down``); anyone else's cluster: StopUnverified, and no new attempt -- two jobs must never train into the same
+    checkpoints."""
     address = reg["cluster"]["address"]
     try:
         if stop_and_wait(address, sid, STOP_WAIT_S):
             run_logger().info("stopped what was left of Ray job %s", sid)
-    except StopUnverified:
-        mode = reg["cluster"].get("mode")
-        if mode == "local":
-            run_logger().warning("the local Ray head at %s does not answer: stopping its processes", address)
-            _stop_head_processes(address)
-        elif mode == "managed":
-            run_logger().warning("the Ray cluster at %s does not answer: taking it down through its backend", address)
-            run_logger().info(backend_for(cfg).down(_recorded_handle(reg), cfg.name))
-        else:
-            raise
-
-
-def _stop_head_processes(address: str) -> None:
-    from control.backends.local import stop_local_head
-
-    stop_local_head(ClusterHandle(address, address, True, "", local=True))
+    except StopUnverified:  # the backend's to end for certain, or StopUnverified again
+        done = backend_for(cfg).stop_unreachable(_recorded_handle(reg), cfg.name)
+        run_logger().warning("the Ray cluster at %s does not answer: %s", address, done)
 
 
 def _note_progress(reg: dict[str, Any], beat: dict[str, Any] | None) -> bool:
@@ -594,10 +578,7 @@ def _release_cluster(cfg: Config, reg: dict[str, Any]) -> None:
 
 def _recorded_handle(reg: dict[str, Any]) -> ClusterHandle:
     """The run's cluster as its registry recorded it."""
-    c = reg["cluster"]
-    backend = c.get("backend") or ("local" if c.get("mode") == "local" else "address")
-    return ClusterHandle(c["address"], c["address"], bool(c.get("started_here")), "", local=backend == "local",
-                         backend=backend, spec=c.get("spec") or {})  # fmt: skip
+    return handle_from_record(reg["cluster"])
 
 
 def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason: str) -> Outcome:
@@ -612,34 +593,7 @@ def _give_up(cfg: Config, reg: dict[str, Any], incident: dict[str, Any], reason:
 
 
 def janitor(storage: str) -> list[str]:
-    """Delete the clusters unbroken brought up on Kubernetes whose run is over (finished, failed, or its record
-    gone) and did not ask to keep them: what a flow or watchdog killed before its ``down`` left running. Looks in
-    every namespace that a run under ``storage`` still marked for it used (``registry.kuberay_runs``); a finished run
-    is unmarked once its namespace was cleaned. Returns the clusters deleted."""
-    from control.backends.kuberay import KubeRay
-
-    def over(at: str, run: str) -> bool:
-        reg = registry.load(at, run)
-        if reg is None:
-            return True
-        return reg.get("state") not in registry.ACTIVE and not reg["config"]["cluster"].get("keep_running")
-
-    seen, deleted, done = set(), [], []
-    for run in registry.kuberay_runs(storage):
-        reg = registry.load(storage, run)
-        if reg is None:  # its namespace is unknown now; any other run's look there still finds its cluster
-            registry.kuberay_cleaned(storage, run)
-            continue
-        if reg.get("state") not in registry.ACTIVE:  # finished: its cluster goes now, or is kept for good
-            done.append(run)
-        cfg = from_json(json.dumps(reg["config"]))
-        where = (cfg.cluster.kuberay.context, cfg.cluster.kuberay.namespace)
-        if where in seen:
-            continue
-        seen.add(where)
-        for name in KubeRay(cfg).janitor(over):
-            run_logger().warning("janitor: deleted RayCluster %s/%s (its run is over)", where[1], name)
-            deleted.append(name)
-    for run in done:  # every namespace was looked at without an error: their clusters are gone
-        registry.kuberay_cleaned(storage, run)
-    return deleted
+    """Remove what unbroken made for runs under ``storage`` that are over (finished, failed, or their record gone)
+    and did not ask to keep it -- what a flow or watchdog killed before its ``down`` left running: one pass of each
+    backend that leaves such things behind (control/backends/janitor.py). Returns what was removed."""
+    return [what for backend in janitor_backends() for what in sweep(backend, storage)]

@@ -67,8 +67,9 @@ def finetune_failed_trigger(storage: str) -> DeploymentEventTrigger:
 
 def build(opts: ServeOptions) -> list[Any]:
     """The RunnerDeployments ``unbroken serve`` serves."""
+    from control.config import load_config
     from control.sources import check_allowed_source
-    from ray_jobs.config import absolute_url, load_config
+    from ray_jobs.config import absolute_url
 
     config = str(absolute_url(opts.config))
     storage = str(absolute_url(opts.storage))

@@ -19,6 +19,7 @@ from prefect.runtime import flow_run
 from prefect.states import State
 
 from control import registry, series
+from control.config import Config, ConfigError, load_config
 from control.jobs import JobFailed, cancelled, stop_and_wait, write_job_spec
 from control.records.series import EvalPin, SeriesRun
 from control.sources import SourceRefused, rejected_event
@@ -26,7 +27,6 @@ from control.watchdog import failed_job_incident
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from flows.params import run_config
 from flows.stage import stage_for
-from ray_jobs.config import Config, ConfigError, load_config
 from ray_jobs.model.builtin import base_model_ready
 from ray_jobs.storage import read_json
 from tasks.cluster import ClusterHandle, begin_cluster, check_cluster_fits, provision_cluster, stop_cluster

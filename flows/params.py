@@ -3,8 +3,8 @@ cancellation hooks (which find the run's registry from the flow run's parameters
 
 from __future__ import annotations
 
+from control.config import Config, load_config
 from control.sources import check_allowed_source
-from ray_jobs.config import Config, load_config
 
 
 def run_config(config_path: str | None, overrides: list[str] | None = None, dataset_uri: str | None = None) -> Config:

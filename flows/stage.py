@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow
 
-from ray_jobs.config import Config, load_config
+from control.config import Config, load_config
 from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
 from tasks.model import prepare_base_model
 from tasks.stage import Staged, cached_dataset, stage_dataset, stages_on_cluster

@@ -13,7 +13,7 @@ import asyncio
 import os
 import sys
 
-from ray_jobs.config import ConfigError, load_config
+from control.config import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,6 +1,8 @@
 """Cluster backends: the ways a run gets its Ray cluster (``cluster.backend``), behind one interface
-(:class:`~control.backends.base.Backend`: ``up``, ``address``, ``health``, ``down``) that the finetune flow and
-the watchdog both call -- re-provisioning after a cluster died is the same code for every backend.
+(:class:`~control.backends.base.Backend`) that the finetune flow and the watchdog both call -- re-provisioning after
+a cluster died is the same code for every backend, and what only one backend knows (its config checks, its repairs,
+what to stop when it stops answering, its cleanup) is that backend's. Backend names are compared here and nowhere
+else.
 
 - ``local``: a head on this machine (control/backends/local.py)
 - ``address``: an existing cluster's Jobs API (control/backends/address.py)
@@ -10,30 +12,58 @@ the watchdog both call -- re-provisioning after a cluster died is the same code 
 
 from __future__ import annotations
 
-from control.backends.base import Backend, ClusterError, ClusterHandle
-from ray_jobs.config import Config
+from importlib import import_module
+from typing import Any
 
-__all__ = ["Backend", "ClusterError", "ClusterHandle", "backend_for"]
+from control.backends.base import Backend, ClusterError, ClusterHandle, StopUnverified
+from ray_jobs.config import ClusterConfig, Config
+
+__all__ = [
+    "BACKENDS", "Backend", "ClusterError", "ClusterHandle", "StopUnverified", "backend_class", "backend_for",
+    "backend_problems", "handle_from_record", "janitor_backends", "record",
+]  # fmt: skip
+
+# name -> (module, class), imported when first asked for (kuberay's client, the launcher's SDK are heavy)
+BACKENDS = {
+    "local": ("control.backends.local", "LocalHead"),
+    "address": ("control.backends.address", "Address"),
+    "ray-up": ("control.backends.rayup", "RayUp"),
+    "kuberay": ("control.backends.kuberay", "KubeRay"),
+}
+
+
+def backend_class(name: str) -> type[Backend]:
+    if name not in BACKENDS:
+        raise ClusterError(f"cluster.backend: unknown backend {name!r}")
+    module, cls = BACKENDS[name]
+    return getattr(import_module(module), cls)
 
 
 def backend_for(cfg: Config) -> Backend:
     """The backend ``cfg.cluster`` names (``cluster.backend``; unset: ``address`` when an address is given, else
     ``local``)."""
-    name = cfg.cluster.backend_name
-    if name == "local":
-        from control.backends.local import LocalHead
+    return backend_class(cfg.cluster.backend_name)(cfg)
 
-        return LocalHead(cfg)
-    if name == "address":
-        from control.backends.address import Address
 
-        return Address(cfg)
-    if name == "ray-up":
-        from control.backends.rayup import RayUp
+def backend_problems(cluster: ClusterConfig, storage: str) -> list[str]:
+    """The checks of the backend ``cluster`` names (control/config.py runs them with the rest of the config's)."""
+    return backend_class(cluster.backend_name).problems(cluster, storage)
 
-        return RayUp(cfg)
-    if name == "kuberay":
-        from control.backends.kuberay import KubeRay
 
-        return KubeRay(cfg)
-    raise ClusterError(f"cluster.backend: unknown backend {name!r}")
+def record(cfg: Config, cluster: dict[str, Any]) -> dict[str, Any]:
+    """The run record's ``cluster`` for the cluster a run got (a handle's dict, or the part of one a caller knows;
+    without a ``backend``, the config's)."""
+    return backend_class(cluster.get("backend") or cfg.cluster.backend_name).record(cluster)
+
+
+def handle_from_record(rec: dict[str, Any]) -> ClusterHandle:
+    """The run's cluster as its record has it. Records written before backends existed have only ``mode``: a local
+    head, or an existing cluster."""
+    name = rec.get("backend") or ("local" if rec.get("mode") == "local" else "address")
+    return backend_class(name).handle_from_record(rec)
+
+
+def janitor_backends() -> list[type[Backend]]:
+    """The backends that leave something behind for a janitor when a run ends without its ``down``."""
+    default = Backend.janitor_index.__func__
+    return [cls for cls in map(backend_class, BACKENDS) if cls.janitor_index.__func__ is not default]

@@ -4,10 +4,18 @@ neither creates nor removes it: ``up`` only checks that it answers, ``down`` lea
 from __future__ import annotations
 
 from control.backends.base import Backend, ClusterError, ClusterHandle, reachable
+from ray_jobs.config import ClusterConfig
 
 
 class Address(Backend):
     name = "address"
+    mode = "existing"
+
+    @classmethod
+    def problems(cls, cluster: ClusterConfig, storage: str) -> list[str]:
+        if cluster.address:
+            return []
+        return ["cluster.address: cluster.backend is address, but no address is given (http://head:8265)"]
 
     def spec(self) -> dict:
         return {"address": self.cfg.cluster.address}

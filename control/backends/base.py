@@ -1,6 +1,6 @@
 """What every cluster backend shares: how a run reaches its cluster (:class:`ClusterHandle`), the interface each
-backend implements (:class:`Backend`: ``up``, ``address``, ``health``, ``down``). The Ray client plumbing (token
-auth, the Jobs API client, keeping secrets out of messages) is control/rayapi.py."""
+backend implements (:class:`Backend`), and the errors its verbs raise. The Ray client plumbing (token auth, the Jobs
+API client, keeping secrets out of messages) is control/rayapi.py."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from control import jobsapi
 from control.rayapi import AUTH_MODE_ENV, enable_token_auth, jobs_client, redact
-from ray_jobs.config import Config
+from ray_jobs.config import ClusterConfig, Config
 
 __all__ = [
     "AUTH_MODE_ENV",
     "Backend",
     "ClusterError",
     "ClusterHandle",
+    "StopUnverified",
     "enable_token_auth",
     "jobs_client",
     "reachable",
@@ -28,6 +29,10 @@ __all__ = [
 
 class ClusterError(RuntimeError):
     """The cluster could not be started or reached."""
+
+
+class StopUnverified(ClusterError):
+    """The cluster could not say whether the job still runs, so it cannot be known to have stopped."""
 
 
 @dataclass
@@ -45,20 +50,35 @@ class ClusterHandle:
 
 
 class Backend:
-    """One way of having a Ray cluster. The finetune flow and the watchdog call only these four, so bringing a
-    cluster back after it died is the same code whatever made it.
+    """One way of having a Ray cluster, as a node provider is for Ray's cluster launcher: the finetune flow and the
+    watchdog call only these verbs, so bringing a cluster back after it died is the same code whatever made it, and
+    what only one backend knows (its config's checks, its repairs, its cleanup) lives in that backend.
 
+    - ``problems(cluster, storage)``: what in its config section cannot work, each naming its field.
     - ``up(run)``: make the cluster exist and answer (create it, start what is missing, or find it already up);
       idempotent: calling it on a healthy cluster changes nothing, on a damaged one repairs what the backend can.
     - ``address()``: its Jobs API URL if it can be found now, else None (nothing is created).
     - ``health(handle)``: its shape and headroom (control/backends/health.py).
+    - ``replace_nodes(run)``: a node was lost while the job runs: ask for it back; None when the backend does not.
+    - ``stop_unreachable(handle, run)``: the cluster stopped answering and its job must be known stopped.
     - ``down(handle, run)``: this run is done with it; the backend removes what it created, unless kept.
+    - ``record(cluster)`` / ``handle_from_record(record)``: the run record's ``cluster`` and back.
+    - ``janitor_index(storage)`` / ``janitor(is_over)``: what is left of runs that ended without their ``down``.
     """
 
-    name = ""
+    name: ClassVar[str] = ""
+    # Who owns its clusters, as the run record says (``cluster.mode``): ``local`` (a head on this machine shared by
+    # runs), ``existing`` (someone else's), ``managed`` (one unbroken brought up).
+    mode: ClassVar[str] = "managed"
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+
+    @classmethod
+    def problems(cls, cluster: ClusterConfig, storage: str) -> list[str]:
+        """What about ``cluster`` this backend cannot work with, each naming its field (none by default). A class
+        method: it runs while the config is loaded, before there is a valid config to make a backend of."""
+        return []
 
     def spec(self) -> dict[str, Any]:
         """What this backend makes its cluster from (recorded with the run, so a restart makes the same one)."""
@@ -72,6 +92,11 @@ class Backend:
         object whose ``release()`` undoes it if no ``up`` did, or None when the backend starts nothing ahead."""
         return None
 
+    def announce(self, handle: ClusterHandle) -> str:
+        """The line ``provision`` logs once ``up`` returned."""
+        verb = "brought up" if handle.started_here else "using"
+        return f"{verb} Ray cluster (backend {self.name}) at {handle.address}"
+
     def address(self) -> str | None:
         raise NotImplementedError
 
@@ -80,8 +105,63 @@ class Backend:
 
         return health.read(handle.address)
 
-    def down(self, handle: ClusterHandle, run: str | None = None) -> None:
+    def replace_nodes(self, run: str) -> str | None:
+        """Ask for lost worker nodes back without touching the running job; what was done, or None when this backend
+        has no such repair (the default: the cluster is not unbroken's to change, or repairs itself)."""
+        return None
+
+    def stop_unreachable(self, handle: ClusterHandle, run: str) -> str:
+        """The cluster does not answer, and its job must be known stopped before another is submitted: take down
+        what ends it for certain, and say what was done. By default nothing can be: StopUnverified."""
+        raise StopUnverified(
+            f"the Ray cluster at {handle.address} does not answer, and is not unbroken's to take "
+            "down: its job may still run"
+        )
+
+    @classmethod
+    def leave_up(cls, cfg: Config, handle: ClusterHandle) -> str | None:
+        """Why a run that is done with its cluster leaves it up without calling ``down`` (None: ``down`` is owed).
+        A cluster goes only when this run brought it up and did not ask to keep it."""
+        if cfg.cluster.keep_running:
+            return "cluster.keep_running"
+        return None if handle.started_here else "this run did not bring it up"
+
+    def down(self, handle: ClusterHandle, run: str | None = None) -> str:
         raise NotImplementedError
+
+    @classmethod
+    def record(cls, cluster: dict[str, Any]) -> dict[str, Any]:
+        """What the run record keeps of its cluster (``cluster`` is a handle's dict, or the part of one a caller
+        knows): where it answers, which backend made it from what, who owns it, whether its release is owed."""
+        return {
+            "address": cluster["address"],
+            "backend": cls.name,
+            "spec": cluster.get("spec") or {},
+            "mode": cls.mode,
+            # A cluster whose release is owed by whoever finishes the run (unless cluster.keep_running).
+            "started_here": bool(cluster.get("started_here")),
+        }
+
+    @classmethod
+    def handle_from_record(cls, record: dict[str, Any]) -> ClusterHandle:
+        """The run's cluster as its record has it (the interpreter is the config's business, not the record's)."""
+        address = record["address"]
+        return ClusterHandle(address, address, bool(record.get("started_here")), "", local=cls.mode == "local",
+                             backend=cls.name, spec=record.get("spec") or {})  # fmt: skip
+
+    @classmethod
+    def janitor_index(cls, storage: str) -> str | None:
+        """The folder of markers naming the runs whose clusters this backend's janitor looks after once they are
+        over (one listing per pass); None when it leaves nothing behind that a janitor must clean."""
+        return None
+
+    def janitor_scope(self) -> Any:
+        """Where this backend's janitor looks (one pass per place, however many runs used it)."""
+        return None
+
+    def janitor(self, is_over) -> list[str]:
+        """Remove what unbroken made there whose run ``is_over(storage, run)``; what was removed, for the log."""
+        return []
 
     def _handle(self, address: str, started_here: bool) -> ClusterHandle:
         return ClusterHandle(address, address, started_here, self.cfg.cluster.python, False, self.name, self.spec())

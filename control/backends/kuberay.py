@@ -22,12 +22,13 @@ from __future__ import annotations
 import base64
 import os
 import re
-import time
 from typing import Any
 
 from control.backends.base import Backend, ClusterError, ClusterHandle, reachable
 from control.rayapi import headers
-from ray_jobs.config import Config
+from ray_jobs.config import ClusterConfig, Config
+from ray_jobs.poll import poll_until
+from ray_jobs.storage import Layout
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 RAY_VERSION = "2.60.0"
@@ -166,12 +167,30 @@ def _status_line(obj: dict[str, Any] | None) -> str:
     return ", ".join(bits)
 
 
+def config_problems(c: ClusterConfig, storage: str) -> list[str]:
+    """What KubeRay pods need of the config: an image, a GPU per pod if asked for, storage every pod shares."""
+    out: list[str] = []
+    k = c.kuberay
+    if not k.image:
+        out.append("cluster.kuberay.image: cluster.backend kuberay needs the Ray image of its pods")
+    if c.use_gpu and k.gpus_per_worker < 1:
+        out.append("cluster.kuberay.gpus_per_worker: cluster.use_gpu needs at least 1 GPU per worker pod (got 0)")
+    if storage and "://" not in storage and not k.storage_pvc:
+        out.append(f"cluster.kuberay.storage_pvc: storage {storage} is a path; on Kubernetes it must be a "
+                   "ReadWriteMany volume mounted on every pod (name its PVC), or use s3:// storage")  # fmt: skip
+    return out
+
+
 class KubeRay(Backend):
     name = "kuberay"
 
     def __init__(self, cfg: Config, api_client=None):
         super().__init__(cfg)
         self._client = api_client
+
+    @classmethod
+    def problems(cls, cluster: ClusterConfig, storage: str) -> list[str]:
+        return config_problems(cluster, storage)
 
     def spec(self) -> dict[str, Any]:
         k = self.cfg.cluster.kuberay
@@ -259,17 +278,23 @@ class KubeRay(Backend):
                 if e.status != 409:  # 409: another flow created it meanwhile; wait for it like for our own
                     raise ClusterError(f"Kubernetes API: creating RayCluster {cluster_name(self.cfg)}: "
                                        f"{_why(e)}") from e  # fmt: skip
-        deadline = time.monotonic() + k.ready_timeout_s
-        while True:
-            obj = self._get()
-            if obj is not None and ready(obj) and reachable(self._jobs_api()) is None:
-                return self._handle(self._jobs_api(), created)
-            if time.monotonic() > deadline:
-                where = "" if obj is None or not ready(obj) else f"; its Jobs API {reachable(self._jobs_api())}"
-                raise ClusterError(f"RayCluster {k.namespace}/{cluster_name(self.cfg)} not ready within "
-                                   f"cluster.kuberay.ready_timeout_s={k.ready_timeout_s:g}s: {_status_line(obj)}"
-                                   f"{where}")  # fmt: skip
-            time.sleep(POLL_S)
+        seen: list[dict[str, Any] | None] = [None]  # the last look, for the time-out's message
+
+        def answers() -> bool:
+            seen[0] = obj = self._get()
+            return obj is not None and ready(obj) and reachable(self._jobs_api()) is None
+
+        if poll_until(answers, k.ready_timeout_s, every_s=POLL_S):
+            return self._handle(self._jobs_api(), created)
+        obj = seen[0]
+        where = "" if obj is None or not ready(obj) else f"; its Jobs API {reachable(self._jobs_api())}"
+        raise ClusterError(f"RayCluster {k.namespace}/{cluster_name(self.cfg)} not ready within "
+                           f"cluster.kuberay.ready_timeout_s={k.ready_timeout_s:g}s: {_status_line(obj)}"
+                           f"{where}")  # fmt: skip
+
+    def stop_unreachable(self, handle: ClusterHandle, run: str) -> str:
+        """A RayCluster unbroken made that does not answer: deleting it ends its job for certain."""
+        return self.down(handle, run)
 
     def down(self, handle: ClusterHandle, run: str | None = None) -> str:
         from kubernetes.client.exceptions import ApiException
@@ -288,6 +313,16 @@ class KubeRay(Backend):
                     secret = token_secret_name(self.cfg)
                     raise ClusterError(f"Kubernetes API: deleting Secret {secret}: {_why(e)}") from e
         return f"deleted RayCluster {k.namespace}/{name}"
+
+    # -- what a run killed before its ``down`` left behind --------------------------------------------------------
+    @classmethod
+    def janitor_index(cls, storage: str) -> str:
+        return Layout(storage).kuberay_index()
+
+    def janitor_scope(self) -> str:
+        """One look per namespace (of a context), however many runs used it."""
+        k = self.cfg.cluster.kuberay
+        return f"namespace {k.namespace}" + (f" of context {k.context}" if k.context else "")
 
     def janitor(self, is_over) -> list[str]:
         """Delete the RayClusters unbroken made in this namespace whose run is over -- ``is_over(storage, run)``

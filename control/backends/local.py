@@ -142,17 +142,13 @@ def head_users(port: int, ignore: str | None = None) -> list[str]:
                 continue
             fresh = time.time() - user["at"] < USER_FRESH_S or _alive(user["pid"])
             reg = None if fresh else registry.load(user["storage"], user["run"])
-            if fresh or (reg is not None and reg.get("state") in registry.ACTIVE):
+            if fresh or (reg is not None and reg.active):
                 live.append(user["run"])
     return live
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return pid != os.getpid()
-    except OSError:
-        return False
+    return pid != os.getpid() and psutil.pid_exists(pid)
 
 
 # -- stopping it ----------------------------------------------------------------------------------------------
@@ -251,6 +247,7 @@ class EarlyStart:
 
 class LocalHead(Backend):
     name = "local"
+    mode = "local"
 
     def spec(self) -> dict:
         c = self.cfg.cluster
@@ -281,9 +278,23 @@ class LocalHead(Backend):
         handle.spec = self.spec()
         return handle
 
+    def announce(self, handle: ClusterHandle) -> str:
+        verb = "started" if handle.started_here else "reusing already running"
+        return f"{verb} local Ray head; dashboard: {handle.dashboard_url}"
+
     def address(self) -> str | None:
         address = f"http://127.0.0.1:{self.cfg.cluster.dashboard_port}"
         return address if reachable(address) is None else None
+
+    def stop_unreachable(self, handle: ClusterHandle, run: str) -> str:
+        """A head of ours that does not answer: its own processes are stopped (nothing else on the machine), which
+        ends its job for certain."""
+        stop_local_head(handle)
+        return "stopped the local Ray head's processes"
+
+    @classmethod
+    def leave_up(cls, cfg: Config, handle: ClusterHandle) -> str | None:
+        return None  # ``down`` decides: the head's users and keep_running are the head's own record
 
     def down(self, handle: ClusterHandle, run: str | None = None) -> str:
         """This run no longer uses the head; it stops when no other run does (and none asked to keep it). Returns

@@ -20,12 +20,51 @@ from typing import Any
 import yaml
 
 from control.backends.base import Backend, ClusterError, ClusterHandle, enable_token_auth, reachable, redact
+from ray_jobs.config import ClusterConfig
+from ray_jobs.poll import poll_until
 
 DASHBOARD_PORT = 8265
+HEAD_TRIES, HEAD_RETRY_S = 3, 2.0  # asking a head the launcher knows before taking it for dead
+UP_POLL_S = 2.0  # between two looks for the Jobs API once the launcher is done
+
+
+def yaml_problems(path: str, use_gpu: bool) -> list[str]:
+    """The ``ray up`` cluster YAML: readable, a mapping naming the cluster and its provider, a GPU if asked for."""
+    if not path:
+        return ["cluster.ray_up.config: cluster.backend ray-up needs the cluster YAML (what `ray up` takes)"]
+    try:
+        text = Path(os.path.expanduser(path)).read_text(encoding="utf-8")
+    except OSError as e:
+        return [f"cluster.ray_up.config: cannot read {path}: {e.strerror or e}"]
+    try:
+        spec = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        return [f"cluster.ray_up.config: {path} is not valid YAML: {getattr(e, 'problem', e)}"]
+    if not isinstance(spec, dict):
+        return [f"cluster.ray_up.config: {path} is not a cluster YAML (a mapping with cluster_name, provider, ...)"]
+    out = [f"cluster.ray_up.config: {path} has no {key}" for key in ("cluster_name", "provider") if not spec.get(key)]
+    if use_gpu and not _declares_gpus(spec):
+        out.append(f"cluster.use_gpu: the cluster YAML {path} gives none of its node types a GPU "
+                   "(available_node_types.*.resources)")  # fmt: skip
+    return out
+
+
+def _declares_gpus(spec: dict[str, Any]) -> bool:
+    """Whether some node type has a GPU; True too when the YAML does not declare its resources (the launcher then
+    detects them on the nodes)."""
+    types = spec.get("available_node_types") or {}
+    declared = [t.get("resources") for t in types.values() if isinstance(t, dict)]
+    if not declared or not all(isinstance(r, dict) for r in declared):
+        return True
+    return any(r.get("GPU") for r in declared)
 
 
 class RayUp(Backend):
     name = "ray-up"
+
+    @classmethod
+    def problems(cls, cluster: ClusterConfig, storage: str) -> list[str]:
+        return yaml_problems(cluster.ray_up.config, cluster.use_gpu)
 
     def _yaml(self) -> dict[str, Any]:
         return yaml.safe_load(Path(self.cfg.cluster.ray_up.config).read_text(encoding="utf-8"))
@@ -59,11 +98,13 @@ class RayUp(Backend):
         api = self._jobs_api()
         if api is None:
             return None
-        for attempt in range(3):
+        # A count of tries, not a deadline (poll_until's): one try that takes its whole timeout must not use up the
+        # others.
+        for attempt in range(HEAD_TRIES):
             if reachable(api) is None:
                 return api
-            if attempt < 2:
-                time.sleep(2.0)
+            if attempt < HEAD_TRIES - 1:
+                time.sleep(HEAD_RETRY_S)
         return None
 
     def up(self, run: str | None = None) -> ClusterHandle:
@@ -80,15 +121,23 @@ class RayUp(Backend):
             self._sdk().create_or_update_cluster(path, no_restart=already is not None, no_config_cache=True)
         except Exception as e:  # the launcher's failures carry the provider's or SSH's message
             raise ClusterError(redact(f"ray up {path} failed: {type(e).__name__}: {e}")) from e
-        deadline = time.monotonic() + limit
-        while (address := self.address()) is None:
-            if time.monotonic() > deadline:
-                api = self._jobs_api()
-                why = reachable(api) if api else "the launcher reports no head"
-                raise ClusterError(f"ray up finished but the Jobs API never answered within "
-                                   f"cluster.ray_up.up_timeout_s={limit:g}s: {why}")  # fmt: skip
-            time.sleep(2.0)
+        address = poll_until(self.address, limit, every_s=UP_POLL_S)
+        if address is None:
+            api = self._jobs_api()
+            why = reachable(api) if api else "the launcher reports no head"
+            raise ClusterError(f"ray up finished but the Jobs API never answered within "
+                               f"cluster.ray_up.up_timeout_s={limit:g}s: {why}")  # fmt: skip
         return self._handle(address, already is None)
+
+    def replace_nodes(self, run: str) -> str:
+        """``up`` again: on a live cluster it updates in place without restarting Ray (the running job goes on), and
+        the head's autoscaler starts Ray again on every listed host that answers. ClusterError when it failed."""
+        self.up(run)
+        return f"{self.name} up: replacement nodes requested"
+
+    def stop_unreachable(self, handle: ClusterHandle, run: str) -> str:
+        """A cluster unbroken brought up that does not answer: ``ray down`` ends its job for certain."""
+        return self.down(handle, run)
 
     def down(self, handle: ClusterHandle, run: str | None = None) -> str:
         path = self.cfg.cluster.ray_up.config

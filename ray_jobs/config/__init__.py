@@ -17,7 +17,6 @@ from ray_jobs.config.cluster import (
     KubeRayConfig,
     RayUpConfig,
     WorkerRange,
-    backend_problems,
     cluster_problems,
 )  # fmt: skip
 from ray_jobs.config.data import DataConfig
@@ -40,6 +39,6 @@ __all__ = [
     "BACKENDS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "PLACEHOLDERS", "RUN_NAME", "RUN_NAME_RULE", "CheckpointConfig",
     "ClusterConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "KubeRayConfig", "LoraConfig",
     "ModelConfig", "PhaseStallConfig", "RayUpConfig", "SeriesConfig", "TinyModelConfig", "TrainConfig",
-    "WorkerRange", "absolute_url", "backend_problems", "batch_split_problem", "cluster_problems", "from_json",
+    "WorkerRange", "absolute_url", "batch_split_problem", "cluster_problems", "from_json",
     "job_spec", "load_config", "name_values", "parse_overrides", "render_name", "series_of", "validate",
 ]  # fmt: skip

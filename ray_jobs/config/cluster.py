@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, field_validator
 
 from ray_jobs.config.base import Section
@@ -177,68 +174,14 @@ class ClusterConfig(Section):
 
 
 def cluster_problems(c: ClusterConfig, storage: str) -> list[str]:
-    """What about the cluster backend cannot work, each naming its field: a backend missing what it needs, settings
-    of a backend not in use, then :func:`backend_problems`. Reads the ``ray up`` YAML (so it runs where the config is
-    loaded, not in the job)."""
+    """What about the cluster section cannot work whatever the backend, each naming its field: settings of a backend
+    not in use. What only one backend knows (a ``ray up`` YAML read from disk, what KubeRay pods need) is that
+    backend's own check, run where the config is loaded on the control side (control/config.py), not in the job."""
     out: list[str] = []
     name = c.backend_name
-    if name == "address" and not c.address:
-        out.append("cluster.address: cluster.backend is address, but no address is given (http://head:8265)")
     if name != "address" and c.address:
         out.append(f"cluster.address: given, but cluster.backend is {name} (an address is for backend address)")
     for section, owner in (("ray_up", "ray-up"), ("kuberay", "kuberay")):
         if name != owner and getattr(c, section) != type(getattr(c, section))():  # not its defaults
             out.append(f"cluster.{section}: set, but cluster.backend is {name} (set cluster.backend: {owner})")
-    return out + backend_problems(c, storage)
-
-
-def backend_problems(c: ClusterConfig, storage: str) -> list[str]:
-    """The checks only one backend knows (a ``ray up`` YAML read from disk, what KubeRay pods need); kept apart
-    because they belong with the cluster backends, which will own them."""
-    if c.backend_name == "ray-up":
-        return _ray_up_problems(c)
-    if c.backend_name == "kuberay":
-        return _kuberay_problems(c, storage)
-    return []
-
-
-def _kuberay_problems(c: ClusterConfig, storage: str) -> list[str]:
-    out: list[str] = []
-    k = c.kuberay
-    if not k.image:
-        out.append("cluster.kuberay.image: cluster.backend kuberay needs the Ray image of its pods")
-    if c.use_gpu and k.gpus_per_worker < 1:
-        out.append("cluster.kuberay.gpus_per_worker: cluster.use_gpu needs at least 1 GPU per worker pod (got 0)")
-    if storage and "://" not in storage and not k.storage_pvc:
-        out.append(f"cluster.kuberay.storage_pvc: storage {storage} is a path; on Kubernetes it must be a "
-                   "ReadWriteMany volume mounted on every pod (name its PVC), or use s3:// storage")  # fmt: skip
-    return out
-
-
-def _ray_up_problems(c: ClusterConfig) -> list[str]:
-    """The ``ray up`` cluster YAML: readable, a mapping naming the cluster and its provider, a GPU if asked for."""
-    path = c.ray_up.config
-    if not path:
-        return ["cluster.ray_up.config: cluster.backend ray-up needs the cluster YAML (what `ray up` takes)"]
-    try:
-        text = Path(os.path.expanduser(path)).read_text(encoding="utf-8")
-    except OSError as e:
-        return [f"cluster.ray_up.config: cannot read {path}: {e.strerror or e}"]
-    try:
-        spec = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        return [f"cluster.ray_up.config: {path} is not valid YAML: {getattr(e, 'problem', e)}"]
-    if not isinstance(spec, dict):
-        return [f"cluster.ray_up.config: {path} is not a cluster YAML (a mapping with cluster_name, provider, ...)"]
-    out = [f"cluster.ray_up.config: {path} has no {key}" for key in ("cluster_name", "provider") if not spec.get(key)]
-    types = spec.get("available_node_types") or {}
-    declared = [t.get("resources") for t in types.values() if isinstance(t, dict)]
-    if (
-        c.use_gpu
-        and declared
-        and all(isinstance(r, dict) for r in declared)
-        and not any(r.get("GPU") for r in declared)
-    ):
-        out.append(f"cluster.use_gpu: the cluster YAML {path} gives none of its node types a GPU "
-                   "(available_node_types.*.resources)")  # fmt: skip
     return out

@@ -10,7 +10,7 @@ import yaml
 
 from control import registry
 from control.backends import backend_for
-from ray_jobs.config import ConfigError, load_config
+from control.config import ConfigError, load_config
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.yaml"

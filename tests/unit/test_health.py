@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 from control import watchdog
-from control.backends import health
+from control.backends import backend_class, health
 from control.backends.health import Health
 from ray_jobs.config import load_config
 from tests.conftest import ROOT
@@ -111,22 +111,25 @@ def test_a_missing_node_of_a_ray_up_cluster_is_asked_back_through_its_backend(mo
     watchdog asks once per incident and notes what happened. Other backends only note it."""
     asked = []
 
-    class Backend:
-        def up(self, run):
-            asked.append(run)
+    def backend(name: str):
+        class Backend(backend_class(name)):
+            def up(self, run=None):
+                asked.append(run)
 
-    monkeypatch.setattr(watchdog, "backend_for", lambda cfg: Backend())
+        return Backend(c)
+
     c = cfg()
     two = body(summary_node("10.0.0.10", head=True), summary_node("10.0.0.11"))
     one = copy.deepcopy(two)
     one["data"]["summary"][1]["raylet"]["state"] = "DEAD"
-    for backend, want in (("ray-up", [c.name]), ("address", [])):
+    for name, want in (("ray-up", [c.name]), ("address", [])):
         asked.clear()
-        reg = {"cluster": {"address": "http://head:8265", "backend": backend}, "attempts": [{"attempt": 1}],
+        monkeypatch.setattr(watchdog, "backend_for", lambda cfg, name=name: backend(name))
+        reg = {"cluster": {"address": "http://head:8265", "backend": name}, "attempts": [{"attempt": 1}],
                "incidents": []}  # fmt: skip
         seen = iter([two, one, one])
         for t in (1.0, 2.0, 3.0):
             watchdog.look_at_cluster(c, reg, t, lambda a, seen=seen: Health(health.parse_summary(next(seen))))
-        assert asked == want, backend
+        assert asked == want, name
         (incident,) = reg["incidents"]
         assert incident.get("repair") == ("ray-up up: replacement nodes requested" if want else None)

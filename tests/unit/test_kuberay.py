@@ -171,8 +171,9 @@ def test_the_janitor_deletes_clusters_whose_run_is_over_and_keeps_the_others(kub
     backend_for(gone).up("gone")  # a run whose record is gone (its flow died before recording the attempt)
     assert registry.load(str(storage), "gone") is None
 
-    assert registry.kuberay_runs(str(storage)) == ["busy", "done", "kept"]
+    marked = kuberay.KubeRay.janitor_index(str(storage))  # the runs the janitor looks after
+    assert registry.marked_runs(marked) == ["busy", "done", "kept"]
     assert sorted(watchdog.janitor(str(storage))) == ["rc-done", "rc-gone"]
     assert sorted(name for kind, _, name in kube.objects if kind == "rayclusters") == ["rc-busy", "rc-kept"]
-    assert registry.kuberay_runs(str(storage)) == ["busy"], "finished runs are not read again on later passes"
+    assert registry.marked_runs(marked) == ["busy"], "finished runs are not read again on later passes"
     assert watchdog.janitor(str(storage)) == []

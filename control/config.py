@@ -1,0 +1,53 @@
+"""Loading a run's config where runs are controlled (the CLI, the flows, the served deployments): ray_jobs' loading
+(the typed tree, every section's own checks), then the checks of the cluster backend it names (control/backends: a
+``ray up`` YAML read from disk, what KubeRay pods need) -- all in one ConfigError naming every field. ray_jobs cannot
+run the backends' checks itself: it runs on the cluster and never imports the control plane.
+
+``from_json`` (a config stored with a run or a job spec) is ray_jobs' own: it was checked when it was first loaded,
+and a watchdog reading a run's config back must not fail because a cluster YAML moved since."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import ValidationError
+
+from control.backends import backend_problems
+from ray_jobs.config import ClusterConfig, Config, ConfigError, from_json, loading, parse_overrides
+
+__all__ = ["Config", "ConfigError", "from_json", "load_config", "validate"]
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (optional), apply ``--set`` overrides, validate; raises ConfigError naming every bad field."""
+    # ray_jobs' own reading and merging, so a file's errors read as they do there
+    raw = loading._read_yaml(path) if path is not None else {}
+    tree, problems = parse_overrides(overrides or [])
+    if problems:
+        raise ConfigError(problems, str(path or "overrides"))
+    return validate(loading._merge(raw, tree), str(path or "config"))
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    """A raw tree validated by ray_jobs, with its cluster backend's problems added to the same error (also when
+    other sections have errors of their own: every problem is reported at once)."""
+    cfg, problems = None, []
+    try:
+        cfg = loading.validate(raw, source)
+    except ConfigError as e:
+        problems = list(e.problems)
+    cluster = _cluster_section(raw)
+    if cluster is not None:  # judged as written (paths not yet made absolute): messages quote what the user wrote
+        problems += backend_problems(cluster, str(raw.get("storage") or ""))
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _cluster_section(raw: dict[str, Any]) -> ClusterConfig | None:
+    """The cluster section on its own (None when it is invalid: ray_jobs reported why)."""
+    try:
+        return ClusterConfig.model_validate(raw.get("cluster") or {})
+    except ValidationError:
+        return None

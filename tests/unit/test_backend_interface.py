@@ -1,0 +1,123 @@
+"""The cluster backends behind one interface, as tables over the four: what each checks in its config, records of
+its cluster, repairs when a node is lost, stops when its cluster stops answering, leaves up when a run is done, and
+leaves for a janitor. The watchdog and the flow only call these: no backend is named outside control/backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from control.backends import (
+    Backend,
+    StopUnverified,
+    backend_class,
+    backend_for,
+    handle_from_record,
+    janitor_backends,
+    kuberay,
+    local,
+    record,
+)
+from control.backends.base import ClusterHandle
+from control.config import load_config
+from ray_jobs.storage import Layout
+from tests.conftest import ROOT
+
+DEMO = ROOT / "configs" / "demo.yaml"
+ONPREM = ROOT / "configs" / "clusters" / "onprem.yaml"
+SETS = {
+    "local": [],
+    "address": ["cluster.address=http://head:8265"],
+    "ray-up": ["cluster.backend=ray-up", f"cluster.ray_up.config={ONPREM}"],
+    "kuberay": ["cluster.backend=kuberay", "cluster.kuberay.image=rayproject/ray:2.60.0", "storage=s3://b/u"],
+}
+HANDLE = ClusterHandle("http://h:8265", "http://h:8265", True, "python")
+
+
+def cfg(name: str, *extra: str):
+    return load_config(DEMO, [*SETS[name], *extra])
+
+
+def test_each_backend_checks_its_own_section() -> None:
+    from ray_jobs.config import ClusterConfig
+
+    expected = {
+        "local": [],
+        "address": ["cluster.address: cluster.backend is address, but no address is given (http://head:8265)"],
+        "ray-up": ["cluster.ray_up.config: cluster.backend ray-up needs the cluster YAML (what `ray up` takes)"],
+        "kuberay": ["cluster.kuberay.image: cluster.backend kuberay needs the Ray image of its pods"],
+    }
+    for name, want in expected.items():
+        assert backend_class(name).problems(ClusterConfig(backend=name), "s3://b/u") == want, name
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "local_head"),
+    [("local", "local", True), ("address", "existing", False), ("ray-up", "managed", False),
+     ("kuberay", "managed", False)],
+)  # fmt: skip
+def test_the_run_record_says_who_owns_the_cluster_and_gives_the_handle_back(name, mode, local_head) -> None:
+    c = cfg(name)
+    spec = {"made": "from this"}
+    rec = record(c, {"address": "http://h:8265", "started_here": True, "spec": spec, "python": "x"})
+    assert rec == {"address": "http://h:8265", "backend": name, "spec": spec, "mode": mode, "started_here": True}
+    handle = handle_from_record(rec)
+    assert (handle.backend, handle.local, handle.started_here, handle.spec) == (name, local_head, True, spec)
+
+
+def test_a_record_from_before_backends_names_only_its_mode() -> None:
+    assert handle_from_record({"address": "http://127.0.0.1:8265", "mode": "local"}).backend == "local"
+    assert handle_from_record({"address": "http://h:8265", "mode": "existing"}).backend == "address"
+
+
+def test_only_ray_up_asks_for_a_lost_node_back(monkeypatch) -> None:
+    from control.backends.rayup import RayUp
+
+    ups = []
+    monkeypatch.setattr(RayUp, "up", lambda self, run=None: ups.append(run))
+    done = {name: backend_for(cfg(name)).replace_nodes("r") for name in SETS}
+    assert done == {"local": None, "address": None, "ray-up": "ray-up up: replacement nodes requested",
+                    "kuberay": None}  # fmt: skip
+    assert ups == ["r"], "ray up again: Ray not restarted, the autoscaler starts the missing hosts"
+
+
+def test_what_each_backend_stops_when_its_cluster_stops_answering(monkeypatch) -> None:
+    stopped = []
+    monkeypatch.setattr(local, "stop_local_head", lambda handle: stopped.append(("head", handle.address)))
+    for cls in (backend_class("ray-up"), kuberay.KubeRay):
+        monkeypatch.setattr(cls, "down", lambda self, handle, run=None: stopped.append((self.name, run)) or "down")
+    assert backend_for(cfg("local")).stop_unreachable(HANDLE, "r") == "stopped the local Ray head's processes"
+    assert backend_for(cfg("ray-up")).stop_unreachable(HANDLE, "r") == "down"
+    assert backend_for(cfg("kuberay")).stop_unreachable(HANDLE, "r") == "down"
+    assert stopped == [("head", "http://h:8265"), ("ray-up", "r"), ("kuberay", "r")]
+    with pytest.raises(StopUnverified, match="not unbroken's to take down"):
+        backend_for(cfg("address")).stop_unreachable(HANDLE, "r")  # someone else's: the job may still run
+
+
+@pytest.mark.parametrize("name", ["address", "ray-up", "kuberay"])
+def test_a_cluster_is_left_up_unless_this_run_brought_it_up_and_did_not_keep_it(name) -> None:
+    cls = backend_class(name)
+    ours = ClusterHandle("http://h:8265", "http://h:8265", True, "python", backend=name)
+    theirs = ClusterHandle("http://h:8265", "http://h:8265", False, "python", backend=name)
+    assert cls.leave_up(cfg(name), ours) is None
+    assert cls.leave_up(cfg(name), theirs) == "this run did not bring it up"
+    assert cls.leave_up(cfg(name, "cluster.keep_running=true"), ours) == "cluster.keep_running"
+
+
+def test_a_local_head_decides_by_its_own_users() -> None:
+    head = ClusterHandle("http://127.0.0.1:8265", "http://127.0.0.1:8265", False, "python", local=True)
+    assert backend_class("local").leave_up(cfg("local", "cluster.keep_running=true"), head) is None
+
+
+def test_only_kuberay_leaves_clusters_for_the_janitor(tmp_path: Path) -> None:
+    assert janitor_backends() == [kuberay.KubeRay]
+    assert kuberay.KubeRay.janitor_index(str(tmp_path)) == Layout(str(tmp_path)).kuberay_index()
+    assert Backend.janitor_index(str(tmp_path)) is None
+    assert backend_for(cfg("kuberay")).janitor_scope() == "namespace default"
+
+
+def test_provision_announces_the_cluster_in_the_backends_words() -> None:
+    started = ClusterHandle("http://127.0.0.1:8265", "http://127.0.0.1:8265", True, "python", local=True)
+    assert backend_for(cfg("local")).announce(started) == "started local Ray head; dashboard: http://127.0.0.1:8265"
+    assert backend_for(cfg("ray-up")).announce(HANDLE) == "brought up Ray cluster (backend ray-up) at http://h:8265"
