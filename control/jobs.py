@@ -1,5 +1,5 @@
 """Ray jobs through the Jobs API: submit, stop, and watch one to its end (status polling with one confirmation rule
-for "the cluster is gone", log tail). The Prefect tasks that use these are in tasks/jobs.py."""
+for "the cluster is gone", control/confirm.py; log tail). The Prefect tasks that use these are in tasks/jobs.py."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ import json
 import re
 import shlex
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from control import jobsapi
 from control.backends.base import ClusterError, ClusterHandle, StopUnverified, jobs_client
+from control.confirm import Suspicion
 from control.logs import run_logger
 from ray_jobs.config import Config
+from ray_jobs.poll import poll_until
 from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.metrics import MetricsTail
 
@@ -37,7 +41,11 @@ class ClusterLost(JobFailed):
 
 
 AGENT_WAIT_S = 60.0  # how long a submission retries "No available agent to submit job" (a head still starting)
-LOST_AFTER_ERRORS = 5  # consecutive failed status polls that mean the cluster is gone, not a blip
+# The SDK's submission (the working dir's upload, then the POST) has no timeout of its own: this bounds it.
+SUBMIT_TIMEOUT_S = 300.0
+# Consecutive unanswered status polls that mean the cluster is gone, not a blip (besides confirm_s): the watch polls
+# every STATUS_POLL_S, so more looks than the watchdog's, whose passes are minutes apart.
+LOST_AFTER_ERRORS = 5
 
 
 def stop_and_wait(address: str, submission_id: str, wait_s: float = 60.0) -> bool:
@@ -50,11 +58,15 @@ def stop_and_wait(address: str, submission_id: str, wait_s: float = 60.0) -> boo
     if view.api == "missing" or view.terminal:
         return False
     jobsapi.stop_job(address, submission_id)
-    deadline = time.monotonic() + wait_s
-    while not ((view := jobsapi.read_job(address, submission_id)).terminal or view.api == "missing"):
-        if time.monotonic() > deadline:
-            raise ClusterError(f"Ray job {submission_id} did not stop within {wait_s:.0f}s ({view.status or view.why})")
-        time.sleep(0.5)
+    last = [view]
+
+    def ended() -> bool:
+        last[0] = jobsapi.read_job(address, submission_id)
+        return last[0].terminal or last[0].api == "missing"
+
+    if not poll_until(ended, wait_s, every_s=0.5):
+        view = last[0]
+        raise ClusterError(f"Ray job {submission_id} did not stop within {wait_s:.0f}s ({view.status or view.why})")
     return True
 
 
@@ -88,28 +100,55 @@ def submit(
     """Submit ``python -m <module> --spec <url>``; a job already submitted under this id is not submitted twice.
     ``env``: extra variables for the job's processes (its runtime_env)."""
     log = run_logger()
-    client = jobs_client(handle.address)
-    if any(j.submission_id == submission_id for j in client.list_jobs()):
+    if _already_submitted(handle.address, submission_id):
         log.info("Ray job %s was already submitted; watching it", submission_id)
         return submission_id
-    deadline = time.monotonic() + AGENT_WAIT_S
-    while True:
+    job = {
+        "entrypoint": f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
+        "submission_id": submission_id,
+        "runtime_env": {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES}
+        | ({"env_vars": dict(env)} if env else {}),
+        "entrypoint_num_cpus": 0,
+    }
+    last: list[Exception] = []
+
+    def submitted() -> bool:
         try:
-            client.submit_job(
-                entrypoint=f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
-                submission_id=submission_id,
-                runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES}
-                | ({"env_vars": dict(env)} if env else {}),
-                entrypoint_num_cpus=0,
-            )
-            break
+            _bounded(lambda: jobs_client(handle.address).submit_job(**job), SUBMIT_TIMEOUT_S, "submitting a Ray job")
+            return True
         except RuntimeError as e:  # a head that just started answers before its job agent is up
-            if "No available agent" not in str(e) or time.monotonic() > deadline:
+            if "No available agent" not in str(e):
                 raise
+            last[:] = [e]
             log.info("the cluster's job agent is not up yet; retrying the submission")
-            time.sleep(1.0)
+            return False
+
+    if not poll_until(submitted, AGENT_WAIT_S, every_s=1.0):
+        raise last[0]
     log.info("submitted Ray job %s (%s)", submission_id, module)
     return submission_id
+
+
+def _already_submitted(address: str, submission_id: str) -> bool:
+    """Whether the cluster knows a job of this id (one read, with a timeout); ClusterError when it cannot tell."""
+    view = jobsapi.read_job(address, submission_id)
+    if view.api == "unknown":
+        raise ClusterError(f"cannot tell whether Ray job {submission_id} was submitted already: {view.why}")
+    return view.api == "ok"
+
+
+def _bounded(call, timeout_s: float, what: str):
+    """``call()``, given up on after ``timeout_s`` (ClusterError). For the Jobs SDK's submission, whose requests
+    have no timeout: it is kept rather than redone by hand because it packages and uploads the working dir first
+    (gitignore rules, content-hashed package URIs, the runtime_env's validation), which a copy would have to track
+    across Ray versions. A call given up on is left to end in its thread."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="jobs-sdk")
+    try:
+        return pool.submit(call).result(timeout=timeout_s)
+    except FutureTimeout:
+        raise ClusterError(f"{what}: no answer within {timeout_s:g}s") from None
+    finally:
+        pool.shutdown(wait=False)
 
 
 def last_step(metrics_url: str) -> int:
@@ -171,27 +210,26 @@ STATUS_POLL_S = 0.5
 
 
 class _Watch:
-    """The state of one watch: consecutive unanswered polls since when, and rate-limited plumbing warnings."""
+    """The state of one watch: the open suspicion (consecutive unanswered polls), rate-limited plumbing warnings."""
 
     def __init__(self, address: str, submission_id: str, confirm_s: float, log):
         self.address, self.sid, self.confirm_s, self.log = address, submission_id, confirm_s, log
-        self.unknown_since: float | None = None
-        self.unknown_polls = 0
+        self.unanswered: Suspicion | None = None
         self.warned_at: dict[str, float] = {}
 
     def observe(self, view: jobsapi.JobView) -> None:
         """A poll that told nothing about the job: ClusterLost once that held for ``confirm_s`` over at least
         LOST_AFTER_ERRORS polls (before, it may be a blip: a 502, a restarting dashboard)."""
+        now = time.monotonic()
         if view.api == "ok":
-            if self.unknown_since is not None:
-                self.log.info("the Jobs API answers again after %.0fs", time.monotonic() - self.unknown_since)
-            self.unknown_since, self.unknown_polls = None, 0
+            if self.unanswered is not None:
+                self.log.info("the Jobs API answers again after %.0fs", self.unanswered.held_s(now))
+            self.unanswered = None
             return
-        self.unknown_since = self.unknown_since or time.monotonic()
-        self.unknown_polls += 1
-        held = time.monotonic() - self.unknown_since
+        self.unanswered = (self.unanswered or Suspicion(now)).seen()
+        held = self.unanswered.held_s(now)
         self.warn("poll", f"Ray job {self.sid}: {view.why} (for {held:.0f}s; not acted on before {self.confirm_s:g}s)")
-        if held >= self.confirm_s and self.unknown_polls >= LOST_AFTER_ERRORS:
+        if self.unanswered.held(now, self.confirm_s, LOST_AFTER_ERRORS):
             what = "has no record of" if view.api == "missing" else "stopped answering about"
             raise ClusterLost(f"the Ray cluster at {self.address} {what} job {self.sid} for {held:.0f}s: {view.why}")
 
@@ -240,33 +278,37 @@ async def watch(
 
 
 def run_to_end(handle: ClusterHandle, submission_id: str, poll_s: float = 1.0, confirm_s: float = 30.0) -> str:
-    """Wait (without an event loop: from a sync task) for a submitted job to end, forwarding its new log lines;
-    its final status, or JobFailed. A cancel of the flow run stops the job, as ``watch`` does."""
-    log = run_logger()
-    state = _Watch(handle.address, submission_id, confirm_s, log)
-    forwarded = 0
+    """Wait from sync code (a sync task) for a submitted job to end: :func:`watch` itself -- the same status polls,
+    confirmation rule, log forwarding and stop on cancel -- on an event loop of its own. Its final status, or
+    JobFailed."""
+    main = watch(handle, submission_id, poll_s, confirm_s=confirm_s)
     try:
-        while True:
-            view = jobsapi.read_job(handle.address, submission_id)
-            state.observe(view)
-            with contextlib.suppress(Exception):  # the log is a convenience: a failed read is tried next poll
-                lines = [
-                    ln for ln in _ANSI.sub("", jobs_client(handle.address).get_job_logs(submission_id)).splitlines()
-                ]
-                for line in lines[forwarded:]:
-                    if line.strip():
-                        log.info("[ray] %s", line.rstrip())
-                forwarded = max(forwarded, len(lines))
-            if view.terminal:
-                break
-            time.sleep(poll_s)
-    except BaseException as e:
-        if cancelled(e):
-            _stop_for_cancel(handle.address, submission_id, log)
-        raise
-    if view.status != "SUCCEEDED":
-        raise JobFailed(f"Ray job {submission_id} ended {view.status}: {view.message}")
-    return view.status
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main)
+    return _run_beside(main)  # a sync task called from an async flow: this thread's loop is the flow's
+
+
+def _run_beside(main) -> str:
+    """``asyncio.run(main)`` in a helper thread, waited on here. A cancel that reaches this thread (the flow run's
+    termination) is passed on to ``main``, and waited for: a watch stops its job on a cancel."""
+    started: Future = Future()
+
+    async def runner():
+        started.set_result((asyncio.get_running_loop(), asyncio.current_task()))
+        return await main
+
+    with ThreadPoolExecutor(1, thread_name_prefix="watch") as pool:
+        done = pool.submit(asyncio.run, runner())
+        try:
+            return done.result()
+        except BaseException:
+            if not done.done():
+                loop, task = started.result()
+                loop.call_soon_threadsafe(task.cancel)
+                with contextlib.suppress(BaseException):
+                    done.result()
+            raise
 
 
 def _stop_for_cancel(address: str, submission_id: str, log) -> None:

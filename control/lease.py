@@ -27,6 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ray_jobs.poll import poll_until
 from ray_jobs.storage import Layout, create_exclusive, fs_and_path, join, read_json, write_json_atomic
 
 _NAME = re.compile(r"lease-(\d{8})\.json$")
@@ -145,10 +146,8 @@ def acquire_wait(
     storage: str, run: str, wait_s: float = 180.0, ttl_s: float = 60.0, lease_dir: str | None = None
 ) -> Lease:
     """Take the lease, waiting for a holder to finish (watchdog passes are short); TimeoutError after ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    while (lease := acquire(storage, run, ttl_s=ttl_s, lease_dir=lease_dir)) is None:
-        if time.monotonic() > deadline:
-            held = holder(storage, run, lease_dir)
-            raise TimeoutError(f"{run!r}: lease held by {held} for more than {wait_s:.0f}s")
-        time.sleep(0.2)
+    lease = poll_until(lambda: acquire(storage, run, ttl_s=ttl_s, lease_dir=lease_dir), wait_s, every_s=0.2)
+    if lease is None:
+        held = holder(storage, run, lease_dir)
+        raise TimeoutError(f"{run!r}: lease held by {held} for more than {wait_s:.0f}s")
     return lease

@@ -22,6 +22,7 @@ from control.backends import backend_for, handle_from_record, health, janitor_ba
 from control.backends.base import ClusterError, ClusterHandle
 from control.backends.janitor import sweep
 from control.cluster import provision, release
+from control.confirm import Suspicion
 from control.jobs import StopUnverified, last_step, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
 from control.rayapi import first_line as _first_line
@@ -198,10 +199,10 @@ def confirm(reg: dict[str, Any], verdict: Verdict, cfg: Config, now: float) -> s
     if not suspect or suspect.get("kind") != verdict.kind or suspect.get("attempt") != attempt:
         suspect = reg["suspect"] = {"kind": verdict.kind, "attempt": attempt, "first_at": now, "observations": 0}
     suspect.update(last_at=now, observations=suspect["observations"] + 1, detail=_first_line(verdict.detail))
-    held_s = now - suspect["first_at"]
-    if held_s >= cfg.fault_tolerance.confirm_s and suspect["observations"] >= CONFIRM_OBSERVATIONS:
-        return "trouble"
-    return "trouble" if cfg.fault_tolerance.confirm_s == 0 else "suspect"
+    confirm_s = cfg.fault_tolerance.confirm_s
+    looks = CONFIRM_OBSERVATIONS if confirm_s else 1  # confirm_s 0: no confirmation asked for, the first look acts
+    held = Suspicion(suspect["first_at"], suspect["observations"]).held(now, confirm_s, looks)
+    return "trouble" if held else "suspect"
 
 
 def cleared(reg: dict[str, Any], now: float, why: str) -> dict[str, Any] | None:

@@ -127,6 +127,52 @@ def test_a_stop_that_cannot_be_verified_is_not_taken_for_one(monkeypatch) -> Non
     assert jobs.stop_and_wait("http://127.0.0.1:1", "x") is False
 
 
+def test_a_sync_caller_waits_through_the_same_watch_with_or_without_a_running_loop(api, monkeypatch) -> None:
+    """``run_to_end`` (a sync task: staging on the cluster) is ``watch`` itself: the same polls and blips rule; from
+    inside a running loop (a sync task called from the async finetune flow) it runs beside it."""
+    script = [JobView("unknown", why="HTTP 502"), JobView("ok", "RUNNING"), JobView("ok", "SUCCEEDED")]
+    api += script
+    assert jobs.run_to_end(HANDLE, "unbroken-stage-1", confirm_s=30) == "SUCCEEDED"
+
+    async def inside_a_flow():
+        api[:] = [*script[:2], JobView("ok", "FAILED", "boom")]
+        with pytest.raises(jobs.JobFailed, match="ended FAILED: boom"):
+            jobs.run_to_end(HANDLE, "unbroken-stage-2", confirm_s=30)
+        return "done"
+
+    assert asyncio.run(inside_a_flow()) == "done"
+
+
+def test_a_submission_already_known_to_the_cluster_is_not_made_twice_and_one_it_cannot_tell_is_refused(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(jobs, "jobs_client", lambda address: pytest.fail("no submission expected"))
+    monkeypatch.setattr(jobs.jobsapi, "read_job", lambda *a, **k: JobView("ok", "RUNNING"))
+    assert jobs.submit(HANDLE, "unbroken-r-train-001", "ray_jobs.job", "spec.json") == "unbroken-r-train-001"
+    monkeypatch.setattr(jobs.jobsapi, "read_job", lambda *a, **k: JobView("unknown", why="ReadTimeout"))
+    with pytest.raises(jobs.ClusterError, match="cannot tell whether Ray job unbroken-r-train-001 was submitted"):
+        jobs.submit(HANDLE, "unbroken-r-train-001", "ray_jobs.job", "spec.json")
+
+
+def test_a_submission_that_never_answers_is_given_up_on(monkeypatch) -> None:
+    import threading
+
+    release = threading.Event()
+
+    class Hung:
+        def submit_job(self, **job):
+            release.wait(10)  # the SDK's requests have no timeout of their own
+
+    monkeypatch.setattr(jobs.jobsapi, "read_job", lambda *a, **k: JobView("missing", why="no such job"))
+    monkeypatch.setattr(jobs, "jobs_client", lambda address: Hung())
+    monkeypatch.setattr(jobs, "SUBMIT_TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(jobs.ClusterError, match="no answer within 0.2s"):
+            jobs.submit(HANDLE, "unbroken-r-train-001", "ray_jobs.job", "spec.json")
+    finally:
+        release.set()
+
+
 def test_a_second_attempt_is_refused_while_one_is_in_flight(tmp_path: Path) -> None:
     c = cfg(tmp_path / "storage")
     registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
