@@ -254,9 +254,9 @@ def leg_checkpoint(work: Path, size: Size, model: Path) -> dict:
             stalls.append(t.checkpoint(sync=mode == "sync"))
             sync()
             device_s.append(time.perf_counter() - t0)
-            if t.pending is not None:
-                t._report_pending()  # the write itself, off the clock
-        t.writer.close()
+            if t.checkpointer.pending is not None:
+                t.checkpointer.commit()  # the write itself, off the clock
+        t.checkpointer.writer.close()
         ckdir = Path(t.layout.checkpoints_dir(cfg.name))
         newest = max(ckdir.iterdir())
         out["checkpoint_gb"] = round(sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) / 1e9, 2)

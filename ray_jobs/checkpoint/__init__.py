@@ -21,11 +21,16 @@ rank 0) still load.
 checkpoint resumes at another world size (an elastic run) on exactly the rows it would have trained next; an FSDP one
 is then resharded: each rank reads every rank's shards and cuts its own (``load_resharded_*``).
 
+When a checkpoint is taken, and how a write is committed (parts, then the manifest, then Ray's report), deferred
+while the previous one is in flight, or abandoned when a store refused it, is the :class:`Checkpointer`'s; the
+trainer calls it at every step boundary.
+
 Why not torch.distributed.checkpoint: its writers report no checksums, so the manifest would need a second read of
 every byte; this layout is DCP's idea (each rank writes its part, a metadata file last) with the sha256 our manifest
 needs, and resharding FSDP2's dim-0 shards is a concatenation and a cut.
 """
 
+from ray_jobs.checkpoint.checkpointer import Checkpointer
 from ray_jobs.checkpoint.format import (
     FORMAT,
     MANIFEST_FILE,
@@ -63,6 +68,8 @@ from ray_jobs.checkpoint.state import (
     load_resharded_optimizer_state,
     load_sharded_model_state,
     load_sharded_optimizer_state,
+    load_tensor_files,
+    loop_state_file,
     model_state,
     optimizer_state,
     rank_state,
@@ -70,6 +77,7 @@ from ray_jobs.checkpoint.state import (
     set_rng_state,
     sharded_model_state,
     sharded_optimizer_state,
+    tensor_files,
     tied_aliases,
     trainable_names,
     unwrap,
@@ -78,11 +86,11 @@ from ray_jobs.checkpoint.writer import AsyncWriter
 
 __all__ = [
     "FORMAT", "MANIFEST_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_FILE", "AsyncWriter", "CheckpointInvalid",
-    "HostStaging", "LoopState", "Part", "RankState", "check", "checkpoint_name", "checkpoint_step", "decode", "encode_file",
-    "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state", "load_resharded_model_state",
-    "load_resharded_optimizer_state", "load_sharded_model_state",
-    "load_sharded_optimizer_state", "model_part", "model_state", "optim_part", "optimizer_state", "owner",
-    "rank_file", "rank_files", "rank_state", "read_files", "read_manifest", "read_verified", "refuse", "rng_state",
-    "set_rng_state", "sharded_model_state", "sharded_optimizer_state", "tied_aliases", "trainable_names", "unwrap",
-    "write_manifest", "write_part",
+    "Checkpointer", "HostStaging", "LoopState", "Part", "RankState", "check", "checkpoint_name", "checkpoint_step",
+    "decode", "encode_file", "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state",
+    "load_resharded_model_state", "load_resharded_optimizer_state", "load_sharded_model_state",
+    "load_sharded_optimizer_state", "load_tensor_files", "loop_state_file", "model_part", "model_state", "optim_part",
+    "optimizer_state", "owner", "rank_file", "rank_files", "rank_state", "read_files", "read_manifest",
+    "read_verified", "refuse", "rng_state", "set_rng_state", "sharded_model_state", "sharded_optimizer_state",
+    "tensor_files", "tied_aliases", "trainable_names", "unwrap", "write_manifest", "write_part",
 ]  # fmt: skip

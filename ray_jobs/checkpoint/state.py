@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ray_jobs.checkpoint.format import CheckpointInvalid
+from ray_jobs.checkpoint.format import MODEL_FILE, OPTIM_FILE, CheckpointInvalid, decode, model_part, optim_part
 from ray_jobs.data.reading import Cursor
 
 
@@ -320,3 +321,61 @@ def load_resharded_optimizer_state(optimizer, parts: list[dict[str, Any]]) -> No
             for k, v in first.items()
         }
     optimizer.load_state_dict({"state": state, "param_groups": parts[0]["param_groups"]})
+
+
+def loop_state_file(loop: LoopState, scheduler, last_eval: float | None, cfg: Any, data_ranks: int,
+                    cursors: list[Cursor]) -> dict[str, Any]:  # fmt: skip
+    """``state.json``: everything but tensors that resuming exactly needs (nanochat's ``meta``)."""
+    return {
+        "loop": asdict(loop),
+        "scheduler": scheduler.state_dict(),
+        "last_eval_loss": last_eval,
+        "config": json.loads(cfg.model_dump_json()),
+        # the global cursor: where every data rank is, so any world size resumes on the same rows
+        "data": {"data_ranks": data_ranks, "cursors": [asdict(c) for c in cursors]},
+    }
+
+
+# -- a rank's tensor files, both ways ---------------------------------------------------------------------------
+def tensor_files(rank: int, model, optimizer, staging: HostStaging, fsdp: bool, lora: bool) -> dict[str, Any]:
+    """This rank's weights and optimizer state as checkpoint files (host copies, ``{name: (codec, state)}``)."""
+    files: dict[str, Any] = {}
+    if fsdp:  # each rank its own shards, nothing gathered
+        local, replicated = sharded_model_state(model, lora, staging)
+        files[model_part(rank)] = ("safetensors", local)
+        files[optim_part(rank)] = ("torch", sharded_optimizer_state(optimizer, staging))
+        if rank == 0 and replicated:
+            files[MODEL_FILE] = ("safetensors", replicated)
+    elif rank == 0:  # DDP: the weights and optimizer state are the same on every rank: written once
+        files[MODEL_FILE] = ("safetensors", model_state(model, False, lora, staging))
+        files[OPTIM_FILE] = ("torch", optimizer_state(model, optimizer, False, staging))
+    return files
+
+
+def load_tensor_files(model, optimizer, files: dict[str, bytes], manifest: dict[str, Any], written_by: int,
+                      rank: int, world_size: int, fsdp: bool, lora: bool) -> None:  # fmt: skip
+    """Weights and optimizer state into this rank's model: the replicated state (DDP, format 1), its own FSDP
+    shards, or every rank's shards cut to this world's (an FSDP checkpoint of ``written_by`` ranks)."""
+    from safetensors.torch import load
+
+    if manifest["format"] <= 1 or not fsdp:
+        model_sd, optim_sd, _ = decode(files)
+        load_model_state(model, model_sd, fsdp, lora)
+        load_optimizer_state(model, optimizer, optim_sd, fsdp)
+        return
+    shared = load(files[MODEL_FILE]) if MODEL_FILE in files else {}
+    if written_by != world_size:  # every rank's shards
+        parts = range(written_by)
+        load_resharded_model_state(model, [load(files[model_part(k)]) for k in parts], shared, lora)
+        load_resharded_optimizer_state(optimizer, [_optim_part(files, k) for k in parts])
+    else:  # this rank's own shards only
+        load_sharded_model_state(model, load(files[model_part(rank)]), shared, lora)
+        load_sharded_optimizer_state(optimizer, _optim_part(files, rank))
+
+
+def _optim_part(files: dict[str, bytes], rank: int) -> dict[str, Any]:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(files[optim_part(rank)]), weights_only=True)

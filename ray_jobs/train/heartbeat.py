@@ -7,7 +7,8 @@ import socket
 import time
 from typing import Any
 
-from ray_jobs.storage import write_json_atomic
+from ray_jobs.config import Config
+from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.sidewrite import SideWriter
 
 # What a job does, in order. ``starting`` (submitted, no heartbeat yet) is what a watcher infers; the job never
@@ -60,7 +61,7 @@ class Heartbeat:
             "phase": self.phase,
             "phase_started_at": self.phase_started_at,
             "time": time.time(),
-            "tokens_per_s": t.tokens_per_s if t else 0.0,
+            "tokens_per_s": t.throughput.tokens_per_s if t else 0.0,
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
@@ -77,3 +78,9 @@ class Heartbeat:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_heartbeat(cfg: Config, attempt: int) -> Heartbeat:
+    """Rank 0's heartbeat, started now (phase ``loading``)."""
+    url = Layout(cfg.storage).heartbeat(cfg.name)
+    return Heartbeat(url, cfg.fault_tolerance.heartbeat_every_s, cfg.name, cfg.train.max_steps, attempt).start()

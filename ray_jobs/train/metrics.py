@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 import threading
+import time
 from typing import Any
 
 from ray_jobs.storage import fs_and_path, is_local, join, listing, read_bytes, write_bytes_atomic
@@ -170,3 +171,22 @@ class MetricsLog:
             write_bytes_atomic(self.url, body.encode())
         self.bytes_written += len(body)
         self._rewrite = False
+
+
+class Throughput:
+    """Tokens per second over the window since the last logged row (what the heartbeat shows, too)."""
+
+    def __init__(self) -> None:
+        self._window = (time.monotonic(), 0)
+        self.tokens_per_s = 0.0
+
+    def restart(self, tokens_seen: int) -> None:
+        self._window = (time.monotonic(), tokens_seen)
+
+    def row(self, loop: Any) -> dict[str, float]:
+        """The logged row's throughput columns for ``loop`` (a ``LoopState``); starts the next window."""
+        now = time.monotonic()
+        t0, tok0 = self._window
+        self._window = (now, loop.tokens_seen)
+        self.tokens_per_s = round((loop.tokens_seen - tok0) / max(now - t0, 1e-9), 1)
+        return {"tokens_seen": loop.tokens_seen, "tokens_per_s": self.tokens_per_s, "elapsed_s": loop.elapsed_s}

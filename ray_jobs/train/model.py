@@ -3,6 +3,7 @@ and the model rank 0 exports at the end."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ray_jobs import checkpoint as ckpt
@@ -156,3 +157,56 @@ def export_dtype(cfg: Config, model_path: str) -> str:
     if cfg.train.export_dtype != "auto":
         return cfg.train.export_dtype
     return saved_dtype(config_dict(model_path))
+
+
+def build_optimizer(cfg: Config, model, device):
+    """AdamW over the trainable parameters and its LR schedule."""
+    import torch
+    from transformers import get_scheduler
+
+    t = cfg.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    # On a GPU the fused AdamW (one kernel for every parameter's update, fp32 moments as the parameters); on a
+    # CPU the default, whose bits the CPU resume guarantees were shown with.
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, **fused)
+    return optimizer, get_scheduler(t.lr_schedule, optimizer, t.warmup_steps, t.max_steps)
+
+
+def autocast_for(cfg: Config, device):
+    """A context factory: bf16 autocast where ``train.precision`` asks for it (``auto``: on a GPU), else nothing."""
+    import torch
+
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+
+
+def to_device(x, device):
+    """A batch array on the training device: on a GPU through pinned memory, asynchronously (a copy from pageable
+    memory synchronizes the stream first: the GPU would idle at every micro-batch)."""
+    import torch
+
+    t = torch.from_numpy(x)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def grad_sync(model, fsdp: bool, sync: bool):
+    """Gradients are all-reduced only on the last micro-batch of an accumulation."""
+    if fsdp:
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if sync or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def clip_grads(model, max_grad_norm: float):
+    """Clip the global gradient norm (0: no clipping); the norm, a device tensor (reading it would wait)."""
+    import torch
+
+    max_norm = max_grad_norm or float("inf")
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

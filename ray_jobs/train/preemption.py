@@ -17,7 +17,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 log = logging.getLogger("unbroken.preemption")
 
@@ -105,3 +107,51 @@ def torch_config(use_gpu: bool, grace_s: float):
             return _Backend
 
     return UnbrokenTorchConfig(backend="nccl" if use_gpu else "gloo", preemption_grace_s=grace_s)
+
+
+# The loop's own messages, logged as the training loop's (log readers and tests look for them there).
+train_log = logging.getLogger("unbroken.train")
+
+
+def checkpoint_and_raise(checkpoint: Callable[[], float], rank: int, step: int) -> NoReturn:
+    """A rank got SIGTERM (agreed by every rank): a just-in-time checkpoint, then :class:`Preempted` on every rank,
+    so Ray Train restarts the group from it."""
+    checkpoint()
+    train_log.warning("rank %d: just-in-time checkpoint at step %d saved (preemption)", rank, step)
+    checkpoint_saved()
+    raise Preempted(f"preempted: just-in-time checkpoint at step {step} saved")
+
+
+def checkpoint_and_wait(notice: dict[str, Any], checkpoint: Callable[[], float], rank: int, step: int,
+                        grace_s: float, phase: Callable[[str], None]) -> None:  # fmt: skip
+    """A node of this group is being drained (a spot reclaim, ``ray drain-node``): checkpoint this step now, on
+    every rank, then wait for Ray Train to restart the group without that node.
+
+    Ray Train restarts once the drain deadline passes (or 120 s after the notice, without one) and counts it
+    against ``FailureConfig.max_preemption_failures``, not ``max_failures``. It must be waited for, not forced:
+    a rank that raised would count as a failure, one that returned as the run's success. Training on would only
+    make steps that the restart throws away; waiting loses none."""
+    checkpoint()
+    deadline = drain_deadline(notice)
+    train_log.warning("rank %d: just-in-time checkpoint at step %d saved (drain notice for node(s) %s, deadline in "
+                      "%.0f s); waiting for Ray Train to restart the group", rank, step,
+                      ", ".join(n[:12] for n in notice.get("nodes", {})), deadline - time.time())  # fmt: skip
+    phase("preempted")
+    wait_for_restart(deadline, grace_s)
+    # Still here long past the deadline: the drain went nowhere. Carry on rather than idle for ever.
+    train_log.warning("rank %d: no restart %.0f s past the drain deadline; training on", rank, grace_s + 60)
+    phase("training")
+
+
+def drain_deadline(notice: dict[str, Any]) -> float:
+    """When a drained node goes (epoch seconds): the notice's deadline, or 120 s from now without one (Ray Train's
+    own wait then)."""
+    return notice["deadline_ms"] / 1000 if notice.get("deadline_ms") else time.time() + 120
+
+
+def wait_for_restart(deadline: float, grace_s: float) -> None:
+    """Wait for Ray Train to restart the group after a drain notice (this process is stopped then); returns only
+    long past the deadline, when the drain went nowhere."""
+    give_up = deadline + grace_s + 60
+    while time.time() < give_up:
+        time.sleep(0.5)

@@ -60,7 +60,7 @@ def train_rank(rank: int, cfg: Config, manifest: dict, model: str, stop_at: int 
     t.resume_or_start()
     t.fit(stop_at=stop_at)
     return {"step": t.loop.step, "resumed_from": t.resumed_from, "bytes_resumed": t.bytes_resumed,
-            "weights": full_weights_hash(t), "stalls_s": t.stalls_s, "eval_loss": t.last_eval}  # fmt: skip
+            "weights": full_weights_hash(t), "stalls_s": t.checkpointer.stalls_s, "eval_loss": t.last_eval}  # fmt: skip
 
 
 def train_and_export_rank(rank: int, cfg: Config, manifest: dict, model: str) -> dict[str, Any]:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ray_jobs.config import load_config
+from ray_jobs.train.determinism import determinism_settings, setup_determinism
 from ray_jobs.train.runtime import RayRuntime, bind_device
-from ray_jobs.train.trainer import determinism_settings, setup_determinism
 from tests.conftest import ROOT, tiny_overrides
 
 

@@ -87,7 +87,7 @@ def test_checkpoints_have_manifests_and_are_reported_once_each(setup) -> None:
     reported = [(m["step"], url) for m, url in t.rt.reports]
     assert [s for s, _ in reported] == [10, 20, 30]
     assert all(url and url.endswith(ckpt.checkpoint_name(s)) for s, url in reported)
-    assert len(t.stalls_s) == 3
+    assert len(t.checkpointer.stalls_s) == 3
 
 
 @pytest.mark.parametrize("async_write", [True, False])
@@ -310,7 +310,7 @@ class PhaseLog:
 
 def test_the_heartbeat_reports_each_phase_as_it_starts(setup, monkeypatch) -> None:
     from ray_jobs.train import faults
-    from ray_jobs.train.trainer import start_heartbeat
+    from ray_jobs.train.heartbeat import start_heartbeat
 
     cfg, manifest, model = setup
     c = named(cfg, "phases", fault_tolerance__heartbeat_every_s=60.0)  # only phase changes write
@@ -340,7 +340,7 @@ def test_the_heartbeat_reports_each_phase_as_it_starts(setup, monkeypatch) -> No
 
 def test_an_injected_delay_makes_a_phase_long_while_the_heartbeat_keeps_beating(setup, monkeypatch) -> None:
     from ray_jobs.train import faults
-    from ray_jobs.train.trainer import start_heartbeat
+    from ray_jobs.train.heartbeat import start_heartbeat
 
     cfg, manifest, model = setup
     c = named(cfg, "slow-export", fault_tolerance__heartbeat_every_s=0.1)
@@ -392,7 +392,7 @@ def test_a_delay_file_adds_to_the_variable_and_is_read_once_per_process(tmp_path
     ],
 )
 def test_the_resume_decision_treats_an_explicit_checkpoint_as_a_floor(tmp_path, valid, explicit, chosen, why) -> None:
-    from ray_jobs.train.trainer import choose_resume
+    from ray_jobs.train.resume import choose_resume
 
     folder = tmp_path / "ckpts"
     for step in (10, 20, 30, 40):
@@ -410,7 +410,7 @@ def test_the_resume_decision_treats_an_explicit_checkpoint_as_a_floor(tmp_path, 
 
 
 def test_an_invalid_explicit_checkpoint_with_nothing_newer_is_an_error(tmp_path) -> None:
-    from ray_jobs.train.trainer import choose_resume
+    from ray_jobs.train.resume import choose_resume
 
     folder = tmp_path / "ckpts"
     for step in (10, 20):

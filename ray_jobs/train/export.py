@@ -1,0 +1,77 @@
+"""The end of a run: the final HF folder (weights, tokenizer, model card) at ``runs/<run>/final``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ray_jobs import checkpoint as ckpt
+from ray_jobs.checkpoint import LoopState, unwrap
+from ray_jobs.config import Config
+from ray_jobs.model.loading import load_tokenizer
+from ray_jobs.storage import Layout, upload_dir
+from ray_jobs.train.metrics import MetricsLog
+from ray_jobs.train.model import export_model, finish_in_place, write_sharded_export
+from ray_jobs.train.runtime import Runtime
+
+log = logging.getLogger("unbroken.train")
+
+
+def write_final(cfg: Config, rt: Runtime, model, model_path: str, manifest: dict[str, Any], loop: LoopState,
+                metrics: MetricsLog | None) -> str | None:  # fmt: skip
+    """The final HF folder (merged weights in ``train.export_dtype``, tokenizer, model card) at
+    ``runs/<run>/final``, made from the trained model itself: in place under DDP (rank 0), gathered a tensor at
+    a time under FSDP (every rank joins, rank 0 writes); only FSDP + LoRA still builds a second model to merge.
+    Its URL on rank 0, None on the others."""
+    url = Layout(cfg.storage).final_model(cfg.name)
+    with tempfile.TemporaryDirectory(prefix="unbroken-final-") as d:
+        _write_weights(cfg, rt, model, model_path, d)
+        if rt.rank != 0:
+            return None
+        load_tokenizer(model_path, cfg.data.cache_dir).save_pretrained(d)
+        (Path(d) / "README.md").write_text(model_card(cfg, manifest, loop, metrics))
+        upload_dir(d, url)
+    log.info("final model written to %s", url)
+    return url
+
+
+def _write_weights(cfg: Config, rt: Runtime, model, model_path: str, folder: str) -> None:
+    fsdp, lora = cfg.train.parallelism == "fsdp", cfg.model.lora is not None
+    if fsdp and not lora:
+        write_sharded_export(cfg, model_path, model, rt.rank, folder)
+    elif fsdp:
+        state = ckpt.model_state(model, True, True)  # the adapters only: small, gathered
+        if rt.rank == 0:
+            _save(cfg, export_model(cfg, model_path, state), folder)
+    elif rt.rank == 0:
+        _save(cfg, finish_in_place(cfg, model_path, unwrap(model)), folder)
+
+
+def _save(cfg: Config, model, folder: str) -> None:
+    model.save_pretrained(folder, max_shard_size=f"{cfg.train.export_shard_mb}MB")
+
+
+def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: MetricsLog | None) -> str:
+    import yaml
+
+    rows = metrics.rows if metrics else []
+    evals = [r for r in rows if "eval_loss" in r]
+    losses = [r for r in rows if "loss" in r]
+    facts = {
+        "base model": cfg.model.name_or_path,
+        "method": f"LoRA r={cfg.model.lora.r}, merged" if cfg.model.lora else "full fine-tune",
+        "dataset id": manifest["dataset_id"],
+        "steps": loop.step,
+        "tokens seen": loop.tokens_seen,
+        "workers": loop.world_size,
+        "eval loss at step 0": round(evals[0]["eval_loss"], 4) if evals else None,
+        "final eval loss": round(evals[-1]["eval_loss"], 4) if evals else None,
+        "final train loss": round(losses[-1]["loss"], 4) if losses else None,
+    }
+    lines = [f"# {cfg.name}", "", "Fine-tuned with unbroken (fault-tolerant fine-tuning on Ray Train).", ""]
+    lines += [f"- **{k}**: {v}" for k, v in facts.items()]
+    lines += ["", "## Config", "", "```yaml", yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False), "```"]
+    return "\n".join(lines) + "\n"
