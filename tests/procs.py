@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
+
+import psutil
+
+from ray_jobs.poll import poll_until
 
 
 def free_port() -> int:
@@ -16,23 +18,16 @@ def free_port() -> int:
 
 def wait_for(what: str, predicate: Callable[[], object], timeout_s: float = 120, every_s: float = 0.05):
     """Poll ``predicate`` until it returns something truthy (returned), or raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
+    value = poll_until(predicate, timeout_s, every_s)
+    if value:
+        return value
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def processes() -> Iterator[tuple[int, bytes]]:
-    """(pid, command line) of every process on this machine."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                yield int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
+    """(pid, command line with its arguments joined by spaces) of every process on this machine."""
+    for p in psutil.process_iter(["cmdline"]):  # a process gone meanwhile, or not ours to read, has cmdline None
+        yield p.pid, " ".join(p.info["cmdline"] or ()).encode()
 
 
 def train_worker_pids(head_port: int) -> list[int]:
