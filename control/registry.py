@@ -1,12 +1,9 @@
-"""The run registry ``<storage>/runs/<run>/run.json``: state, config, dataset, cluster and every attempt.
+"""The run registry: storing the run record ``<storage>/runs/<run>/run.json`` (its typed model and states are
+control/records/run.py) and the changes the flow and the watchdog make to it.
 
 Written atomically (whole-file replace), read by ``unbroken status`` and the watchdog. Writers: the finetune
 flow (first attempt, its end) and the watchdog (incidents, later attempts) -- the watchdog only while it holds the
 run's lease (control/lease.py), so two writers never interleave a read-modify-write on the same run.
-
-States: ``submitted`` (a job was submitted) -> ``running`` (Ray says RUNNING) -> ``succeeded``; on trouble
-``recovering`` (an open incident: the watchdog will restart it, or is waiting out a backoff) and ``failed``
-(terminal: gave up, the user cancelled, or it failed before training could start).
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from typing import Any
 from control import lease as leases
 from control.backends import backend_class
 from control.backends import record as cluster_record
+from control.records.run import ACTIVE, STATES, Attempt, ClusterRecord, Incident, RunRecord
 from ray_jobs.config import Config
 from ray_jobs.storage import (
     Layout,
@@ -31,8 +29,7 @@ from ray_jobs.storage import (
     write_json_atomic,
 )
 
-STATES = ("submitted", "running", "recovering", "succeeded", "failed")
-ACTIVE = ("submitted", "running", "recovering")
+__all__ = ["ACTIVE", "STATES", "RunBusy", "RunConflict", "RunRecord", "begin_attempt", "end_attempt", "load", "save"]
 
 
 def submission_id(run: str, attempt: int, kind: str = "train") -> str:
@@ -40,18 +37,25 @@ def submission_id(run: str, attempt: int, kind: str = "train") -> str:
     return f"unbroken-{run}-{kind}-{attempt:03d}"
 
 
-def load(storage: str, run: str) -> dict[str, Any] | None:
-    with contextlib.suppress(FileNotFoundError):
-        return read_json(Layout(storage).run_registry(run))
-    return None
+def load(storage: str, run: str) -> RunRecord | None:
+    """The run's record (migrated from an older version's file), or None when the run has none."""
+    url = Layout(storage).run_registry(run)
+    try:
+        tree = read_json(url)
+    except FileNotFoundError:
+        return None
+    reg = RunRecord.parse(tree, url)
+    if not reg.name:
+        reg.name = run
+    return reg
 
 
-def save(storage: str, run: str, reg: dict[str, Any]) -> None:
-    reg["updated_at"] = time.time()
-    active = reg.get("state") in ACTIVE
+def save(storage: str, run: str, reg: RunRecord) -> None:
+    reg.updated_at = time.time()
+    active = reg.active
     if active:  # the marker first: a crash in between leaves a marker the next look checks, never a hidden run
         _index(storage, run, True)
-    write_json_atomic(Layout(storage).run_registry(run), reg)
+    write_json_atomic(Layout(storage).run_registry(run), reg.dump())
     if not active:
         _index(storage, run, False)
 
@@ -86,12 +90,12 @@ def unmark(index: str, run: str) -> None:
     _mark(index, run, False)
 
 
-def update(storage: str, run: str, **fields: Any) -> dict[str, Any]:
+def update(storage: str, run: str, **fields: Any) -> RunRecord:
     """Read, set top-level fields, write back; returns the new record."""
     reg = load(storage, run)
     if reg is None:
         raise FileNotFoundError(Layout(storage).run_registry(run))
-    reg.update(fields)
+    reg.set(**fields)
     save(storage, run, reg)
     return reg
 
@@ -114,7 +118,7 @@ def active_runs(storage: str) -> list[str]:
     active = []
     for run in (n for n in names if n != ".built"):
         reg = load(storage, run)
-        is_active = reg is not None and reg.get("state") in ACTIVE
+        is_active = reg is not None and reg.active
         if is_active != (run in indexed):  # heals a crash between run.json and the index, and builds it
             _index(storage, run, is_active)
         if is_active:
@@ -122,18 +126,6 @@ def active_runs(storage: str) -> list[str]:
     if not built:  # only once every run was looked at: a scan cut short is redone next time
         write_bytes_atomic(join(Layout(storage).active_index(), ".built"), b"")
     return active
-
-
-def current_attempt(reg: dict[str, Any]) -> dict[str, Any]:
-    return reg["attempts"][-1]
-
-
-def open_incident(reg: dict[str, Any]) -> dict[str, Any] | None:
-    """The incident the watchdog has not acted on yet (no restart, not given up), if any."""
-    for inc in reg.get("incidents", []):
-        if inc.get("action") in (None, "waiting"):
-            return inc
-    return None
 
 
 # Fields a run cannot change between attempts: its checkpoints would not fit (shapes, the data layout) or resuming
@@ -169,16 +161,16 @@ def _pick(tree: dict[str, Any], dotted: str) -> Any:
 def check_compatible(cfg: Config, dataset_id: str) -> None:
     """Refuse to reuse a run name whose earlier attempts used another dataset or a fixed field's other value."""
     reg = load(cfg.storage, cfg.name)
-    if reg is None or "config" not in reg:
+    if reg is None or not reg.config:
         return
     new = json.loads(cfg.model_dump_json())
     changed = [
-        f"{f}: {_pick(reg['config'], f)!r} -> {_pick(new, f)!r}"
+        f"{f}: {_pick(reg.config, f)!r} -> {_pick(new, f)!r}"
         for f in FIXED_FIELDS
-        if _pick(reg["config"], f) != _pick(new, f)
+        if _pick(reg.config, f) != _pick(new, f)
     ]
-    if reg.get("dataset_id") not in (None, dataset_id):
-        changed.insert(0, f"dataset: {reg['dataset_id']} -> {dataset_id}")
+    if reg.dataset_id not in (None, dataset_id):
+        changed.insert(0, f"dataset: {reg.dataset_id} -> {dataset_id}")
     if changed:
         raise RunConflict(
             f"run {cfg.name!r} already exists at {Layout(cfg.storage).run_dir(cfg.name)} and its checkpoints cannot "
@@ -190,7 +182,7 @@ def check_compatible(cfg: Config, dataset_id: str) -> None:
 def next_attempt(cfg: Config) -> int:
     """The number the run's next attempt will get (what its preflight job and job spec are named by)."""
     reg = load(cfg.storage, cfg.name)
-    return len(reg["attempts"]) + 1 if reg else 1
+    return len(reg.attempts) + 1 if reg else 1
 
 
 def begin_attempt(
@@ -226,67 +218,50 @@ def _cluster_record(cfg, cluster: dict[str, Any]) -> dict[str, Any]:
 def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> int:
     if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
         raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")
-    reg = load(cfg.storage, cfg.name) or {
-        "name": cfg.name, "created_at": time.time(), "attempts": [], "incidents": [], "restarts": 0,
-    }  # fmt: skip
+    reg = load(cfg.storage, cfg.name) or RunRecord(name=cfg.name, created_at=time.time(), attempts=[], incidents=[],
+                                                   restarts=0)  # fmt: skip
     if started_by != "watchdog":
         _refuse_if_busy(cfg, reg)
-    attempt = len(reg["attempts"]) + 1
+    attempt = len(reg.attempts) + 1
     if expect is not None and attempt != expect:
         raise RunBusy(
             f"run {cfg.name!r}: attempt {expect} was prepared but attempt {attempt - 1} was started meanwhile"
         )
-    superseded = open_incident(reg) if started_by != "watchdog" else None
+    superseded = reg.open_incident() if started_by != "watchdog" else None
     if superseded is not None:  # a new flow run takes over a run the watchdog was about to restart
-        superseded.update(action="superseded", reason=f"a new flow run started attempt {attempt}")
-    reg.pop("suspect", None)
-    reg.update(
-        state="submitted",
-        config=json.loads(cfg.model_dump_json()),
-        dataset_id=dataset_id,
-        cluster=_cluster_record(cfg, cluster),
-        **(extra or {}),
-    )
-    reg["attempts"].append(
-        {
-            "attempt": attempt,
-            "submission_id": submission_id(cfg.name, attempt),
-            "started_at": time.time(),
-            "started_by": started_by,
-            "resume_from": resume_from,
-            "status": "SUBMITTED",
-        }
-    )
+        superseded.set(action="superseded", reason=f"a new flow run started attempt {attempt}")
+    reg.unset("suspect")
+    reg.set(state="submitted", config=json.loads(cfg.model_dump_json()), dataset_id=dataset_id,
+            cluster=ClusterRecord(**_cluster_record(cfg, cluster)), **(extra or {}))  # fmt: skip
+    reg.attempts.append(Attempt(attempt=attempt, submission_id=submission_id(cfg.name, attempt), started_at=time.time(),
+                                started_by=started_by, resume_from=resume_from, status="SUBMITTED"))  # fmt: skip
     # a run whose backend leaves something behind if it ends without its ``down``: the janitor's, once it is over
-    if index := backend_class(reg["cluster"]["backend"]).janitor_index(cfg.storage):
+    if index := backend_class(reg.cluster.backend).janitor_index(cfg.storage):
         _mark(index, cfg.name, True)
     save(cfg.storage, cfg.name, reg)
     return attempt
 
 
-def _refuse_if_busy(cfg: Config, reg: dict[str, Any]) -> None:
+def _refuse_if_busy(cfg: Config, reg: RunRecord) -> None:
     """RunBusy when an attempt of the run may still train (submitted or running, not ended)."""
-    if not reg.get("attempts") or reg.get("state") not in ("submitted", "running"):
+    if not reg.attempts or reg.state not in ("submitted", "running"):
         return
-    current = current_attempt(reg)
-    if current["status"] in ("SUBMITTED", "RUNNING"):
+    current = reg.current
+    if current.in_flight:
         raise RunBusy(
-            f"run {cfg.name!r} is {reg['state']}: attempt {current['attempt']} (Ray job {current['submission_id']}) "
+            f"run {cfg.name!r} is {reg.state}: attempt {current.attempt} (Ray job {current.submission_id}) "
             "is in flight and the watchdog looks after it; wait for it to end, or give this run another name"
         )
 
 
-def adopt(cfg: Config, attempt: int, message: str) -> dict[str, Any] | None:
+def adopt(cfg: Config, attempt: int, message: str) -> RunRecord | None:
     """The flow that watched ``attempt`` is gone while its job may still train: the watchdog looks after it from
     now on (and closes what the flow would have, like a local head)."""
     with leases.acquire_wait(cfg.storage, cfg.name):
         reg = load(cfg.storage, cfg.name)
-        if reg is None or len(reg["attempts"]) != attempt:
+        if reg is None or len(reg.attempts) != attempt or not reg.current.in_flight:
             return None
-        entry = reg["attempts"][-1]
-        if entry["status"] not in ("SUBMITTED", "RUNNING"):
-            return None
-        entry.update(adopted_by="watchdog", adopted_at=time.time(), adopted_because=message)
+        reg.current.set(adopted_by="watchdog", adopted_at=time.time(), adopted_because=message)
         save(cfg.storage, cfg.name, reg)
         return reg
 
@@ -296,7 +271,7 @@ def mark_running(storage: str, run: str, attempt: int) -> bool:
     holds the run (the next poll, or the watchdog itself, does it). True once nothing is left to do: a caller polls
     until then, and takes the lease only when the registry still needs the change (one lease, not one a poll)."""
     reg = load(storage, run)
-    if reg is None or not set_running(dict(reg, attempts=[dict(a) for a in reg["attempts"]]), attempt):
+    if reg is None or not set_running(reg.copy(), attempt):
         return True
     lease = leases.acquire(storage, run, ttl_s=30)
     if lease is None:
@@ -308,19 +283,14 @@ def mark_running(storage: str, run: str, attempt: int) -> bool:
     return True
 
 
-def set_running(reg: dict[str, Any], attempt: int) -> bool:
+def set_running(reg: RunRecord, attempt: int) -> bool:
     """In ``reg``: the current attempt ``attempt`` was SUBMITTED and now runs. False when that is not news."""
-    if len(reg["attempts"]) != attempt or reg["attempts"][-1]["status"] != "SUBMITTED":
-        return False
-    reg["attempts"][-1]["status"] = "RUNNING"
-    if reg["state"] == "submitted":
-        reg["state"] = "running"
-    return True
+    return reg.mark_running(attempt)
 
 
 def end_attempt(
     cfg: Config, attempt: int, status: str, message: str = "", state: str | None = None, **extra: Any
-) -> dict[str, Any] | None:
+) -> RunRecord | None:
     """Record how the flow's attempt ended; the run state follows (succeeded / failed) unless ``state`` says
     otherwise. Under the run's lease, and only while the attempt is still the run's current, unfinished one: a
     watchdog that got there first (recorded the failure, maybe restarted the run) is never overwritten.
@@ -328,102 +298,26 @@ def end_attempt(
     return _end(cfg, attempt, status, message, state, None, extra)
 
 
-def hand_over(cfg: Config, attempt: int, message: str, incident: dict[str, Any]) -> dict[str, Any] | None:
+def hand_over(cfg: Config, attempt: int, message: str, incident: Incident) -> RunRecord | None:
     """The finetune flow saw its training job fail: record the incident and leave recovery to the watchdog."""
     return _end(cfg, attempt, "FAILED", message, "recovering", incident, {})
 
 
-def _end(cfg, attempt, status, message, state, incident, extra) -> dict[str, Any] | None:
+def _end(cfg, attempt, status, message, state, incident, extra) -> RunRecord | None:
     with leases.acquire_wait(cfg.storage, cfg.name):
         reg = load(cfg.storage, cfg.name)
         if reg is None:
             raise FileNotFoundError(Layout(cfg.storage).run_registry(cfg.name))
-        entry = reg["attempts"][attempt - 1]
-        dealt_with = len(reg["attempts"]) != attempt or entry["status"] not in ("SUBMITTED", "RUNNING")
-        if dealt_with and not status == entry["status"] == "SUCCEEDED":
+        entry = reg.attempts[attempt - 1]
+        dealt_with = len(reg.attempts) != attempt or not entry.in_flight
+        if dealt_with and not status == entry.status == "SUCCEEDED":
             return None
-        entry.update(status=status, ended_at=time.time(), message=message)
-        reg["state"] = state or ("succeeded" if status == "SUCCEEDED" else "failed")
-        if reg["state"] == "failed" and not reg.get("reason"):
-            reg["reason"] = message
+        entry.set(status=status, ended_at=time.time(), message=message)
+        reg.state = state or ("succeeded" if status == "SUCCEEDED" else "failed")
+        if reg.state == "failed" and not reg.reason:
+            reg.reason = message
         if incident is not None:
-            reg.setdefault("incidents", []).append(incident)
-        reg.update(extra)
+            reg.incidents.append(incident)
+        reg.set(**extra)
         save(cfg.storage, cfg.name, reg)
         return reg
-
-
-def _when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
-
-
-def _took(a: dict[str, Any]) -> str:
-    if not a.get("ended_at"):
-        return "running"
-    s = int(a["ended_at"] - a["started_at"])
-    return f"{s // 60}m{s % 60:02d}s"
-
-
-def describe(storage: str, run: str) -> str:
-    """A human summary of a run from storage alone: state, attempts, incidents, heartbeat, final model."""
-    reg = load(storage, run)
-    if reg is None:
-        raise FileNotFoundError(f"no run {run!r} under {storage} (looked for {Layout(storage).run_registry(run)})")
-    cluster = reg.get("cluster", {})
-    lines = [
-        f"run {run}: {reg.get('state', '?')}",
-        f"  dataset: {reg.get('dataset_id', '-')}    cluster: {cluster.get('mode', '-')} {cluster.get('address', '')}",
-        "attempts:",
-    ]
-    for a in reg["attempts"]:
-        msg = f"  {a['message'].splitlines()[0][:100]}" if a.get("message") else ""
-        lines.append(
-            f"  #{a['attempt']} {a['submission_id']}  {a['status']:<9} {_when(a['started_at'])}  {_took(a)}{msg}"
-        )
-    incidents = reg.get("incidents", [])
-    lines.append(
-        f"restarts: {reg.get('restarts', 0)} of {_pick(reg.get('config', {}), 'fault_tolerance.max_restarts')}"
-    )
-    lines.append("incidents:" if incidents else "incidents: none")
-    lines += [_incident_line(i) for i in incidents]
-    if reg.get("state") == "failed" and reg.get("reason"):
-        lines.append(f"reason: {reg['reason']}")
-    lines.append(_heartbeat_line(storage, run))
-    if reg.get("final_model"):
-        lines.append(f"final model: {reg['final_model']}")
-    return "\n".join(lines)
-
-
-def _secs(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}s"
-
-
-def _incident_line(i: dict[str, Any]) -> str:
-    """One incident: what, who saw it, what was done, and what it cost."""
-    head = f"  {_when(i.get('detected_at'))} {i.get('kind')} (attempt {i.get('attempt')}, by {i.get('detected_by')})"
-    action = i.get("action") or "open"
-    if action == "restarted":
-        what = (
-            f"restarted as attempt {i['new_attempt']} from "
-            + (f"step {i['resumed_step']}" if i.get("resumed_step") is not None else "scratch")
-            + f"; lost steps {i.get('lost_steps', '-')}; silent {_secs(i.get('silent_s'))} before detection; "
-            f"first new step {_secs(i.get('time_to_recover_s'))} after detection"
-        )
-    elif action == "noted":  # a health finding: named, never a restart (a lost node may be asked back: repair)
-        what = "noted" + (f", cleared {_when(i['cleared_at'])}" if i.get("cleared_at") else ", still holds")
-        what += f"; {i['repair']}" if i.get("repair") else ""
-    else:
-        what = action + (f": {i['reason']}" if i.get("reason") else "")
-    detail = f"\n    {i['detail']}" if i.get("detail") else ""
-    return f"{head}: {what}{detail}"
-
-
-def _heartbeat_line(storage: str, run: str) -> str:
-    try:
-        beat = read_json(Layout(storage).heartbeat(run))
-    except FileNotFoundError:
-        return "heartbeat: none yet"
-    age = time.time() - beat["last_step_at"]
-    return (
-        f"heartbeat: step {beat['step']}/{beat['max_steps']}, last step {age:.0f}s ago, {beat['tokens_per_s']} tokens/s"
-    )

@@ -65,8 +65,10 @@ def finetune_failed_trigger(storage: str) -> DeploymentEventTrigger:
     )
 
 
-def build(opts: ServeOptions) -> list[Any]:
-    """The RunnerDeployments ``unbroken serve`` serves."""
+def _checked(opts: ServeOptions) -> tuple[str, str, str, list[str]]:
+    """(config URL, storage URL, sensor source, the served finetune's overrides), every one checked before anything
+    is served: the sensor's source must be one the finetune flow accepts, and a served name too long for its
+    ``{dataset}`` suffix fails here, not at the first event."""
     from control.config import load_config
     from control.sources import check_allowed_source
     from ray_jobs.config import absolute_url
@@ -77,7 +79,13 @@ def build(opts: ServeOptions) -> list[Any]:
     source = opts.sensor_source or cfg.data.train
     check_allowed_source(cfg, str(absolute_url(source)))  # what the sensor announces, the finetune flow must accept
     retrain = [f"storage={storage}", *serve_name(cfg.name)]
-    load_config(config, retrain)  # a served name too long for its {dataset} suffix fails here, not at the first event
+    load_config(config, retrain)
+    return config, storage, str(absolute_url(source)), retrain
+
+
+def build(opts: ServeOptions) -> list[Any]:
+    """The RunnerDeployments ``unbroken serve`` serves."""
+    config, storage, source, retrain = _checked(opts)
     return [
         finetune.to_deployment(
             "finetune",
@@ -103,7 +111,7 @@ def build(opts: ServeOptions) -> list[Any]:
         dataset_sensor.to_deployment(
             "dataset-sensor",
             interval=opts.sensor_interval_s,
-            parameters={"source": str(absolute_url(source)), "storage": storage},
+            parameters={"source": source, "storage": storage},
             description=f"emit {EVENT} when the source's files change",
             tags=["unbroken"],
         ),

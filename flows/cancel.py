@@ -62,9 +62,9 @@ def _current_attempt(flow_run):
             return None
         cfg = cfg.named(run)
     reg = registry.load(cfg.storage, cfg.name)
-    if not reg or not reg.get("attempts"):
+    if not reg or not reg.attempts:
         return None
-    return cfg, reg, registry.current_attempt(reg)
+    return cfg, reg, reg.current
 
 
 def stop_ray_job(flow_run, why: str) -> str | None:
@@ -75,9 +75,9 @@ def stop_ray_job(flow_run, why: str) -> str | None:
     if found is None:
         return None
     _, reg, attempt = found
-    sid = attempt["submission_id"]
+    sid = attempt.submission_id
     try:
-        stopped = stop_and_wait(reg["cluster"]["address"], sid, wait_s=30)
+        stopped = stop_and_wait(reg.cluster.address, sid, wait_s=30)
     except ClusterError as e:
         run_logger().warning("flow run %s %s: %s", flow_run.name, why, e)
         return sid
@@ -93,7 +93,7 @@ def stop_on_cancel(flow, flow_run, state) -> None:
     with contextlib.suppress(Exception):
         if found := _current_attempt(flow_run):
             cfg, _, attempt = found
-            registry.end_attempt(cfg, attempt["attempt"], "STOPPED", f"flow run {flow_run.name} was cancelled")
+            registry.end_attempt(cfg, attempt.attempt, "STOPPED", f"flow run {flow_run.name} was cancelled")
 
 
 def stop_on_crash(flow, flow_run, state) -> None:
@@ -104,6 +104,6 @@ def stop_on_crash(flow, flow_run, state) -> None:
     with contextlib.suppress(Exception):
         if found := _current_attempt(flow_run):
             cfg, _, attempt = found
-            registry.adopt(cfg, attempt["attempt"], f"flow run {flow_run.name} crashed: {state.message or ''}")
+            registry.adopt(cfg, attempt.attempt, f"flow run {flow_run.name} crashed: {state.message or ''}")
             run_logger().warning("flow run %s crashed; its Ray job %s is left to the watchdog", flow_run.name,
-                                 attempt["submission_id"])  # fmt: skip
+                                 attempt.submission_id)  # fmt: skip

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -20,10 +19,9 @@ from prefect.states import State
 
 from control import registry, series
 from control.config import Config, ConfigError, load_config
-from control.jobs import JobFailed, cancelled, stop_and_wait, write_job_spec
-from control.records.series import EvalPin, SeriesRun
+from control.jobs import JobFailed
+from control.records.series import SeriesRun
 from control.sources import SourceRefused, rejected_event
-from control.watchdog import failed_job_incident
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from flows.params import run_config
 from flows.stage import stage_for
@@ -31,21 +29,18 @@ from ray_jobs.model.builtin import base_model_ready
 from ray_jobs.storage import read_json
 from tasks.cluster import ClusterHandle, begin_cluster, check_cluster_fits, provision_cluster, stop_cluster
 from tasks.jobs import submit_job, watch_job
+from tasks.lineage import Lineage, check_series, find_trained_run, plan_lineage
 from tasks.model import check_model_options, prepare_base_model
+from tasks.record import (
+    check_run_compatible,
+    hand_over,
+    record_attempt,
+    record_flow_end,
+    record_success,
+    release_cluster,
+)
 from tasks.report import publish_series, summarize
-from tasks.stage import Staged, cached_dataset, stage_dataset, stages_on_cluster
-
-
-@dataclass
-class Lineage:
-    base: str  # model.name_or_path's folder: tokenization follows it
-    start: str  # the weights the run starts from: the base, or a warm start's final folder
-    parent: series.WarmStart | None  # the run warm-started from (series.warm_start)
-    pin: EvalPin  # the series' fixed eval set
-
-    @property
-    def score_manifest_url(self) -> str:
-        return self.pin.manifest_url
+from tasks.stage import Staged, cached_dataset, stages_on_cluster
 
 
 def flow_run_name() -> str:
@@ -90,7 +85,7 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
     try:
         model_path = prepare_base_model(cfg)
         check_model_options(cfg, model_path)  # a LoRA layer the model lacks fails here, before staging or a cluster
-        series.check_eval_source(cfg)
+        check_series(cfg)
         if early is None and (done := _trained_already(cfg, model_path)):  # source fingerprints only, no staging
             return nothing_new(cfg, done)
         early = early or _provision_early(cfg)  # the cluster comes up while the data is staged
@@ -99,10 +94,10 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
         early = None
         staged_as = cfg.name
         cfg = cfg.resolved(staged.dataset_id, _started_at())
-        if done := series.already_trained(cfg, staged.dataset_id):
+        if done := find_trained_run(cfg, staged.dataset_id):
             return nothing_new(cfg, done)
-        registry.check_compatible(cfg, staged.dataset_id)
-        lineage = _lineage(cfg, staged, model_path)
+        check_run_compatible(cfg, staged.dataset_id)
+        lineage = plan_lineage(cfg, staged, model_path)
         if cfg.name != staged_as and handle.local:  # provisioned under the name's template: the run takes the head
             handle = provision_cluster(cfg)
             stop_cluster(cfg, handle, run=staged_as)
@@ -112,7 +107,7 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
             with contextlib.suppress(Exception):
                 handle = early.result()
         if handle is not None:
-            _release_cluster(cfg, handle)
+            release_cluster(cfg, handle)
 
 
 def start_cluster_early(cfg: Config):
@@ -137,7 +132,7 @@ def _trained_already(cfg: Config, model_path: str) -> SeriesRun | None:
     if stages_on_cluster(cfg):
         return None
     found = cached_dataset(cfg, model_path)
-    return series.already_trained(cfg, found.dataset_id) if found is not None else None
+    return find_trained_run(cfg, found.dataset_id) if found is not None else None
 
 
 def nothing_new(cfg: Config, done: SeriesRun) -> State:
@@ -145,53 +140,12 @@ def nothing_new(cfg: Config, done: SeriesRun) -> State:
     says so (a cron tick with unchanged data, or the same dataset event twice)."""
     from prefect.states import Completed
 
-    final = registry.load(cfg.storage, done.run).get("final_model")
+    final = registry.load(cfg.storage, done.run).final_model
     message = f"nothing new to train: run {done.run} already trained on dataset {done.dataset_id}"
     get_run_logger().info(message)
     summary = {"run": done.run, "dataset_id": done.dataset_id, "nothing_new": True, "message": message,
                "final_model": final}  # fmt: skip
     return Completed(message=message, data=summary)
-
-
-def _lineage(cfg: Config, staged: Staged, base_model: str) -> Lineage:
-    """Where this run starts from (the base model, or a warm start from the series) and the series' pinned eval set
-    it is scored on (pinned, with the run's place in the series, once its attempt is recorded)."""
-    log = get_run_logger()
-    parent = series.warm_start(cfg)
-    if cfg.model.init_from != "base" and parent is None:
-        log.warning("model.init_from=%s: series %s has no such run yet; starting from the base model %s",
-                    cfg.model.init_from, cfg.series_name, cfg.model.name_or_path)  # fmt: skip
-    pin = series.pinned_eval(cfg) or _eval_pin(cfg, staged, base_model)
-    start = parent.final_model if parent else base_model
-    if parent:
-        log.info("warm start from run %s (%s): %s", parent.run, cfg.model.init_from, start)
-    return Lineage(base_model, start, parent, pin)
-
-
-def _eval_pin(cfg: Config, staged: Staged, base_model: str) -> EvalPin:
-    """The series' fixed eval set for its first run: ``series.eval`` staged on its own, or this run's eval split."""
-    if cfg.series.eval:
-        ev = cfg.model_copy(deep=True)
-        ev.data.train = ev.data.eval = cfg.series.eval
-        staged, source = stage_dataset(ev, base_model), cfg.series.eval
-    else:
-        source = f"the eval split of run {cfg.name}"
-    if not staged.counts.get("eval_rows"):
-        raise ConfigError([f"series.eval: {source} has no eval rows to score the series' runs on; name an eval set"])
-    return EvalPin(dataset_id=staged.dataset_id, manifest_url=staged.manifest_url, source=source)
-
-
-def _release_cluster(cfg: Config, handle: ClusterHandle) -> None:
-    """Stop the local head this run used, unless kept, or unless the run still needs it: a job the watchdog now
-    looks after (a failed job it will restart, an adopted one) -- it stops the head when it closes the run."""
-    log = get_run_logger()
-    reg = registry.load(cfg.storage, cfg.name)
-    if cfg.cluster.keep_running:
-        log.info("leaving the Ray cluster running (cluster.keep_running): %s", handle.dashboard_url)
-    elif reg is not None and reg.get("state") in registry.ACTIVE:
-        log.info("leaving the Ray cluster running for the watchdog (run %s is %s)", cfg.name, reg["state"])
-    else:
-        stop_cluster(cfg, handle, run=cfg.name)
 
 
 async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage) -> dict[str, Any]:
@@ -203,54 +157,31 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
     restarts it from the newest valid checkpoint. If this flow dies, the job trains on and the watchdog adopts it.
     """
     check_cluster_fits(cfg, handle, read_json(staged.manifest_url))
-    attempt = registry.next_attempt(cfg)
-    spec_url = write_job_spec(cfg, attempt, staged.manifest_url, lineage.start, None, lineage.score_manifest_url)
-    stop_superseded_job(cfg)
-    parent = lineage.parent.run if lineage.parent else None
-    extra = {"manifest_url": staged.manifest_url, "model_path": lineage.start, "parent": parent,
-             "score_manifest_url": lineage.score_manifest_url}  # fmt: skip
-    registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra, expect=attempt)
-    series.begin_run(cfg, staged.dataset_id, lineage.pin, parent, flow_run.id)
-    handed_over = False
+    attempt, spec_url = record_attempt(cfg, handle, staged.dataset_id, staged.manifest_url, lineage.start,
+                                       lineage.pin, lineage.parent_run)  # fmt: skip
     try:
-        submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
-        await acreate_link_artifact(
-            f"{handle.dashboard_url}/#/jobs/{submission}", link_text=f"Ray job {submission}",
-            key=f"{cfg.name}-ray-job", description="the training job in the Ray dashboard",
-        )  # fmt: skip
-        try:
-            await watch_job(handle, submission, cfg, attempt)
-        except JobFailed as e:
-            registry.hand_over(cfg, attempt, str(e), failed_job_incident(cfg, attempt, handle.address, e))
-            handed_over = True
-            get_run_logger().error("training job failed; the run is left to the watchdog to recover: %s", e)
-            raise
-        summary = summarize(cfg, staged.dataset_id, lineage.start)
-    except BaseException as e:
-        if not handed_over:
-            _end_unless_training(cfg, attempt, e)
+        summary = await _run_job(cfg, handle, staged, lineage, attempt, spec_url)
+    except JobFailed:
         raise
-    registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=summary["final_model"])
-    verdict = series.finish_run(cfg.storage, cfg.name)
-    summary["verdict"] = verdict.dump() if verdict else None  # the summary stays plain JSON (the flow's result)
+    except BaseException as e:
+        record_flow_end.fn(cfg, attempt, e)  # not a task run: a cancelled flow run still records its end
+        raise
+    summary["verdict"] = record_success(cfg, attempt, summary["final_model"])
     await publish_series(cfg)
     return summary
 
 
-def _end_unless_training(cfg: Config, attempt: int, e: BaseException) -> None:
-    """A cancel ends the run (its job was stopped); an error of this flow's own (not of the job) leaves the
-    attempt to the watchdog, whose job may be training fine."""
-    if cancelled(e):
-        registry.end_attempt(cfg, attempt, "STOPPED", f"cancelled ({type(e).__name__})")
-    else:
-        registry.adopt(cfg, attempt, f"the finetune flow failed: {type(e).__name__}: {e}")
-
-
-def stop_superseded_job(cfg: Config) -> None:
-    """Before a new attempt of a run that was recovering: make sure its last job no longer runs (a stall or a
-    lost cluster is recorded without the job being known to have ended). StopUnverified stops this flow."""
-    reg = registry.load(cfg.storage, cfg.name)
-    if reg and reg.get("attempts") and reg.get("state") == "recovering":
-        last = registry.current_attempt(reg)
-        if stop_and_wait(reg["cluster"]["address"], last["submission_id"]):
-            get_run_logger().warning("stopped Ray job %s of the recovering attempt", last["submission_id"])
+async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage, attempt: int,
+                   spec_url: str) -> dict[str, Any]:  # fmt: skip
+    """Submit the attempt's job, watch it to its end, summarize; a failed job is handed over to the watchdog."""
+    submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
+    await acreate_link_artifact(
+        f"{handle.dashboard_url}/#/jobs/{submission}", link_text=f"Ray job {submission}",
+        key=f"{cfg.name}-ray-job", description="the training job in the Ray dashboard",
+    )  # fmt: skip
+    try:
+        await watch_job(handle, submission, cfg, attempt)
+    except JobFailed as e:
+        hand_over(cfg, attempt, handle.address, e)
+        raise
+    return summarize(cfg, staged.dataset_id, lineage.start)

@@ -34,7 +34,7 @@ def emit(outcome: Outcome) -> None:
     name = EVENTS.get(outcome.action)
     if name is None:
         return
-    incident = outcome.incident or {}
+    incident = outcome.incident.dump() if outcome.incident is not None else {}
     emit_event(
         event=name,
         resource={"prefect.resource.id": f"unbroken.run.{outcome.run}", "prefect.resource.name": outcome.run},
@@ -45,20 +45,20 @@ def emit(outcome: Outcome) -> None:
 def incidents_table(storage: str, runs: list[str]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
-        reg = registry.load(storage, run) or {}
-        for i in reg.get("incidents", []):
+        reg = registry.load(storage, run)
+        for i in reg.incidents if reg else []:
             rows.append(
                 {
                     "run": run,
-                    "detected": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.get("detected_at", 0))),
-                    "kind": i.get("kind"),
-                    "attempt": i.get("attempt"),
-                    "action": i.get("action") or "open",
-                    "resumed step": i.get("resumed_step"),
-                    "lost steps": i.get("lost_steps"),
-                    "silent (s)": i.get("silent_s"),
-                    "to first new step (s)": i.get("time_to_recover_s"),
-                    "detail": (i.get("reason") or i.get("detail") or "")[:200],
+                    "detected": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.detected_at)),
+                    "kind": i.kind,
+                    "attempt": i.attempt,
+                    "action": i.action or "open",
+                    "resumed step": i.resumed_step,
+                    "lost steps": i.lost_steps,
+                    "silent (s)": i.silent_s,
+                    "to first new step (s)": i.time_to_recover_s,
+                    "detail": (i.reason or i.detail or "")[:200],
                 }
             )
     return rows

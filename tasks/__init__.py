@@ -1,1 +1,24 @@
-"""Prefect tasks: small typed verbs, one side effect each (stage, provision, submit, watch, ...)."""
+"""Prefect tasks: small typed verbs, one side effect each (stage, provision, submit, watch, ...).
+
+Importing this package routes the control plane's logging into Prefect's run logs (control/logs.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from control import logs
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect run logger inside a flow/task run, else a plain ``unbroken`` logger (tests call ``task.fn``,
+    tools call helpers outside any run)."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("unbroken.tasks")
+
+
+logs.use(run_logger)

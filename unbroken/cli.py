@@ -116,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from control.registry import describe
+    from control.records.describe import describe
     from control.series import lineage_lines
     from ray_jobs.config import absolute_url
 

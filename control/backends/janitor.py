@@ -6,21 +6,16 @@ the watchdog makes every pass."""
 
 from __future__ import annotations
 
-import json
-
 from control import registry
 from control.backends import backend_for
 from control.backends.base import Backend
 from control.logs import run_logger
-from ray_jobs.config import from_json
 
 
 def is_over(storage: str, run: str) -> bool:
     """A run whose leftovers may go: finished or failed (or its record gone), and not asking to keep its cluster."""
     reg = registry.load(storage, run)
-    if reg is None:
-        return True
-    return reg.get("state") not in registry.ACTIVE and not reg["config"]["cluster"].get("keep_running")
+    return reg is None or (not reg.active and not reg.config["cluster"].get("keep_running"))
 
 
 def sweep(backend: type[Backend], storage: str) -> list[str]:
@@ -34,9 +29,9 @@ def sweep(backend: type[Backend], storage: str) -> list[str]:
         if reg is None:  # where it ran is unknown now; any other run's look there still finds what it left
             registry.unmark(index, run)
             continue
-        if reg.get("state") not in registry.ACTIVE:  # finished: what it left goes now, or is kept for good
+        if not reg.active:  # finished: what it left goes now, or is kept for good
             done.append(run)
-        found = backend_for(from_json(json.dumps(reg["config"])))
+        found = backend_for(reg.cfg())
         if found.janitor_scope() in seen:
             continue
         seen.add(found.janitor_scope())

@@ -14,6 +14,7 @@ from pathlib import Path
 from control import registry
 from control.backends.base import ClusterHandle, jobs_client
 from control.jobs import submit, write_job_spec
+from control.records.describe import describe
 from control.registry import submission_id
 from ray_jobs.config import Config, load_config
 from ray_jobs.storage import Layout, join, read_bytes
@@ -145,10 +146,10 @@ def until_finished(cfg: Config, logs: list[Path] = (), timeout_s: float = 300) -
 
     def finished():
         reg = registry.load(cfg.storage, cfg.name)
-        return reg if reg and reg["state"] in ("succeeded", "failed") else None
+        return reg if reg and reg.state in ("succeeded", "failed") else None
 
     try:
         return wait_for(f"run {cfg.name} to finish", finished, timeout_s=timeout_s, every_s=0.5)
     except TimeoutError:
         tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in logs)
-        raise AssertionError(f"{registry.describe(cfg.storage, cfg.name)}\n{tails}") from None
+        raise AssertionError(f"{describe(cfg.storage, cfg.name)}\n{tails}") from None

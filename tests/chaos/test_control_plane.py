@@ -22,6 +22,7 @@ import pytest
 
 from control import registry
 from control.backends.base import ClusterHandle, jobs_client
+from control.records.describe import describe
 from control.watchdog import check_run
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
@@ -94,13 +95,13 @@ def ray_train_jobs(handle: ClusterHandle, cfg: Config) -> list[str]:
 
 def check_one_attempt(reg: dict, cfg: Config, baseline: str, handle: ClusterHandle) -> list[dict]:
     """Succeeded with one attempt and no restart; returns what the incident log says was observed."""
-    status = registry.describe(cfg.storage, cfg.name)
-    assert reg["state"] == "succeeded", status
-    assert len(reg["attempts"]) == 1 and reg.get("restarts", 0) == 0, status
-    assert [i for i in reg["incidents"] if i.get("action") != "observed"] == [], status
+    status = describe(cfg.storage, cfg.name)
+    assert reg.state == "succeeded", status
+    assert len(reg.attempts) == 1 and reg.restarts == 0, status
+    assert [i for i in reg.incidents if i.action != "observed"] == [], status
     assert ray_train_jobs(handle, cfg) == [registry.submission_id(cfg.name, 1)]
     assert final_weights_hash(cfg) == baseline
-    return reg["incidents"]
+    return reg.incidents
 
 
 def training_started(cfg: Config, past_step: int = 20) -> None:
@@ -124,10 +125,10 @@ def test_502s_and_resets_from_the_jobs_api_for_20s_are_observed_not_acted_on(ray
         faulted = proxy.faulted()
     assert faulted, "the proxy never faulted a request: the scenario tested nothing"
     observed = check_one_attempt(reg, cfg, baseline, ray_cluster)
-    assert [i["kind"] for i in observed] == ["cluster-unreachable"], registry.describe(cfg.storage, cfg.name)
+    assert [i.kind for i in observed] == ["cluster-unreachable"], describe(cfg.storage, cfg.name)
     assert "observing" in dog.actions() and "restarted" not in dog.actions()
     REPORT.append({"scenario": "Jobs API 502s + resets 20 s", "detected_by": "watchdog (observed, no action)",
-                   "detection_s": observed[0]["detected_at"] - fault_at, "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
+                   "detection_s": observed[0].detected_at - fault_at, "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
 
 
 def test_a_dashboard_stopped_for_20s_is_observed_not_acted_on(ray_cluster, baseline, tmp_path) -> None:
@@ -142,10 +143,10 @@ def test_a_dashboard_stopped_for_20s_is_observed_not_acted_on(ray_cluster, basel
             time.sleep(20)
         reg = until_finished(cfg)
     observed = check_one_attempt(reg, cfg, baseline, ray_cluster)
-    assert {i["kind"] for i in observed} <= {"cluster-unreachable"}, registry.describe(cfg.storage, cfg.name)
+    assert {i.kind for i in observed} <= {"cluster-unreachable"}, describe(cfg.storage, cfg.name)
     assert "restarted" not in dog.actions()
     REPORT.append({"scenario": "dashboard SIGSTOP 20 s", "detected_by": "watchdog (observed, no action)",
-                   "detection_s": (observed[0]["detected_at"] - fault_at) if observed else None,
+                   "detection_s": (observed[0].detected_at - fault_at) if observed else None,
                    "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
 
 

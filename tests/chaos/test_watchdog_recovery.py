@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from control import registry
 from control.backends.local import head_pids
+from control.records.describe import describe
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
@@ -89,20 +89,20 @@ def watched_config(storage: Path, name: str) -> Config:
 
 def check_recovered(cfg: Config, reg: dict, baseline: str, kind: str, fault_at: float, scenario: str) -> dict:
     """The run finished by exactly one restart, bit-identical to the baseline; its cost goes into the report."""
-    status = registry.describe(cfg.storage, cfg.name)
-    assert reg["state"] == "succeeded", status
-    assert [i["kind"] for i in reg["incidents"]] == [kind], status
-    assert reg["restarts"] == 1 and len(reg["attempts"]) == 2, status
-    incident = reg["incidents"][0]
-    assert incident["action"] == "restarted" and incident["new_attempt"] == 2, status
-    assert reg["attempts"][1]["started_by"] == "watchdog"
-    assert reg["attempts"][1]["resume_from"] == incident["resumed_from"]
-    assert incident.get("first_new_step_at"), status
+    status = describe(cfg.storage, cfg.name)
+    assert reg.state == "succeeded", status
+    assert [i.kind for i in reg.incidents] == [kind], status
+    assert reg.restarts == 1 and len(reg.attempts) == 2, status
+    incident = reg.incidents[0]
+    assert incident.action == "restarted" and incident.new_attempt == 2, status
+    assert reg.attempts[1].started_by == "watchdog"
+    assert reg.attempts[1].resume_from == incident.resumed_from
+    assert incident.first_new_step_at, status
     assert "restarted as attempt 2 from step" in status and "lost steps" in status
     assert final_weights_hash(cfg) == baseline
     REPORT.append({"scenario": scenario, "detected_by": f"watchdog ({kind})",
-                   "detection_s": incident["detected_at"] - fault_at,
-                   "recovery_s": incident["first_new_step_at"] - fault_at, "lost_steps": incident["lost_steps"]})  # fmt: skip
+                   "detection_s": incident.detected_at - fault_at,
+                   "recovery_s": incident.first_new_step_at - fault_at, "lost_steps": incident.lost_steps})  # fmt: skip
     return incident
 
 
@@ -123,7 +123,7 @@ def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, base
     reg = until_finished(cfg, watchdogs)
     incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 the job driver")
     # Ray SIGTERMs the orphaned workers: they save a just-in-time checkpoint, so little or nothing is lost.
-    assert incident["resumed_step"] >= incident["failed_step"] - cfg.checkpoint.every_steps
+    assert incident.resumed_step >= incident.failed_step - cfg.checkpoint.every_steps
 
 
 def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, watched, watchdogs) -> None:
@@ -144,8 +144,8 @@ def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, wat
                 os.kill(victim, sig)
     incident = check_recovered(cfg, reg, baseline, "stalled", fault_at, "SIGSTOP a train worker (hang)")
     # Not before the stall timeout, and not long after it (a pass a second, plus a loaded machine's slack).
-    assert cfg.fault_tolerance.stall_timeout_s <= incident["silent_s"] < cfg.fault_tolerance.stall_timeout_s + 20
-    assert "made no step" in incident["detail"]
+    assert cfg.fault_tolerance.stall_timeout_s <= incident.silent_s < cfg.fault_tolerance.stall_timeout_s + 20
+    assert "made no step" in incident.detail
 
 
 def test_worker_killed_while_a_checkpoint_is_written_resumes_from_the_previous_one(
@@ -171,7 +171,7 @@ def test_worker_killed_while_a_checkpoint_is_written_resumes_from_the_previous_o
     reg = until_finished(cfg, watchdogs)
     incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 during a checkpoint write")
     if caught_mid_write:
-        assert incident["resumed_step"] < ckpt.checkpoint_step(partial.name), "a half-written checkpoint was loaded"
+        assert incident.resumed_step < ckpt.checkpoint_step(partial.name), "a half-written checkpoint was loaded"
     assert caught_mid_write, f"the kill landed after {partial.name} was complete; nothing partial was tested"
 
 
@@ -188,4 +188,4 @@ def test_whole_cluster_stopped_is_reprovisioned_and_resumed(ray_cluster, baselin
 
     reg = until_finished(cfg, watchdogs)
     incident = check_recovered(cfg, reg, baseline, "cluster-unreachable", fault_at, "kill -9 every process of the head")
-    assert incident["reprovisioned"], "the watchdog started the local head again"
+    assert incident.reprovisioned, "the watchdog started the local head again"

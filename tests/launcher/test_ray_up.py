@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from control import registry
 from control.backends import backend_for
 from control.backends.base import reachable
+from control.records.describe import describe
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.storage import Layout
 from tasks.cluster import provision_cluster
@@ -76,19 +76,17 @@ def test_ray_up_runs_a_job_brings_a_lost_host_back_and_the_watchdog_reprovisions
         assert reachable(handle.address) is not None, "ray down stopped the head"
         with WatchdogLoop(cfg) as loop:
             reg = until_finished(cfg, timeout_s=600)
-        status = registry.describe(cfg.storage, cfg.name)
-        assert reg["state"] == "succeeded", f"{status}\n{loop.actions()}"
-        assert [i["kind"] for i in reg["incidents"]] == ["cluster-unreachable"], status
-        incident = reg["incidents"][0]
-        assert incident["action"] == "restarted" and incident["reprovisioned"], status
-        assert (
-            reg["cluster"]["backend"] == "ray-up" and reg["cluster"]["spec"]["cluster_name"] == "unbroken-test-onprem"
-        )
+        status = describe(cfg.storage, cfg.name)
+        assert reg.state == "succeeded", f"{status}\n{loop.actions()}"
+        assert [i.kind for i in reg.incidents] == ["cluster-unreachable"], status
+        incident = reg.incidents[0]
+        assert incident.action == "restarted" and incident.reprovisioned, status
+        assert reg.cluster.backend == "ray-up" and reg.cluster.spec["cluster_name"] == "unbroken-test-onprem"
         assert final_weights_hash(cfg) == uninterrupted[0], "bit-identical to the uninterrupted run"
         REPORT.append({"scenario": "ray-up: whole cluster torn down", "detected_by": "watchdog (cluster-unreachable)",
-                       "detection_s": incident["detected_at"] - fault_at,
-                       "recovery_s": incident["first_new_step_at"] - fault_at,
-                       "lost_steps": max(0, at_fault - (incident.get("resumed_step") or 0))})  # fmt: skip
+                       "detection_s": incident.detected_at - fault_at,
+                       "recovery_s": incident.first_new_step_at - fault_at,
+                       "lost_steps": max(0, at_fault - (incident.resumed_step or 0))})  # fmt: skip
         print(
             f"RAYUP up {up_s:.1f}s, lost host back {back_s:.1f}s, teardown -> first new step "
             f"{incident['first_new_step_at'] - fault_at:.1f}s"

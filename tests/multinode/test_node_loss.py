@@ -8,7 +8,10 @@ import time
 import pytest
 
 import ray_jobs.checkpoint as ckpt
-from control import watchdog
+from control.backends import health
+from control.records.run import Attempt, ClusterRecord, RunRecord
+from control.watchdog.decide import note_health
+from control.watchdog.observe import Observations
 from ray_jobs.storage import Layout
 from tests.chaos.harness import (
     REPORT,
@@ -26,6 +29,11 @@ from tests.procs import wait_for
 pytestmark = pytest.mark.multinode
 
 
+def look(cfg, reg: RunRecord):
+    """What the watchdog's pass judges of the cluster's health (read as it reads it)."""
+    return note_health(reg, cfg, Observations(time.time(), health=health.read(reg.cluster.address)))
+
+
 def test_a_worker_host_killed_mid_run_ends_bit_identical_on_the_spare(hosts, cluster, baseline, tmp_path) -> None:
     cfg = chaos_config(tmp_path / "storage", "hostloss")
     sid = start_training(cluster, cfg)
@@ -34,12 +42,16 @@ def test_a_worker_host_killed_mid_run_ends_bit_identical_on_the_spare(hosts, clu
     assert len(training) == 2 and hosts.head not in training, "one training worker on each of two worker hosts"
     (spare,) = [h for h in hosts.hosts[1:] if h not in training]
     victim = training[0]
-    reg = {"cluster": {"address": cluster.address}, "attempts": [{"attempt": 1}], "incidents": []}
-    assert watchdog.look_at_cluster(cfg, reg, time.time()) == (True, []), "the watchdog learns the shape: 4 nodes"
+    reg = RunRecord(
+        name=cfg.name,
+        cluster=ClusterRecord(address=cluster.address),
+        attempts=[Attempt(attempt=1, submission_id=sid, started_at=time.time(), started_by="test")],
+    )
+    assert look(cfg, reg)[:2] == (True, []), "the watchdog learns the shape: 4 nodes"
     at_kill, killed_at = heartbeat_step(cfg), time.time()
     hosts.kill(victim)
     detection = wait_gone(hosts, victim)
-    _, found = watchdog.look_at_cluster(cfg, reg, time.time())  # what the watchdog's next pass notes
+    _, found, _ = look(cfg, reg)  # what the watchdog's next pass notes
     assert found == [f"nodes-missing: 3 of 4 nodes alive (dead: {victim.addr})"], found
     wait_for("a training worker on the spare host", lambda: spare in hosts.training_hosts(), timeout_s=180)
 

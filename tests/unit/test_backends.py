@@ -91,12 +91,12 @@ def test_the_run_records_which_backend_made_its_cluster(tmp_path: Path) -> None:
                              f"cluster.ray_up.config={onprem}"])  # fmt: skip
     spec = backend_for(cfg).spec()
     registry.begin_attempt(cfg, {"address": "http://10.0.0.10:8265", "started_here": True, "spec": spec}, "ds-1")
-    recorded = registry.load(cfg.storage, "r")["cluster"]
+    recorded = registry.load(cfg.storage, "r").cluster.dump()
     assert recorded == {"address": "http://10.0.0.10:8265", "backend": "ray-up", "spec": spec, "mode": "managed",
                         "started_here": True}  # fmt: skip
     local = load_config(DEMO, [f"storage={tmp_path / 'l'}", "name=l"])
     registry.begin_attempt(local, {"address": "http://127.0.0.1:8265"}, "ds-1")
-    assert registry.load(local.storage, "l")["cluster"]["mode"] == "local"
+    assert registry.load(local.storage, "l").cluster.mode == "local"
 
 
 def test_a_managed_cluster_is_taken_down_only_by_the_run_that_brought_it_up(monkeypatch, tmp_path: Path) -> None:

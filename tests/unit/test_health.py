@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import copy
 
-from control import watchdog
 from control.backends import backend_class, health
 from control.backends.health import Health
+from control.records.describe import _incident_line
+from control.records.run import Attempt, ClusterRecord, RunRecord
+from control.watchdog import act
+from control.watchdog.decide import ReplaceNodes, note_health
+from control.watchdog.observe import Observations
 from ray_jobs.config import load_config
 from tests.conftest import ROOT
 
@@ -76,29 +80,40 @@ def test_every_kind_of_trouble_is_named_with_its_node_and_numbers() -> None:
     assert {f.kind for f in found} == {"nodes-missing", "gpus-missing", "object-store-full", "disk-low"}
 
 
+def a_run(backend: str = "local") -> RunRecord:
+    return RunRecord(
+        name="r",
+        cluster=ClusterRecord(address="http://head:8265", backend=backend),
+        attempts=[Attempt(attempt=1, submission_id="s", started_at=0.0, started_by="finetune-flow")],
+    )
+
+
+def look(reg: RunRecord, now: float, h: Health) -> tuple[bool, list[str]]:
+    """The watchdog's health judgement for one pass (decide's ``note_health``): (record changed, findings)."""
+    changed, found, _ = note_health(reg, cfg(), Observations(now, health=h))
+    return changed, found
+
+
 def test_the_watchdog_notes_a_finding_once_and_clears_it_never_restarting_for_it() -> None:
-    c = cfg()
-    reg = {"cluster": {"address": "http://head:8265"}, "attempts": [{"attempt": 1}], "incidents": []}
+    reg = a_run()
     three = body(summary_node("10.0.0.10", head=True), summary_node("10.0.0.11"), summary_node("10.0.0.12"))
     one_dead = copy.deepcopy(three)
     one_dead["data"]["summary"][2]["raylet"]["state"] = "DEAD"
     seen = iter([three, one_dead, one_dead, three])
 
-    def read(address):
+    def read() -> Health:
         return Health(health.parse_summary(next(seen)))
 
-    assert watchdog.look_at_cluster(c, reg, 1.0, read) == (True, [])  # learns the shape: 3 nodes
-    changed, found = watchdog.look_at_cluster(c, reg, 2.0, read)
+    assert look(reg, 1.0, read()) == (True, [])  # learns the shape: 3 nodes
+    changed, found = look(reg, 2.0, read())
     assert changed and found == ["nodes-missing: 2 of 3 nodes alive (dead: 10.0.0.12)"]
-    assert watchdog.look_at_cluster(c, reg, 3.0, read) == (False, found), "noted once, not again"
-    (incident,) = reg["incidents"]
-    assert incident["kind"] == "nodes-missing" and incident["action"] == "noted"
-    assert watchdog.registry.open_incident(reg) is None, "a note is never a restart"
-    assert "nodes-missing (attempt 1, by watchdog (cluster health)): noted, still holds" in (
-        watchdog.registry._incident_line(incident)
-    )
-    assert watchdog.look_at_cluster(c, reg, 4.0, read) == (True, []) and incident["cleared_at"] == 4.0
-    assert watchdog.look_at_cluster(c, reg, 5.0, lambda a: Health(None, "ReadTimeout")) == (False, [])
+    assert look(reg, 3.0, read()) == (False, found), "noted once, not again"
+    (incident,) = reg.incidents
+    assert incident.kind == "nodes-missing" and incident.action == "noted"
+    assert reg.open_incident() is None, "a note is never a restart"
+    assert "nodes-missing (attempt 1, by watchdog (cluster health)): noted, still holds" in _incident_line(incident)
+    assert look(reg, 4.0, read()) == (True, []) and incident.cleared_at == 4.0
+    assert look(reg, 5.0, Health(None, "ReadTimeout")) == (False, [])
 
 
 def test_a_dashboard_that_cannot_be_read_concludes_nothing() -> None:
@@ -124,12 +139,13 @@ def test_a_missing_node_of_a_ray_up_cluster_is_asked_back_through_its_backend(mo
     one["data"]["summary"][1]["raylet"]["state"] = "DEAD"
     for name, want in (("ray-up", [c.name]), ("address", [])):
         asked.clear()
-        monkeypatch.setattr(watchdog, "backend_for", lambda cfg, name=name: backend(name))
-        reg = {"cluster": {"address": "http://head:8265", "backend": name}, "attempts": [{"attempt": 1}],
-               "incidents": []}  # fmt: skip
-        seen = iter([two, one, one])
-        for t in (1.0, 2.0, 3.0):
-            watchdog.look_at_cluster(c, reg, t, lambda a, seen=seen: Health(health.parse_summary(next(seen))))
+        monkeypatch.setattr(act, "backend_for", lambda cfg, name=name: backend(name))
+        reg = a_run(name)
+        for t, summary in ((1.0, two), (2.0, one), (3.0, one)):
+            _, _, actions = note_health(reg, c, Observations(t, health=Health(health.parse_summary(summary))))
+            for a in actions:
+                if isinstance(a, ReplaceNodes):
+                    act.act(act.Decision(reg, [a], act.Outcome("r", "ok")), c, None)
         assert asked == want, name
-        (incident,) = reg["incidents"]
-        assert incident.get("repair") == ("ray-up up: replacement nodes requested" if want else None)
+        (incident,) = reg.incidents
+        assert incident.repair == ("ray-up up: replacement nodes requested" if want else None)

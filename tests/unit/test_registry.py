@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from control import registry
+from control.records.run import RunRecord
 from ray_jobs.config import load_config
 from tests.conftest import ROOT
 
@@ -21,12 +22,12 @@ def test_attempts_are_numbered_and_their_end_recorded(tmp_path: Path) -> None:
     registry.end_attempt(c, 1, "FAILED", "boom")
     assert registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1") == 2
     reg = registry.end_attempt(c, 2, "SUCCEEDED", final_model="/f")
-    assert reg["state"] == "succeeded" and reg["final_model"] == "/f"
-    assert [(a["submission_id"], a["status"]) for a in reg["attempts"]] == [
+    assert reg.state == "succeeded" and reg.final_model == "/f"
+    assert [(a.submission_id, a.status) for a in reg.attempts] == [
         ("unbroken-r-train-001", "FAILED"),
         ("unbroken-r-train-002", "SUCCEEDED"),
     ]
-    assert reg["attempts"][0]["message"] == "boom"
+    assert reg.attempts[0].message == "boom"
 
 
 def test_reusing_a_run_name_with_compatible_changes_is_allowed(tmp_path: Path) -> None:
@@ -81,14 +82,14 @@ def test_the_watchdog_reads_only_active_runs_registries_however_many_runs_finish
         write_json_atomic(f"{storage}/runs/done-{i:02d}/run.json", {"state": "succeeded", "attempts": []})
     write_json_atomic(f"{storage}/runs/old-active/run.json", {"state": "running", "attempts": []})
     assert registry.active_runs(storage) == ["old-active"]
-    registry.save(storage, "new", {"state": "submitted", "attempts": []})
+    registry.save(storage, "new", RunRecord(name="new", state="submitted"))
     loads: list[str] = []
     real = registry.load
     monkeypatch.setattr(registry, "load", lambda s, run: loads.append(run) or real(s, run))
     assert registry.active_runs(storage) == ["new", "old-active"]
     assert sorted(loads) == ["new", "old-active"], "no finished run's registry is read"
     monkeypatch.undo()
-    registry.save(storage, "new", {"state": "succeeded", "attempts": []})
+    registry.save(storage, "new", RunRecord(name="new", state="succeeded"))
     assert registry.active_runs(storage) == ["old-active"]
 
 
@@ -99,4 +100,4 @@ def test_mark_running_takes_the_lease_once_not_once_a_poll(tmp_path: Path, monke
     real = registry.leases.acquire
     monkeypatch.setattr(registry.leases, "acquire", lambda *a, **k: taken.append("lease") or real(*a, **k))
     assert all(registry.mark_running(c.storage, c.name, 1) for _ in range(5))
-    assert taken == ["lease"] and registry.load(c.storage, c.name)["state"] == "running"
+    assert taken == ["lease"] and registry.load(c.storage, c.name).state == "running"

@@ -11,16 +11,11 @@ import pytest
 from control import lease as leases
 from control import registry
 from control.jobsapi import JobView
-from control.watchdog import (
-    Verdict,
-    backoff_s,
-    budget_used,
-    classify,
-    cleared,
-    confirm,
-    give_up_reason,
-    still_submitting,
-)
+from control.records.describe import describe
+from control.records.run import Attempt, Incident, RunRecord, Suspect
+from control.watchdog.decide import cleared, confirm
+from control.watchdog.policy import backoff_s, budget_used, give_up_reason
+from control.watchdog.verdict import Verdict, classify, still_submitting
 from ray_jobs.config import load_config
 from ray_jobs.storage import create_exclusive
 from tests.conftest import ROOT
@@ -85,8 +80,15 @@ def test_racing_watchdogs_get_one_lease(tmp_path: Path) -> None:
 
 
 # -- the policy ----------------------------------------------------------------------------------------------
-def incident(step: int | None, kind: str = "job-failed", error: dict | None = None, action: str | None = None):
-    return {"kind": kind, "failed_step": step, "error": error, "action": action}
+def incident(step: int | None, kind: str = "job-failed", error: dict | None = None, action: str | None = None,
+             **fields) -> Incident:  # fmt: skip
+    base = {"kind": kind, "detected_by": "watchdog", "detected_at": 0.0, "attempt": 1, "failed_step": step,
+            "error": error, "action": action}  # fmt: skip
+    return Incident(**(base | fields))
+
+
+def run(*incidents: Incident, restarts: int = 0) -> RunRecord:
+    return RunRecord(name="r", restarts=restarts, incidents=list(incidents))
 
 
 def test_backoff_doubles_and_is_capped(tmp_path: Path) -> None:
@@ -97,16 +99,16 @@ def test_backoff_doubles_and_is_capped(tmp_path: Path) -> None:
 def test_an_infrastructure_failure_is_restarted_within_the_budget(tmp_path: Path) -> None:
     c = cfg(tmp_path, "fault_tolerance.max_restarts=2")
     now = incident(120, error={"type": "ActorDiedError", "kinds": ["ActorDiedError", "RayError", "Exception"]})
-    assert give_up_reason({"restarts": 0, "incidents": [now]}, c, now) is None
+    assert give_up_reason(run(now, restarts=0), c, now) is None
     past = [incident(40, action="restarted"), incident(80, action="restarted")]
-    reason = give_up_reason({"restarts": 2, "incidents": [*past, now]}, c, now)
+    reason = give_up_reason(run(*past, now, restarts=2), c, now)
     assert reason.startswith("restart budget exhausted: 2 of fault_tolerance.max_restarts=2 restarts used")
 
 
 def test_a_user_error_is_not_retried_even_as_a_subclass(tmp_path: Path) -> None:
     now = incident(10, error={"type": "NoMatchingPeftModuleError", "message": "Target modules not found",
                               "kinds": ["NoMatchingPeftModuleError", "ValueError", "Exception"]})  # fmt: skip
-    reason = give_up_reason({"restarts": 0, "incidents": [now]}, cfg(tmp_path), now)
+    reason = give_up_reason(run(now, restarts=0), cfg(tmp_path), now)
     assert reason.startswith("the job raised NoMatchingPeftModuleError: Target modules not found")
 
 
@@ -114,10 +116,10 @@ def test_the_same_step_failing_twice_is_deterministic(tmp_path: Path) -> None:
     boom = {"type": "RuntimeError", "kinds": ["RuntimeError", "Exception"]}
     first = incident(57, error=boom, action="restarted")
     again = incident(57, error=boom)
-    reason = give_up_reason({"restarts": 1, "incidents": [first, again]}, cfg(tmp_path), again)
+    reason = give_up_reason(run(first, again, restarts=1), cfg(tmp_path), again)
     assert reason.startswith("deterministic failure: 2 attempts in a row failed at step 57")
     moved_on = incident(90, error=boom)
-    assert give_up_reason({"restarts": 1, "incidents": [first, moved_on]}, cfg(tmp_path), moved_on) is None
+    assert give_up_reason(run(first, moved_on, restarts=1), cfg(tmp_path), moved_on) is None
 
 
 # -- who writes the registry ---------------------------------------------------------------------------------
@@ -126,28 +128,28 @@ def test_the_flow_does_not_overwrite_an_attempt_the_watchdog_already_dealt_with(
     registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
     # The watchdog saw the failure first and restarted the run as attempt 2.
     reg = registry.load(c.storage, "r")
-    reg["attempts"][0].update(status="FAILED")
-    reg["incidents"].append({"kind": "job-failed", "action": "restarted", "new_attempt": 2})
+    reg.attempts[0].status = "FAILED"
+    reg.incidents.append(incident(None, action="restarted", new_attempt=2))
     registry.save(c.storage, "r", reg)
     registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", started_by="watchdog")
     # The flow's watch reports the same failure a moment later: nothing changes.
-    assert registry.hand_over(c, 1, "ended FAILED", {"kind": "job-failed", "detected_by": "finetune-flow"}) is None
+    assert registry.hand_over(c, 1, "ended FAILED", incident(None, detected_by="finetune-flow")) is None
     reg = registry.load(c.storage, "r")
-    assert len(reg["incidents"]) == 1 and reg["state"] == "submitted" and len(reg["attempts"]) == 2
+    assert len(reg.incidents) == 1 and reg.state == "submitted" and len(reg.attempts) == 2
 
 
 def test_status_shows_incidents_with_their_cost(tmp_path: Path) -> None:
     c = cfg(tmp_path)
     registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
     reg = registry.load(c.storage, "r")
-    reg["incidents"].append(
-        {"kind": "stalled", "attempt": 1, "detected_by": "watchdog", "detected_at": time.time(), "action": "restarted",
-         "new_attempt": 2, "resumed_step": 80, "lost_steps": 17, "silent_s": 25.4, "time_to_recover_s": 12.0,
-         "detail": "made no step for 25s"}
+    reg.incidents.append(
+        Incident(kind="stalled", attempt=1, detected_by="watchdog", detected_at=time.time(), action="restarted",
+                 new_attempt=2, resumed_step=80, lost_steps=17, silent_s=25.4, time_to_recover_s=12.0,
+                 detail="made no step for 25s")
     )  # fmt: skip
-    reg["restarts"] = 1
+    reg.restarts = 1
     registry.save(c.storage, "r", reg)
-    text = registry.describe(c.storage, "r")
+    text = describe(c.storage, "r")
     assert "restarts: 1 of 3" in text
     assert (
         "stalled (attempt 1, by watchdog): restarted as attempt 2 from step 80; lost steps 17; "
@@ -162,16 +164,18 @@ def test_recoveries_and_give_ups_are_prefect_events_named_by_run(asserting_event
     from control.watchdog import Outcome
     from flows.watchdog import emit
 
-    emit(Outcome("r1", "restarted", "attempt 2 from step 80", {"kind": "stalled", "lost_steps": 3}))
+    stalled = Incident(kind="stalled", detected_by="watchdog", detected_at=1.0, attempt=1, lost_steps=3)
+    emit(Outcome("r1", "restarted", "attempt 2 from step 80", stalled))
     emit(Outcome("r2", "ok", "RUNNING, step 9"))  # nothing to tell
-    emit(Outcome("r3", "gave-up", "restart budget exhausted", {"kind": "job-failed"}))
+    emit(Outcome("r3", "gave-up", "restart budget exhausted", incident(None)))
     EventsWorker.drain_all()
     events = [e for c in asserting_events.all for e in c.events]
     assert [(e.event, e.resource.id, e.resource.name) for e in events] == [
         ("unbroken.run.recovered", "unbroken.run.r1", "r1"),
         ("unbroken.run.gave-up", "unbroken.run.r3", "r3"),
     ]
-    assert events[0].payload["incident"] == {"kind": "stalled", "lost_steps": 3}
+    assert events[0].payload["incident"] == {"kind": "stalled", "detected_by": "watchdog", "detected_at": 1.0,
+                                             "attempt": 1, "lost_steps": 3}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -186,13 +190,15 @@ def test_a_job_the_cluster_does_not_know_is_lost_only_once_it_should_have_been_s
     tmp_path: Path, status: str, age_s: float, submitting: bool
 ) -> None:
     c = cfg(tmp_path, "fault_tolerance.stall_timeout_s=60")
-    attempt = {"attempt": 1, "status": status, "started_at": 1000.0}
+    attempt = Attempt(attempt=1, submission_id="s", started_by="finetune-flow", status=status, started_at=1000.0)
     assert still_submitting(attempt, c, now=1000.0 + age_s) is submitting
 
 
 # -- observe: one look -> a verdict --------------------------------------------------------------------------
 NOW = 10_000.0
-ATTEMPT = {"attempt": 2, "submission_id": "unbroken-r-train-002", "started_at": NOW - 500, "status": "RUNNING"}
+ATTEMPT = Attempt(
+    attempt=2, submission_id="unbroken-r-train-002", started_at=NOW - 500, status="RUNNING", started_by="watchdog"
+)
 
 
 def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed_ago_s: float = 1.0) -> dict:
@@ -235,13 +241,13 @@ def test_a_stall_names_the_phase_and_the_limit_that_fired(tmp_path: Path) -> Non
     verdict = classify(JobView("ok", "RUNNING"), ATTEMPT, beat("exporting", 130, 140), c, NOW)
     assert verdict.kind == "stalled" and verdict.phase == "exporting"
     assert "was in phase 'exporting' for 130s" in verdict.detail and "phase_stall_s.exporting=120" in verdict.detail
-    starting = classify(JobView("ok", "PENDING"), ATTEMPT | {"started_at": NOW - 2000}, None, c, NOW)
+    starting = classify(JobView("ok", "PENDING"), ATTEMPT.model_copy(update={"started_at": NOW - 2000}), None, c, NOW)
     assert starting.kind == "stalled" and "phase_stall_s.starting" in starting.detail
 
 
 # -- decide: ambiguous signs are confirmed over time ---------------------------------------------------------
-def a_run() -> dict:
-    return {"attempts": [dict(ATTEMPT)], "incidents": [], "state": "running"}
+def a_run() -> RunRecord:
+    return RunRecord(name="r", attempts=[ATTEMPT.model_copy()], state="running")
 
 
 def test_an_ambiguous_sign_is_acted_on_only_once_it_held_for_the_confirmation_window(tmp_path: Path) -> None:
@@ -249,13 +255,13 @@ def test_an_ambiguous_sign_is_acted_on_only_once_it_held_for_the_confirmation_wi
     reg, blip = a_run(), Verdict("cluster-unreachable", "HTTP 502")
     assert [confirm(reg, blip, c, NOW + t) for t in (0, 10, 29)] == ["suspect"] * 3
     assert confirm(reg, blip, c, NOW + 31) == "trouble"
-    assert reg["suspect"]["observations"] == 4 and reg["suspect"]["first_at"] == NOW
+    assert reg.suspect.observations == 4 and reg.suspect.first_at == NOW
 
 
 def test_one_look_is_not_enough_however_long_ago_the_first_was(tmp_path: Path) -> None:
     c = cfg(tmp_path, "fault_tolerance.confirm_s=30")
     reg = a_run()
-    reg["suspect"] = {"kind": "job-lost", "attempt": 2, "first_at": NOW - 100, "observations": 0}
+    reg.suspect = Suspect(kind="job-lost", attempt=2, first_at=NOW - 100, observations=0)
     assert confirm(reg, Verdict("job-lost", "404"), c, NOW) == "suspect"  # the first real look
     assert confirm(reg, Verdict("job-lost", "404"), c, NOW + 1) == "trouble"
 
@@ -274,9 +280,9 @@ def test_a_blip_that_heals_is_logged_as_observed_not_acted_on(tmp_path: Path) ->
         confirm(reg, Verdict("cluster-unreachable", "HTTP 502 from the Jobs API"), c, NOW + t)
     assert confirm(reg, Verdict("running", status="RUNNING"), c, NOW + 20) == "healthy"
     entry = cleared(reg, NOW + 20, "healthy again (RUNNING)")
-    assert "suspect" not in reg and reg["incidents"] == [entry]
-    assert entry["action"] == "observed" and entry["observations"] == 3 and entry["held_s"] == 20
-    assert registry.open_incident(reg) is None  # nothing for the watchdog to act on
+    assert reg.suspect is None and "suspect" not in reg.dump() and reg.incidents == [entry]
+    assert entry.action == "observed" and entry.observations == 3 and entry.held_s == 20
+    assert reg.open_incident() is None  # nothing for the watchdog to act on
 
 
 def test_a_different_sign_starts_its_own_window(tmp_path: Path) -> None:
@@ -284,12 +290,12 @@ def test_a_different_sign_starts_its_own_window(tmp_path: Path) -> None:
     reg = a_run()
     confirm(reg, Verdict("cluster-unreachable", "502"), c, NOW)
     confirm(reg, Verdict("job-lost", "404"), c, NOW + 40)
-    assert reg["suspect"]["kind"] == "job-lost" and reg["suspect"]["first_at"] == NOW + 40
+    assert reg.suspect.kind == "job-lost" and reg.suspect.first_at == NOW + 40
 
 
 # -- budgets -------------------------------------------------------------------------------------------------
-def restarted(progress: int, **extra) -> dict:
-    return {"kind": "job-failed", "action": "restarted", "progress_steps": progress, "failed_step": None} | extra
+def restarted(progress: int, **extra) -> Incident:
+    return incident(extra.pop("failed_step", None), action="restarted", progress_steps=progress, **extra)
 
 
 @pytest.mark.parametrize(
@@ -306,15 +312,15 @@ def test_restarts_are_counted_per_window_of_progress_without_preemptions(
     tmp_path: Path, history: list, progress_now: int, used: int
 ) -> None:
     c = cfg(tmp_path, "fault_tolerance.progress_resets_budget_steps=100")
-    now = {"kind": "job-failed", "progress_steps": progress_now, "failed_step": None}
-    assert budget_used({"incidents": [*history, now]}, c, now) == used
+    now = incident(None, progress_steps=progress_now)
+    assert budget_used(run(*history, now), c, now) == used
 
 
 def test_a_week_of_preemptions_with_progress_never_gives_up(tmp_path: Path) -> None:
     c = cfg(tmp_path, "fault_tolerance.max_restarts=2", "fault_tolerance.progress_resets_budget_steps=50")
     history = [restarted(60, failed_step=60 * (i + 1)) for i in range(20)]
-    now = {"kind": "job-failed", "progress_steps": 60, "failed_step": 60 * 21, "error": None}
-    assert give_up_reason({"restarts": 20, "incidents": [*history, now]}, c, now) is None
-    preempt = {"kind": "job-failed", "progress_steps": 0, "failed_step": 5, "error": {"type": "Preempted"}}
+    now = incident(60 * 21, progress_steps=60)
+    assert give_up_reason(run(*history, now, restarts=20), c, now) is None
+    preempt = incident(5, error={"type": "Preempted"})
     stuck = [restarted(0, failed_step=5, error={"type": "Preempted"})] * 5
-    assert give_up_reason({"incidents": [*stuck, preempt]}, c, preempt) is None
+    assert give_up_reason(run(*stuck, preempt), c, preempt) is None

@@ -1,0 +1,184 @@
+"""The run record ``<storage>/runs/<run>/run.json``, typed: the contract between the finetune flow, the watchdog and
+``unbroken status``. State, the config it trains with, dataset, cluster, every attempt and every incident.
+
+States: ``submitted`` (a job was submitted) -> ``running`` (Ray says RUNNING) -> ``succeeded``; on trouble
+``recovering`` (an open incident: the watchdog will restart it, or is waiting out a backoff) and ``failed``
+(terminal: gave up, the user cancelled, or it failed before training could start).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from control.records.base import Part, Record
+from ray_jobs.config import Config, from_json
+
+State = Literal["submitted", "running", "recovering", "succeeded", "failed"]
+STATES: tuple[str, ...] = State.__args__
+ACTIVE = ("submitted", "running", "recovering")
+# An attempt's job: SUBMITTED/RUNNING while it may train; how it ended otherwise.
+AttemptStatus = Literal["SUBMITTED", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED", "STALLED", "LOST"]
+IN_FLIGHT = ("SUBMITTED", "RUNNING")
+
+
+class ClusterRecord(Part):
+    """Where the run's cluster answers and which backend made it from what; what its backend needs to find it
+    again (control/backends: ``record`` / ``handle_from_record``)."""
+
+    address: str
+    backend: str | None = None  # absent in records written before backends existed: read by ``mode``
+    spec: dict[str, Any] = Field(default_factory=dict)
+    mode: str | None = None  # local | existing | managed: who owns the cluster
+    started_here: bool = False  # its release is owed by whoever finishes the run (unless cluster.keep_running)
+
+
+class Attempt(Part):
+    """One submission of the training job."""
+
+    attempt: int
+    submission_id: str
+    started_at: float
+    started_by: str  # finetune-flow | watchdog
+    resume_from: str | None = None
+    status: AttemptStatus = "SUBMITTED"
+    ended_at: float | None = None
+    message: str = ""
+    adopted_by: str | None = None  # the watchdog, once the flow that watched the attempt was gone
+    adopted_at: float | None = None
+    adopted_because: str | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.status in IN_FLIGHT
+
+
+class Incident(Part):
+    """Trouble with an attempt, and what was done about it. ``action``: None/``waiting`` (open: to be restarted),
+    ``restarted``, ``gave-up``, ``observed`` (an ambiguous sign that did not hold), ``noted`` (a health finding),
+    ``superseded`` (a new flow run took the run over)."""
+
+    kind: str
+    detected_by: str
+    detected_at: float
+    attempt: int
+    action: str | None = None
+    detail: str = ""
+    error: dict[str, Any] | None = None  # the root cause the job printed (type, message, kinds, preempted)
+    phase: str | None = None
+    failed_step: int | None = None
+    progress_steps: int = 0  # what the failed attempt trained: enough of it resets the restart budget
+    last_progress_at: float | None = None
+    silent_s: float | None = None
+    # confirmation of an ambiguous sign
+    confirmed_at: float | None = None
+    observations: int | None = None
+    held_s: float | None = None
+    cleared_at: float | None = None
+    # waiting, restarting, giving up
+    next_restart_at: float | None = None
+    lost_steps: int | None = None
+    new_attempt: int | None = None
+    submission_id: str | None = None
+    resumed_from: str | None = None
+    resumed_step: int | None = None
+    restarted_at: float | None = None
+    reprovisioned: bool | None = None
+    first_new_step_at: float | None = None
+    time_to_recover_s: float | None = None
+    downtime_s: float | None = None
+    reason: str | None = None
+    gave_up_at: float | None = None
+    repair: str | None = None  # a health finding's repair: what the backend was asked for
+
+    @property
+    def open(self) -> bool:
+        return self.action in (None, "waiting")
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption (SIGTERM, a drained node) is the platform's doing, never a failure of the run."""
+        error = self.error or {}
+        return bool(error.get("preempted")) or error.get("type") == "Preempted" or self.kind == "preempted"
+
+
+class Suspect(Part):
+    """An ambiguous sign seen but not yet confirmed (it must hold for ``fault_tolerance.confirm_s``)."""
+
+    kind: str
+    attempt: int
+    first_at: float
+    observations: int = 0
+    last_at: float | None = None
+    detail: str = ""
+
+
+class Shape(Part):
+    """The most nodes the current attempt's cluster had alive at any look: what "a node is missing" is judged by."""
+
+    attempt: int
+    nodes: int = 0
+
+
+class RunRecord(Record):
+    """``runs/<run>/run.json``. Version 1: the untyped files of earlier releases (same fields, no version)."""
+
+    SCHEMA: ClassVar[int] = 2
+
+    name: str = ""  # the run folder's name when a record (a test's, a hand-written one) leaves it out
+    created_at: float | None = None
+    updated_at: float | None = None
+    state: State = "submitted"
+    config: dict[str, Any] = Field(default_factory=dict)  # as the current attempt was given it (a plain tree:
+    # a record outlives the version of the config schema that wrote it)
+    dataset_id: str | None = None
+    cluster: ClusterRecord | None = None
+    attempts: list[Attempt] = Field(default_factory=list)
+    incidents: list[Incident] = Field(default_factory=list)
+    restarts: int = 0
+    reason: str | None = None
+    final_model: str | None = None
+    # what the watchdog needs to resubmit without the flow
+    manifest_url: str | None = None
+    model_path: str | None = None
+    score_manifest_url: str | None = None
+    parent: str | None = None  # the series run this one was warm-started from
+    suspect: Suspect | None = None
+    shape: Shape | None = None
+
+    @classmethod
+    def migrate(cls, tree: dict[str, Any]) -> dict[str, Any]:
+        if tree.get("schema_version", 1) == 1:  # v1 -> v2: the same fields; a version from now on
+            tree["schema_version"] = 2
+        return tree
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    @property
+    def current(self) -> Attempt:
+        return self.attempts[-1]
+
+    def open_incident(self) -> Incident | None:
+        """The incident not acted on yet (no restart, not given up), if any."""
+        return next((i for i in self.incidents if i.open), None)
+
+    def mark_running(self, attempt: int) -> bool:
+        """The current attempt ``attempt`` was SUBMITTED and now runs. False when that is not news."""
+        if len(self.attempts) != attempt or self.current.status != "SUBMITTED":
+            return False
+        self.current.status = "RUNNING"
+        if self.state == "submitted":
+            self.state = "running"
+        return True
+
+    def cfg(self) -> Config:
+        """The typed config the current attempt was given."""
+        return from_json(json.dumps(self.config))
+
+    def copy(self) -> RunRecord:
+        """A deep copy (what a pure decision changes, leaving the record it was given as it was)."""
+        return self.model_copy(deep=True)

@@ -1,0 +1,302 @@
+"""The watchdog's judgement: ``decide(record, observations, config) -> Decision`` -- the run record as it should
+be after this pass, the side effects to carry out, and what to report. Pure: no I/O, no clock (``now`` is observed),
+the record it is given is left as it was. Unit-tested with tables of cases (tests/unit/test_decide.py).
+
+Like a Kubernetes controller's reconcile: trouble that is a fact (the Jobs API says the job failed, its heartbeat
+says it is stuck) is acted on at once; an ambiguous sign (no answer from the cluster, a job it does not know) only
+once it held (control/confirm.py); a restart waits out a backoff and is re-checked right before it happens (act)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from control.confirm import Suspicion
+from control.records.run import Incident, RunRecord
+from control.watchdog.observe import Observations
+from control.watchdog.policy import backoff_s, budget_used, give_up_reason
+from control.watchdog.verdict import Verdict, classify
+from ray_jobs import checkpoint as ckpt
+from ray_jobs.config import Config
+from ray_jobs.storage import Layout
+
+CONFIRM_OBSERVATIONS = 2  # looks an ambiguous sign must be seen in (besides holding for confirm_s)
+
+
+# -- what to do -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Save:
+    """Write the decided record (under the run's lease)."""
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Look once more; unless the trouble is gone, stop what is left, re-provision, resume from the newest valid
+    checkpoint under a new submission."""
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop what is left of the job (best effort), record the run failed, release its cluster."""
+
+
+@dataclass(frozen=True)
+class ReleaseCluster:
+    """The run is over and no flow is left to release its cluster: its backend's ``down``."""
+
+
+@dataclass(frozen=True)
+class FinishSeries:
+    """Score the finished run against its series' champion (no flow is left to)."""
+
+
+@dataclass(frozen=True)
+class ReplaceNodes:
+    """Ask the backend for the cluster's lost nodes back; the health incident ``detail`` records what it did."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class Log:
+    level: str  # info | warning | error
+    message: str
+
+
+@dataclass
+class Outcome:
+    run: str
+    action: str  # ok | observing | succeeded | restarted | waiting | gave-up | skipped | inactive
+    detail: str = ""
+    incident: Incident | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        incident = self.incident.dump() if self.incident is not None else None
+        return {"run": self.run, "action": self.action, "detail": self.detail, "incident": incident}
+
+
+@dataclass
+class Decision:
+    record: RunRecord  # the record as it should be (a copy: the observed one is left as it was)
+    actions: list[Any]
+    outcome: Outcome
+
+
+# -- the decision -----------------------------------------------------------------------------------------------
+def decide(reg: RunRecord, obs: Observations, cfg: Config) -> Decision:
+    """The whole judgement of one pass over an active run."""
+    reg, now = reg.copy(), obs.now
+    incident = reg.open_incident()
+    if incident is not None:
+        return handle_incident(reg, incident, cfg, now, [])
+    verdict = classify(obs.job, reg.current, obs.heartbeat, cfg, now, reg.cluster.address, obs.error)
+    seen = confirm(reg, verdict, cfg, now)
+    if seen == "healthy":
+        return healthy(reg, verdict, obs, cfg)
+    if seen == "suspect":
+        s = reg.suspect
+        detail = (f"{verdict.kind} seen {s.observations}x over {now - s.first_at:.0f}s, not acted on yet: "
+                  f"{first_line(verdict.detail)}")  # fmt: skip
+        return Decision(reg, [Save()], Outcome(reg.name, "observing", detail))
+    incident = open_incident(reg, verdict, cfg, obs)
+    warn = Log("warning", f"run {reg.name}: {incident.kind} detected: {verdict.detail}")
+    return handle_incident(reg, incident, cfg, now, [warn])
+
+
+def handle_incident(reg: RunRecord, incident: Incident, cfg: Config, now: float, actions: list) -> Decision:
+    """An open incident: give up (a rule says a restart is pointless), wait out the backoff, or restart."""
+    reason = give_up_reason(reg, cfg, incident)
+    if reason is not None:
+        incident.set(action="gave-up", reason=reason, gave_up_at=now)
+        reg.set(state="failed", reason=reason)
+        steps = [GiveUp(), Log("error", f"run {reg.name}: giving up: {reason}")]
+        return Decision(reg, actions + steps + _release(cfg), Outcome(reg.name, "gave-up", reason, incident))
+    due = incident.detected_at + backoff_s(cfg, budget_used(reg, cfg, incident))
+    if now < due:
+        incident.set(action="waiting", next_restart_at=due)
+        return Decision(reg, [Save(), *actions], Outcome(reg.name, "waiting", f"restart in {due - now:.0f}s (backoff)",
+                                                         incident))  # fmt: skip
+    return Decision(reg, [Save(), *actions, Restart()], Outcome(reg.name, "restarting", incident.kind, incident))
+
+
+def confirm(reg: RunRecord, verdict: Verdict, cfg: Config, now: float) -> str:
+    """What this look means given the earlier ones: ``healthy``, ``suspect`` (an ambiguous sign, not confirmed yet)
+    or ``trouble`` (act). Keeps the open suspicion in ``reg.suspect``."""
+    from control.records.run import Suspect
+
+    if not verdict.trouble:
+        return "healthy"
+    if verdict.definitive:
+        return "trouble"
+    attempt = reg.current.attempt
+    s = reg.suspect
+    if s is None or s.kind != verdict.kind or s.attempt != attempt:
+        s = reg.suspect = Suspect(kind=verdict.kind, attempt=attempt, first_at=now, observations=0)
+    s.set(last_at=now, observations=s.observations + 1, detail=first_line(verdict.detail))
+    confirm_s = cfg.fault_tolerance.confirm_s
+    looks = CONFIRM_OBSERVATIONS if confirm_s else 1  # confirm_s 0: no confirmation asked for, the first look acts
+    return "trouble" if Suspicion(s.first_at, s.observations).held(now, confirm_s, looks) else "suspect"
+
+
+def cleared(reg: RunRecord, now: float, why: str) -> Incident | None:
+    """End an open suspicion that did not hold: it goes into the incident log as observed, not acted on."""
+    s = reg.suspect
+    if s is None:
+        return None
+    reg.unset("suspect")
+    entry = Incident(kind=s.kind, detected_by="watchdog", detected_at=s.first_at, attempt=s.attempt, action="observed",
+                     observations=s.observations, cleared_at=now, held_s=round(now - s.first_at, 3),
+                     detail=f"{s.detail} -- {why}")  # fmt: skip
+    reg.incidents.append(entry)
+    return entry
+
+
+# -- healthy ----------------------------------------------------------------------------------------------------
+def healthy(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) -> Decision:
+    """Nothing to do but keep the record current (a healthy run costs no write per pass)."""
+    changed = cleared(reg, obs.now, f"healthy again ({verdict.status or verdict.kind})") is not None
+    if verdict.kind == "succeeded":
+        return finish(reg, verdict, obs, cfg)
+    changed |= note_progress(reg, verdict.heartbeat)
+    findings, actions = [], []
+    if verdict.status == "RUNNING":
+        changed |= reg.mark_running(reg.current.attempt)
+        noted, findings, actions = note_health(reg, cfg, obs)
+        changed |= noted
+    step = verdict.heartbeat["step"] if verdict.heartbeat else "-"
+    detail = f"{verdict.status}, step {step}, phase {verdict.phase or '-'}" + "".join(f"; {f}" for f in findings)
+    return Decision(reg, actions + ([Save()] if changed else []), Outcome(reg.name, "ok", detail))
+
+
+def finish(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) -> Decision:
+    """The job succeeded: close the run. An attempt the watchdog started or adopted has no flow left to release
+    its cluster or score it in its series: that is done here."""
+    note_progress(reg, verdict.heartbeat)
+    attempt = reg.current
+    attempt.set(status="SUCCEEDED", ended_at=attempt.ended_at or obs.now)
+    reg.state = "succeeded"
+    if obs.final_exists:
+        reg.final_model = Layout(cfg.storage).final_model(cfg.name)
+    actions: list[Any] = [Save()]
+    if "watchdog" in (attempt.started_by, attempt.adopted_by):
+        actions += [*_release(cfg), FinishSeries()]
+    return Decision(reg, actions, Outcome(reg.name, "succeeded", f"final model: {reg.final_model or '-'}"))
+
+
+def _release(cfg: Config) -> list[Any]:
+    return [] if cfg.cluster.keep_running else [ReleaseCluster()]
+
+
+def note_progress(reg: RunRecord, beat: dict[str, Any] | None) -> bool:
+    """Complete the last restart's incident once its attempt has trained a step: the time to recover.
+    True when the record changed."""
+    if not beat or not beat.get("first_step_at"):
+        return False
+    for inc in reversed(reg.incidents):
+        if inc.action == "restarted" and inc.new_attempt == beat.get("attempt"):
+            if inc.first_new_step_at is not None:
+                return False
+            first = beat["first_step_at"]
+            inc.set(first_new_step_at=first, time_to_recover_s=round(first - inc.detected_at, 3),
+                    downtime_s=round(first - inc.last_progress_at, 3))  # fmt: skip
+            return True
+    return False
+
+
+def note_health(reg: RunRecord, cfg: Config, obs: Observations) -> tuple[bool, list[str], list[Any]]:
+    """The cluster's health while its job runs (control/backends/health.py): each new finding becomes an incident
+    of its kind with action ``noted`` (named, logged, never a restart: the job still runs, and Ray Train or the next
+    failure decides), a lost node is asked back of a backend that can; a finding that no longer holds is marked
+    cleared. Nodes expected: the most the current attempt's cluster had alive at any look. A summary that cannot
+    be read concludes nothing. Returns (record changed, the findings' keys, actions)."""
+    from control.backends.health import assess
+    from control.records.run import Shape
+
+    h = obs.health
+    if h is None or h.nodes is None:
+        return False, [], []
+    attempt = reg.current.attempt
+    before = reg.shape.model_copy() if reg.shape else None
+    if reg.shape is None or reg.shape.attempt != attempt:
+        reg.shape = Shape(attempt=attempt, nodes=0)
+    changed = reg.shape != before or len(h.alive) > reg.shape.nodes
+    reg.shape.nodes = max(reg.shape.nodes, len(h.alive))
+    findings = assess(h, cfg, reg.shape.nodes, obs.disk)
+    keys = [f.key() for f in findings]
+    noted = {i.detail: i for i in reg.incidents if i.action == "noted" and i.cleared_at is None}
+    actions: list[Any] = []
+    for f in (f for f in findings if f.key() not in noted):
+        actions.append(Log("warning", f"run {reg.name}: cluster health: {f.key()}"))
+        reg.incidents.append(Incident(kind=f.kind, detected_by="watchdog (cluster health)", detected_at=obs.now,
+                                      attempt=attempt, action="noted", detail=f.key()))  # fmt: skip
+        actions += [ReplaceNodes(f.key())] if f.kind == "nodes-missing" else []
+        changed = True
+    for key, inc in noted.items():
+        if key not in keys:
+            inc.cleared_at, changed = obs.now, True
+    return changed, keys, actions
+
+
+# -- trouble ----------------------------------------------------------------------------------------------------
+def new_incident(cfg: Config, reg: RunRecord, verdict: Verdict, obs: Observations, by: str = "watchdog") -> Incident:
+    """An incident record for trouble with the current attempt: what, when, and how far the attempt had got."""
+    attempt, beat = reg.current, verdict.heartbeat
+    started_step = beat.get("started_step", resumed_step(attempt.resume_from)) if beat else None
+    started_step = resumed_step(attempt.resume_from) if started_step is None else started_step
+    failed_step = max(beat["step"] if beat else started_step, obs.metrics_step)
+    last_progress = beat["last_step_at"] if beat else attempt.started_at
+    return Incident(kind=verdict.kind, detected_by=by, detected_at=obs.now, attempt=attempt.attempt,
+                    failed_step=failed_step, progress_steps=max(0, failed_step - started_step),
+                    phase=verdict.phase or None, last_progress_at=last_progress,
+                    silent_s=round(obs.now - last_progress, 3), detail=first_line(verdict.detail),
+                    error=verdict.error)  # fmt: skip
+
+
+def open_incident(reg: RunRecord, verdict: Verdict, cfg: Config, obs: Observations) -> Incident:
+    """Record the incident and end the current attempt; the run is ``recovering`` from here."""
+    incident = new_incident(cfg, reg, verdict, obs)
+    s = reg.suspect
+    reg.unset("suspect")
+    if s is not None and s.kind == verdict.kind:  # confirmed: detected when first seen, acted on now
+        incident.set(detected_at=s.first_at, confirmed_at=obs.now, observations=s.observations)
+    status = {"job-failed": "FAILED", "stalled": "STALLED"}.get(verdict.kind, "LOST")
+    reg.current.set(status=status, ended_at=obs.now, message=incident.detail)
+    reg.incidents.append(incident)
+    reg.state = "recovering"
+    return incident
+
+
+def stand_down(reg: RunRecord, incident: Incident, verdict: Verdict, now: float) -> None:
+    """The trouble is gone when looked at again right before the restart: the attempt carries on, the incident
+    stays in the log as observed. A flow that handed the run over has ended: the watchdog adopts the attempt."""
+    incident.set(action="observed", cleared_at=now, detail=f"{incident.detail} -- healthy again "
+                 f"({verdict.status or verdict.kind}) when re-checked before the restart")  # fmt: skip
+    attempt = reg.current
+    attempt.unset("ended_at")
+    attempt.set(status="RUNNING" if verdict.status == "RUNNING" else "SUBMITTED", message="")
+    if incident.detected_by != "watchdog":
+        attempt.set(adopted_by="watchdog", adopted_at=now)
+    reg.state = "running" if attempt.status == "RUNNING" else "submitted"
+
+
+def restarted(reg: RunRecord, new_attempt: int, sid: str, resume_from: str | None, reprovisioned: bool,
+              now: float) -> Incident:  # fmt: skip
+    """Record the restart on the run's open incident; the run is ``submitted`` again."""
+    incident = reg.open_incident()
+    incident.set(action="restarted", new_attempt=new_attempt, submission_id=sid, resumed_from=resume_from,
+                 resumed_step=resumed_step(resume_from) if resume_from else None, restarted_at=now,
+                 reprovisioned=reprovisioned)  # fmt: skip
+    reg.set(restarts=reg.restarts + 1, state="submitted")
+    return incident
+
+
+def resumed_step(resume_from: str | None) -> int:
+    return ckpt.checkpoint_step(resume_from) if resume_from else 0
+
+
+def first_line(text: str) -> str:
+    """Ray's job message carries up to 20,000 characters of log; the record keeps the headline."""
+    from control.rayapi import first_line as line
+
+    return line(text)

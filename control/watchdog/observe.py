@@ -1,0 +1,87 @@
+"""The watchdog's eyes: everything one pass over a run reads, and nothing else it does. What the Jobs API says about
+the current attempt's job, the job's heartbeat, the root cause a failed job printed, how far its metrics got, and
+the cluster's health while the job runs -- each read only when the look so far makes it matter."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from control import jobsapi
+from control.backends import backend_for, handle_from_record
+from control.backends.base import ClusterHandle
+from control.backends.health import Health, disk_usage
+from control.records.run import RunRecord
+from control.watchdog.verdict import classify
+from ray_jobs.config import Config
+from ray_jobs.storage import Layout, exists, read_json
+from ray_jobs.train.metrics import MetricsTail
+
+
+@dataclass(frozen=True)
+class Observations:
+    """One pass's reads. ``job`` is None when nothing was asked of the cluster (an incident is already open)."""
+
+    now: float
+    job: jobsapi.JobView | None = None
+    heartbeat: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None  # the root cause a FAILED/STOPPED job printed
+    metrics_step: int = 0  # newest step in the metrics log (read only when the attempt is in trouble)
+    health: Health | None = None  # the cluster's nodes (read only while the job runs)
+    disk: tuple[int, int] | None = None  # free/total bytes of a local storage path
+    final_exists: bool = False  # the run's final model folder is there (read once the job succeeded)
+
+
+def current_heartbeat(storage: str, run: str, attempt: int) -> dict[str, Any] | None:
+    """The heartbeat file if the given attempt wrote it (an older attempt's says nothing about this one)."""
+    try:
+        beat = read_json(Layout(storage).heartbeat(run))
+    except (FileNotFoundError, ValueError):
+        return None
+    return beat if beat.get("attempt") == attempt else None
+
+
+def job_failure(address: str, sid: str) -> dict[str, Any] | None:
+    """The root cause ``ray_jobs.job`` printed when training raised (None when the driver died without a word)."""
+    logs = jobsapi.job_logs(address, sid) or ""
+    lines = [ln for ln in logs.splitlines() if ln.startswith("UNBROKEN_FAILURE ")]
+    return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+
+
+def last_step(storage: str, run: str) -> int:
+    """Newest step in the run's metrics log (0 when there is none yet)."""
+    return MetricsTail(Layout(storage).metrics(run)).last_step()
+
+
+def observe(reg: RunRecord, cfg: Config, now: float | None = None) -> Observations:
+    """Everything ``decide`` needs about the run's current attempt. Nothing is read of the cluster while an incident
+    is open: that is decided on the record alone, and the restart looks again right before it acts."""
+    now = time.time() if now is None else now
+    if reg.open_incident() is not None:
+        return Observations(now)
+    return look(cfg, reg, now)
+
+
+def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
+    """One look at the current attempt's job: its status and heartbeat, then what that status makes worth reading."""
+    address, attempt = reg.cluster.address, reg.current
+    beat = current_heartbeat(cfg.storage, cfg.name, attempt.attempt)  # storage outlives the cluster
+    view = jobsapi.read_job(address, attempt.submission_id)
+    ended = view.api == "ok" and view.status in ("FAILED", "STOPPED")
+    error = job_failure(address, attempt.submission_id) if ended else None
+    verdict = classify(view, attempt, beat, cfg, now, address, error)
+    extra: dict[str, Any] = {}
+    if verdict.trouble:
+        extra["metrics_step"] = last_step(cfg.storage, cfg.name)
+    elif verdict.kind == "succeeded":
+        extra["final_exists"] = exists(Layout(cfg.storage).final_model(cfg.name))
+    elif view.status == "RUNNING":
+        extra["health"], extra["disk"] = backend_for(cfg).health(recorded_handle(reg)), disk_usage(cfg.storage)
+    return Observations(now, view, beat, error, **extra)
+
+
+def recorded_handle(reg: RunRecord) -> ClusterHandle:
+    """The run's cluster as its record has it (its backend rebuilds the handle)."""
+    return handle_from_record(reg.cluster.dump())

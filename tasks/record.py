@@ -1,0 +1,88 @@
+"""The run record's changes a finetune flow makes, as tasks the Prefect UI shows: record an attempt (once the run
+fits its cluster), hand a failed job over to the watchdog, record how the attempt ended. The record and its rules
+are control/registry.py; the watchdog makes its own changes there under the run's lease."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from control import registry, series
+from control.backends.base import ClusterHandle
+from control.jobs import cancelled, stop_and_wait, write_job_spec
+from control.logs import run_logger
+from control.records.series import EvalPin
+from control.watchdog import failed_job_incident
+from ray_jobs.config import Config
+
+
+@task(name="check-run-compatible", cache_policy=NO_CACHE)
+def check_run_compatible(cfg: Config, dataset_id: str) -> None:
+    """RunConflict when the run's name exists with another dataset or a setting its checkpoints cannot take."""
+    registry.check_compatible(cfg, dataset_id)
+
+
+@task(name="record-attempt", cache_policy=NO_CACHE)
+def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest_url: str, start: str,
+                   pin: EvalPin, parent: str | None) -> tuple[int, str]:  # fmt: skip
+    """Write the attempt's job spec, make sure a recovering attempt's job no longer runs, then record the attempt
+    (refused while another is in flight) and the run's place in its series. Returns (attempt, job spec URL)."""
+    attempt = registry.next_attempt(cfg)
+    spec_url = write_job_spec(cfg, attempt, manifest_url, start, None, pin.manifest_url)
+    _stop_superseded_job(cfg)
+    extra = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
+             "score_manifest_url": pin.manifest_url}  # fmt: skip
+    registry.begin_attempt(cfg, handle.to_dict(), dataset_id, extra=extra, expect=attempt)
+    series.begin_run(cfg, dataset_id, pin, parent, flow_run.id)
+    return attempt, spec_url
+
+
+def _stop_superseded_job(cfg: Config) -> None:
+    """Before a new attempt of a run that was recovering: make sure its last job no longer runs (a stall or a
+    lost cluster is recorded without the job being known to have ended). StopUnverified stops this flow."""
+    reg = registry.load(cfg.storage, cfg.name)
+    if reg and reg.attempts and reg.state == "recovering":
+        last = reg.current
+        if stop_and_wait(reg.cluster.address, last.submission_id):
+            run_logger().warning("stopped Ray job %s of the recovering attempt", last.submission_id)
+
+
+@task(name="hand-over-to-watchdog", cache_policy=NO_CACHE)
+def hand_over(cfg: Config, attempt: int, address: str, failure: Exception) -> None:
+    """The training job failed: record the incident the watchdog would have, and leave the run ``recovering``."""
+    registry.hand_over(cfg, attempt, str(failure), failed_job_incident(cfg, attempt, address, failure))
+    run_logger().error("training job failed; the run is left to the watchdog to recover: %s", failure)
+
+
+@task(name="record-success", cache_policy=NO_CACHE)
+def record_success(cfg: Config, attempt: int, final_model: str) -> dict | None:
+    """The attempt succeeded: close the run, and score it against its series' champion (the verdict, or None)."""
+    registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=final_model)
+    verdict = series.finish_run(cfg.storage, cfg.name)
+    return verdict.dump() if verdict else None  # plain JSON: it goes into the flow's result
+
+
+@task(name="record-flow-end", cache_policy=NO_CACHE)
+def record_flow_end(cfg: Config, attempt: int, e: BaseException) -> None:
+    """This flow ends before its job did: a cancel ends the run (its job was stopped); an error of the flow's own
+    (not of the job) leaves the attempt to the watchdog, whose job may be training fine."""
+    if cancelled(e):
+        registry.end_attempt(cfg, attempt, "STOPPED", f"cancelled ({type(e).__name__})")
+    else:
+        registry.adopt(cfg, attempt, f"the finetune flow failed: {type(e).__name__}: {e}")
+
+
+@task(name="release-cluster", cache_policy=NO_CACHE)
+def release_cluster(cfg: Config, handle: ClusterHandle) -> None:
+    """Release the run's cluster unless kept, or unless the run still needs it: a job the watchdog now looks after
+    (a failed job it will restart, an adopted one) -- the watchdog releases it when it closes the run."""
+    from control.cluster import release
+
+    reg = registry.load(cfg.storage, cfg.name)
+    if cfg.cluster.keep_running:
+        run_logger().info("leaving the Ray cluster running (cluster.keep_running): %s", handle.dashboard_url)
+    elif reg is not None and reg.active:
+        run_logger().info("leaving the Ray cluster running for the watchdog (run %s is %s)", cfg.name, reg.state)
+    else:
+        release(cfg, handle, cfg.name)

@@ -1,0 +1,341 @@
+"""The watchdog's decisions as a table: a run record and one pass's observations in, the record as it should be,
+the actions and the outcome out -- every verdict the watchdog can reach, each chaos scenario's situation as a row.
+No cluster, no storage, no clock: ``decide`` is pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from control.backends.health import Health, Node
+from control.jobsapi import JobView
+from control.records.run import Attempt, ClusterRecord, Incident, RunRecord, Suspect
+from control.watchdog.decide import (
+    FinishSeries,
+    GiveUp,
+    Log,
+    ReleaseCluster,
+    ReplaceNodes,
+    Restart,
+    Save,
+    decide,
+)
+from control.watchdog.observe import Observations
+from ray_jobs.config import load_config
+from tests.conftest import ROOT
+
+NOW = 10_000.0
+CFG = load_config(ROOT / "configs" / "demo.yaml", ["storage=/nonexistent/storage", "name=r",
+    "fault_tolerance.stall_timeout_s=60", "fault_tolerance.confirm_s=30", "fault_tolerance.restart_backoff_s=10",
+    "fault_tolerance.max_restarts=2"])  # fmt: skip
+
+
+def record(status: str = "RUNNING", state: str = "running", backend: str = "local", **fields: Any) -> RunRecord:
+    attempt = Attempt(attempt=2, submission_id="unbroken-r-train-002", started_at=NOW - 500, started_by="watchdog",
+                      resume_from="/s/ray/r/checkpoint-step-00000040", status=status)  # fmt: skip
+    first = Attempt(attempt=1, submission_id="unbroken-r-train-001", started_at=NOW - 900, started_by="finetune-flow",
+                    status="FAILED", ended_at=NOW - 510)  # fmt: skip
+    base = {"name": "r", "created_at": NOW - 900, "state": state, "config": {}, "dataset_id": "ds-1", "restarts": 1,
+            "cluster": ClusterRecord(address="http://h:8265", backend=backend, mode="local", started_here=True),
+            "attempts": [first, attempt], "incidents": [restarted_at(1)]}  # fmt: skip
+    return RunRecord(**(base | fields))
+
+
+def restarted_at(attempt: int, **fields: Any) -> Incident:
+    base = {"kind": "job-failed", "detected_by": "watchdog", "detected_at": NOW - 505, "attempt": attempt,
+            "action": "restarted", "new_attempt": attempt + 1, "failed_step": 45, "progress_steps": 45,
+            "last_progress_at": NOW - 520}  # fmt: skip
+    return Incident(**(base | fields))
+
+
+def beat(step: int = 80, last_step_ago_s: float = 2, phase: str = "training", **extra: Any) -> dict[str, Any]:
+    return {"attempt": 2, "step": step, "last_step_at": NOW - last_step_ago_s, "time": NOW - 1, "phase": phase,
+            "phase_started_at": NOW - 100, "started_step": 40} | extra  # fmt: skip
+
+
+def nodes(alive: int, dead: int = 0) -> Health:
+    ns = [Node(f"n{i}", f"10.0.0.{i}", True, i == 0) for i in range(alive)]
+    return Health(ns + [Node(f"d{i}", f"10.0.1.{i}", False, False) for i in range(dead)])
+
+
+def open_incident(**fields: Any) -> Incident:
+    base = {"kind": "job-failed", "detected_by": "finetune-flow", "detected_at": NOW - 3, "attempt": 2,
+            "failed_step": 80, "progress_steps": 40, "last_progress_at": NOW - 5}  # fmt: skip
+    return Incident(**(base | fields))
+
+
+@dataclass
+class Row:
+    name: str
+    reg: RunRecord
+    obs: Observations
+    outcome: str
+    actions: list[type]
+    check: dict[str, Any] = field(default_factory=dict)  # attribute path on the decided record -> value
+
+
+def ok(view: JobView, b: dict | None = None, **obs: Any) -> Observations:
+    return Observations(NOW, view, b, **obs)
+
+
+FAILED = JobView("ok", "FAILED", "Job entrypoint command failed with exit code 1")
+ROWS = [
+    Row("healthy run: nothing to write", record(), ok(JobView("ok", "RUNNING"), beat()), "ok", []),
+    Row(
+        "first look at RUNNING: the attempt and the run become running",
+        record("SUBMITTED", "submitted"),
+        ok(JobView("ok", "RUNNING"), beat()),
+        "ok",
+        [Save],
+        {"state": "running", "current.status": "RUNNING"},
+    ),
+    Row(
+        "after a restart, its first step completes the incident's cost",
+        record(),
+        ok(JobView("ok", "RUNNING"), beat(first_step_at=NOW - 50)),
+        "ok",
+        [Save],
+        {"incidents[0].first_new_step_at": NOW - 50, "incidents[0].time_to_recover_s": 455.0},
+    ),
+    Row(
+        "the cluster does not know a job it was just given (still submitting)",
+        record(
+            "SUBMITTED",
+            "submitted",
+            attempts=[Attempt(attempt=1, submission_id="s", started_at=NOW - 5, started_by="finetune-flow")],
+            incidents=[],
+        ),
+        ok(JobView("missing", why="no such job")),
+        "ok",
+        [],
+    ),
+    Row(
+        "a long export is no stall",
+        record(),
+        ok(JobView("ok", "RUNNING"), beat(last_step_ago_s=400, phase="exporting")),
+        "ok",
+        [],
+    ),
+    # chaos: Jobs API 502s and resets; the dashboard SIGSTOPped -- seen, not acted on before confirm_s
+    Row(
+        "Jobs API 502: suspect",
+        record(),
+        ok(JobView("unknown", why="HTTP 502 from the Jobs API")),
+        "observing",
+        [Save],
+        {"suspect.kind": "cluster-unreachable", "suspect.observations": 1, "state": "running"},
+    ),
+    Row(
+        "dashboard SIGSTOP: a read time-out is suspect too",
+        record(),
+        ok(JobView("unknown", why="ReadTimeout")),
+        "observing",
+        [Save],
+        {"suspect.first_at": NOW},
+    ),
+    Row(
+        "a blip that healed is logged as observed",
+        record(suspect=Suspect(kind="cluster-unreachable", attempt=2, first_at=NOW - 20, observations=3)),
+        ok(JobView("ok", "RUNNING"), beat()),
+        "ok",
+        [Save],
+        {"suspect": None, "incidents[-1].action": "observed", "incidents[-1].held_s": 20.0},
+    ),
+    # chaos: every process of the head killed -- no answer that held for confirm_s over 2+ looks: restart
+    Row(
+        "head killed: unreachable, confirmed",
+        record(suspect=Suspect(kind="cluster-unreachable", attempt=2, first_at=NOW - 31, observations=1)),
+        ok(JobView("unknown", why="ConnectionError"), metrics_step=70),
+        "restarting",
+        [Save, Log, Restart],
+        {
+            "state": "recovering",
+            "incidents[-1].detected_at": NOW - 31,
+            "incidents[-1].confirmed_at": NOW,
+            "current.status": "LOST",
+        },
+    ),
+    Row(
+        "the cluster forgot the job: lost, confirmed",
+        record(suspect=Suspect(kind="job-lost", attempt=2, first_at=NOW - 40, observations=2)),
+        ok(JobView("missing", why="no such job")),
+        "restarting",
+        [Save, Log, Restart],
+        {"incidents[-1].kind": "job-lost"},
+    ),
+    # chaos: kill -9 the job driver; kill -9 during a checkpoint write -- the API says FAILED: act at once
+    Row(
+        "driver killed: job failed, acted on at once (the restart waits out its backoff)",
+        record(),
+        ok(FAILED, beat(step=83), metrics_step=80),
+        "waiting",
+        [Save, Log],
+        {
+            "state": "recovering",
+            "current.status": "FAILED",
+            "incidents[-1].failed_step": 83,
+            "incidents[-1].progress_steps": 43,
+            "incidents[-1].next_restart_at": NOW + 20,
+        },
+    ),
+    # chaos: SIGSTOP a train worker -- no step for longer than stall_timeout_s
+    Row(
+        "hung worker: stalled",
+        record(),
+        ok(JobView("ok", "RUNNING"), beat(last_step_ago_s=61)),
+        "waiting",
+        [Save, Log],
+        {"current.status": "STALLED", "incidents[-1].kind": "stalled"},
+    ),
+    # chaos: kill a train worker / a worker host -- Ray Train recovers inside the job; health names a lost node
+    Row(
+        "a worker host died: noted, never a restart",
+        record(shape={"attempt": 2, "nodes": 3}),
+        ok(JobView("ok", "RUNNING"), beat(), health=nodes(2, dead=1)),
+        "ok",
+        [Log, ReplaceNodes, Save],
+        {"incidents[-1].action": "noted", "incidents[-1].kind": "nodes-missing", "state": "running"},
+    ),
+    Row(
+        "the lost node is back: the finding is cleared",
+        record(
+            shape={"attempt": 2, "nodes": 3},
+            incidents=[
+                restarted_at(1),
+                Incident(
+                    kind="nodes-missing",
+                    detected_by="watchdog (cluster health)",
+                    detected_at=NOW - 9,
+                    attempt=2,
+                    action="noted",
+                    detail="nodes-missing: 2 of 3 nodes alive",
+                ),
+            ],
+        ),
+        ok(JobView("ok", "RUNNING"), beat(), health=nodes(3)),
+        "ok",
+        [Save],
+        {"incidents[-1].cleared_at": NOW},
+    ),
+    # the job succeeded
+    Row(
+        "succeeded, started by the flow: closed; the flow releases",
+        record(
+            attempts=[
+                Attempt(attempt=1, submission_id="s", started_at=NOW - 50, started_by="finetune-flow", status="RUNNING")
+            ],
+            incidents=[],
+        ),
+        ok(JobView("ok", "SUCCEEDED"), beat(), final_exists=True),
+        "succeeded",
+        [Save],
+        {"state": "succeeded", "current.status": "SUCCEEDED", "final_model": "/nonexistent/storage/runs/r/final"},
+    ),
+    Row(
+        "succeeded after a watchdog restart: release the cluster, score it in its series",
+        record(),
+        ok(JobView("ok", "SUCCEEDED"), beat()),
+        "succeeded",
+        [Save, ReleaseCluster, FinishSeries],
+        {"state": "succeeded", "final_model": None},
+    ),
+    # an open incident (the flow handed the run over, or a backoff is being waited out)
+    Row(
+        "handed over by the flow, backoff not over: wait",
+        record(incidents=[restarted_at(1), open_incident()]),
+        Observations(NOW),
+        "waiting",
+        [Save],
+        {"incidents[-1].action": "waiting", "incidents[-1].next_restart_at": NOW - 3 + 20},
+    ),
+    Row(
+        "handed over, backoff over: restart",
+        record(incidents=[restarted_at(1), open_incident(detected_at=NOW - 30)]),
+        Observations(NOW),
+        "restarting",
+        [Save, Restart],
+    ),
+    # give up
+    Row(
+        "a user error is not restarted",
+        record(
+            incidents=[
+                open_incident(error={"type": "KeyError", "message": "'text'", "kinds": ["KeyError", "LookupError"]})
+            ]
+        ),
+        Observations(NOW),
+        "gave-up",
+        [GiveUp, Log, ReleaseCluster],
+        {"state": "failed", "incidents[-1].action": "gave-up"},
+    ),
+    Row(
+        "the same step failing twice is deterministic",
+        record(incidents=[restarted_at(1, failed_step=80), open_incident()]),
+        Observations(NOW),
+        "gave-up",
+        [GiveUp, Log, ReleaseCluster],
+        {
+            "reason": "deterministic failure: 2 attempts in a row failed at step 80 (job-failed); a restart would fail "
+            "the same way"
+        },
+    ),
+    Row(
+        "the restart budget is spent",
+        record(
+            restarts=2, incidents=[restarted_at(1, failed_step=10), restarted_at(1, failed_step=20), open_incident()]
+        ),
+        Observations(NOW),
+        "gave-up",
+        [GiveUp, Log, ReleaseCluster],
+    ),
+    Row(
+        "a preemption never spends the budget",
+        record(
+            restarts=2,
+            incidents=[
+                restarted_at(1, failed_step=10),
+                restarted_at(1, failed_step=20),
+                open_incident(detected_at=NOW - 60, error={"type": "Preempted", "preempted": True}),
+            ],
+        ),
+        Observations(NOW),
+        "restarting",
+        [Save, Restart],
+    ),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_decide(row: Row) -> None:
+    before = row.reg.model_dump()
+    decision = decide(row.reg, row.obs, CFG)
+    assert decision.outcome.action == row.outcome, decision.outcome.detail
+    assert [type(a) for a in decision.actions] == row.actions
+    for path, want in row.check.items():
+        assert _get(decision.record, path) == want, path
+    assert row.reg.model_dump() == before, "decide changed the record it was given"
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.replace("]", "").replace("[", ".").split("."):
+        obj = obj[int(part)] if part.lstrip("-").isdigit() else getattr(obj, part)
+    return obj
+
+
+def test_a_healthy_pass_writes_nothing_and_a_changed_one_writes_once(tmp_path: Path) -> None:
+    quiet = decide(record(), ok(JobView("ok", "RUNNING"), beat()), CFG)
+    assert Save not in map(type, quiet.actions)
+    first = decide(record("SUBMITTED", "submitted"), ok(JobView("ok", "RUNNING"), beat()), CFG)
+    assert [type(a) for a in first.actions].count(Save) == 1
+
+
+def test_an_ambiguous_sign_needs_two_looks_and_confirm_s(tmp_path: Path) -> None:
+    reg, blip = record(), JobView("unknown", why="HTTP 502")
+    for t, want in ((0, "observing"), (10, "observing"), (29, "observing"), (31, "restarting")):
+        decision = decide(reg, Observations(NOW + t, blip), CFG)
+        assert decision.outcome.action == want, t
+        reg = decision.record
+    assert reg.incidents[-1].observations == 4 and reg.incidents[-1].detected_at == NOW
