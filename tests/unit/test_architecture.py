@@ -1,0 +1,148 @@
+"""The architecture as a test (docs/architecture.md): layers that import only downward, no import cycle between
+packages or files, Prefect kept out of the control plane and the cluster side, and no file or function grown past
+what a reader takes in at once. Reads the source (ast), imports nothing of it."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+# Top to bottom. A module may import its own layer and those below it, never one above.
+LAYERS = ("unbroken", "deployments", "flows", "tasks", "control", "ray_jobs")
+# Where the control plane may import Prefect: emitting an event (Prefect's event bus is how a promotion, a refused
+# dataset and a recovery reach automations; there is no other channel). Nowhere else below tasks/.
+PREFECT_IN_CONTROL = {"control/series/promotion.py", "control/sources.py"}
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 40
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an import names (``a.b.c`` may be a module, or a name inside ``a.b``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every project module ``module`` imports, at the top or inside a function (a lazy import is still a use)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {_resolve(a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out |= {_resolve(f"{base}.{a.name}") or _resolve(base) for a in node.names}
+    return {m for m in out if m and m != module}
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[0])
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_layers_import_only_downward() -> None:
+    upward = sorted(f"{a} -> {b}" for a, bs in GRAPH.items() for b in bs if _layer(b) < _layer(a))
+    assert upward == [], "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_files() -> None:
+    assert _cycles(GRAPH) == []
+
+
+def test_no_import_cycle_between_packages() -> None:
+    packages: dict[str, set[str]] = defaultdict(set)
+    for a, bs in GRAPH.items():
+        pa = a.rpartition(".")[0] if MODULES[a].name != "__init__.py" else a
+        for b in bs:
+            pb = b.rpartition(".")[0] if MODULES[b].name != "__init__.py" else b
+            if pa != pb and not pb.startswith(pa + ".") and not pa.startswith(pb + "."):
+                packages[pa].add(pb)
+    assert _cycles(packages) == []
+
+
+def test_prefect_stays_above_the_control_plane() -> None:
+    uses = set()
+    for module, path in MODULES.items():
+        if _layer(module) >= LAYERS.index("control"):
+            tree = ast.parse(path.read_text())
+            names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+            if any(n == "prefect" or n.startswith("prefect.") for n in names):
+                uses.add(str(path.relative_to(ROOT)))
+    assert uses <= PREFECT_IN_CONTROL, sorted(uses - PREFECT_IN_CONTROL)
+
+
+def test_tasks_holds_only_prefect_tasks() -> None:
+    for path in (ROOT / "tasks").glob("*.py"):
+        if path.name != "__init__.py":
+            assert "@task(" in path.read_text(), f"{path.name} defines no Prefect task: it belongs to control/"
+
+
+def test_no_file_or_function_is_too_long_to_read() -> None:
+    long_files, long_functions = [], []
+    for path in MODULES.values():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert long_files == [] and long_functions == [], "\n".join(long_files + long_functions)
