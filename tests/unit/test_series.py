@@ -213,8 +213,8 @@ def test_a_missing_series_eval_source_is_a_config_error_naming_the_field(tmp_pat
 
 # -- the series' fixed eval set ----------------------------------------------------------------------------------
 def test_a_series_eval_set_is_staged_on_its_own_and_pinned_by_its_dataset_id(setup, tmp_path) -> None:  # noqa: F811
-    from tasks.lineage import _eval_pin
     from ray_jobs.storage import read_json
+    from tasks.lineage import _eval_pin
     from tasks.stage import Staged
     from tests.conftest import SAMPLE_DATA
 
