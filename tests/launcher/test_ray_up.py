@@ -89,7 +89,7 @@ def test_ray_up_runs_a_job_brings_a_lost_host_back_and_the_watchdog_reprovisions
                        "lost_steps": max(0, at_fault - (incident.resumed_step or 0))})  # fmt: skip
         print(
             f"RAYUP up {up_s:.1f}s, lost host back {back_s:.1f}s, teardown -> first new step "
-            f"{incident['first_new_step_at'] - fault_at:.1f}s"
+            f"{incident.first_new_step_at - fault_at:.1f}s"
         )
     finally:
         backend.down(handle, "test")  # (the watchdog already took it down when the run it restarted ended)
