@@ -11,22 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import ValidationError
-
 from control.backends import backend_problems
-from ray_jobs.config import ClusterConfig, Config, ConfigError, from_json, loading, parse_overrides
+from ray_jobs.config import Config, ConfigError, from_json, loading
 
 __all__ = ["Config", "ConfigError", "from_json", "load_config", "validate"]
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Load YAML (optional), apply ``--set`` overrides, validate; raises ConfigError naming every bad field."""
-    # ray_jobs' own reading and merging, so a file's errors read as they do there
-    raw = loading._read_yaml(path) if path is not None else {}
-    tree, problems = parse_overrides(overrides or [])
-    if problems:
-        raise ConfigError(problems, str(path or "overrides"))
-    return validate(loading._merge(raw, tree), str(path or "config"))
+    return validate(loading.raw_config(path, overrides), str(path or "config"))
 
 
 def validate(raw: dict[str, Any], source: str = "config") -> Config:
@@ -37,17 +30,9 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         cfg = loading.validate(raw, source)
     except ConfigError as e:
         problems = list(e.problems)
-    cluster = _cluster_section(raw)
+    cluster = loading.cluster_alone(raw)
     if cluster is not None:  # judged as written (paths not yet made absolute): messages quote what the user wrote
         problems += backend_problems(cluster, str(raw.get("storage") or ""))
     if problems:
         raise ConfigError(problems, source)
     return cfg
-
-
-def _cluster_section(raw: dict[str, Any]) -> ClusterConfig | None:
-    """The cluster section on its own (None when it is invalid: ray_jobs reported why)."""
-    try:
-        return ClusterConfig.model_validate(raw.get("cluster") or {})
-    except ValidationError:
-        return None

@@ -95,7 +95,7 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
             msg = ("unknown key" if err["type"] == "extra_forbidden" else err["msg"]).removeprefix("Value error, ")
             named = not err["loc"] and re.match(r"[a-z_]+(\.[a-z_]+)*: ", msg)  # a cross-field check names its field
             problems.append(msg if named else f"{_field_name(err['loc'])}: {msg}")
-    cluster = cfg.cluster if cfg is not None else _cluster_alone(raw)
+    cluster = cfg.cluster if cfg is not None else cluster_alone(raw)
     if cluster is not None:
         problems += cluster_problems(cluster, str(raw.get("storage") or ""))
     if problems:
@@ -109,7 +109,7 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
     return cfg
 
 
-def _cluster_alone(raw: dict[str, Any]) -> ClusterConfig | None:
+def cluster_alone(raw: dict[str, Any]) -> ClusterConfig | None:
     """The cluster section on its own, when the whole config did not validate (its own errors are reported)."""
     try:
         return ClusterConfig.model_validate(raw.get("cluster") or {})
@@ -117,13 +117,18 @@ def _cluster_alone(raw: dict[str, Any]) -> ClusterConfig | None:
         return None
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Load YAML (optional), apply ``--set`` overrides, validate; raises ConfigError naming every bad field."""
+def raw_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The YAML (optional) with ``--set`` overrides applied, not yet validated; ConfigError for a bad override."""
     raw = _read_yaml(path) if path is not None else {}
     tree, problems = parse_overrides(overrides or [])
     if problems:
         raise ConfigError(problems, str(path or "overrides"))
-    return validate(_merge(raw, tree), str(path or "config"))
+    return _merge(raw, tree)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (optional), apply ``--set`` overrides, validate; raises ConfigError naming every bad field."""
+    return validate(raw_config(path, overrides), str(path or "config"))
 
 
 def from_json(text: str) -> Config:
