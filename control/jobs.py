@@ -11,6 +11,7 @@ import shlex
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 
 from control import jobsapi
@@ -209,6 +210,25 @@ TAIL_RETRY_S = 2.0
 STATUS_POLL_S = 0.5
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """What one status poll means for the flow's watch, given the polls before it (pure: ``judge``)."""
+
+    suspicion: Suspicion | None  # the open suspicion after this poll (None: the Jobs API answered)
+    lost: bool = False  # the silence is confirmed: the cluster is taken for gone
+    healed_after_s: float | None = None  # the Jobs API answers again after this long
+    held_s: float = 0.0  # how long the silence has held (when it has not healed)
+
+
+def judge(view: jobsapi.JobView, suspicion: Suspicion | None, confirm_s: float, now: float) -> Judgement:
+    """The flow's watch decides like the watchdog (control/confirm.py): a poll that told nothing about the job is a
+    blip until it held for ``confirm_s`` over at least LOST_AFTER_ERRORS polls (a 502, a restarting dashboard)."""
+    if view.api == "ok":
+        return Judgement(None, healed_after_s=suspicion.held_s(now) if suspicion else None)
+    seen = Suspicion(suspicion.first_at if suspicion else now, (suspicion.observations if suspicion else 0) + 1)
+    return Judgement(seen, seen.held(now, confirm_s, LOST_AFTER_ERRORS), held_s=seen.held_s(now))
+
+
 class _Watch:
     """The state of one watch: the open suspicion (consecutive unanswered polls), rate-limited plumbing warnings."""
 
@@ -218,20 +238,21 @@ class _Watch:
         self.warned_at: dict[str, float] = {}
 
     def observe(self, view: jobsapi.JobView) -> None:
-        """A poll that told nothing about the job: ClusterLost once that held for ``confirm_s`` over at least
-        LOST_AFTER_ERRORS polls (before, it may be a blip: a 502, a restarting dashboard)."""
-        now = time.monotonic()
-        if view.api == "ok":
-            if self.unanswered is not None:
-                self.log.info("the Jobs API answers again after %.0fs", self.unanswered.held_s(now))
-            self.unanswered = None
+        """Judge one poll and act on it: log a healed silence, warn of an open one, ClusterLost once confirmed."""
+        j = judge(view, self.unanswered, self.confirm_s, time.monotonic())
+        self.unanswered = j.suspicion
+        if j.healed_after_s is not None:
+            self.log.info("the Jobs API answers again after %.0fs", j.healed_after_s)
+        if j.suspicion is None:
             return
-        self.unanswered = (self.unanswered or Suspicion(now)).seen()
-        held = self.unanswered.held_s(now)
-        self.warn("poll", f"Ray job {self.sid}: {view.why} (for {held:.0f}s; not acted on before {self.confirm_s:g}s)")
-        if self.unanswered.held(now, self.confirm_s, LOST_AFTER_ERRORS):
+        self.warn(
+            "poll", f"Ray job {self.sid}: {view.why} (for {j.held_s:.0f}s; not acted on before {self.confirm_s:g}s)"
+        )
+        if j.lost:
             what = "has no record of" if view.api == "missing" else "stopped answering about"
-            raise ClusterLost(f"the Ray cluster at {self.address} {what} job {self.sid} for {held:.0f}s: {view.why}")
+            raise ClusterLost(
+                f"the Ray cluster at {self.address} {what} job {self.sid} for {j.held_s:.0f}s: {view.why}"
+            )
 
     def warn(self, key: str, message: str) -> None:
         now = time.monotonic()

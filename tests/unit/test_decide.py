@@ -339,3 +339,26 @@ def test_an_ambiguous_sign_needs_two_looks_and_confirm_s(tmp_path: Path) -> None
         assert decision.outcome.action == want, t
         reg = decision.record
     assert reg.incidents[-1].observations == 4 and reg.incidents[-1].detected_at == NOW
+
+
+# -- the flow's watch: the same confirmation rule, 5 polls (control/jobs.py judge) --------------------------------
+@pytest.mark.parametrize(
+    ("polls", "lost_at"),
+    [
+        ([("unknown", 0), ("unknown", 10), ("ok", 20)], None),  # a blip that healed
+        ([("unknown", t) for t in (0, 10, 20, 31)], None),  # held 31 s but only 4 polls
+        ([("unknown", t) for t in (0, 10, 20, 25, 31)], 4),  # 5 polls over 31 s: lost
+        ([("missing", t) for t in (0, 1, 2, 3, 4, 30)], 5),  # a job the cluster forgot, confirmed the same way
+        ([("unknown", 0), ("unknown", 29), ("ok", 30), ("unknown", 31), ("unknown", 40)], None),  # a new window
+    ],
+)
+def test_the_flows_watch_takes_a_cluster_for_lost_only_once_its_silence_held(polls, lost_at) -> None:
+    from control.jobs import judge
+
+    suspicion, lost = None, None
+    for i, (api, t) in enumerate(polls):
+        j = judge(JobView(api, "RUNNING" if api == "ok" else "", why="502"), suspicion, 30.0, NOW + t)
+        suspicion = j.suspicion
+        if j.lost and lost is None:
+            lost = i
+    assert lost == lost_at
