@@ -24,7 +24,6 @@ from ray_jobs.storage import (
     fs_and_path,
     join,
     listing,
-    read_json,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -39,13 +38,8 @@ def submission_id(run: str, attempt: int, kind: str = "train") -> str:
 
 def load(storage: str, run: str) -> RunRecord | None:
     """The run's record (migrated from an older version's file), or None when the run has none."""
-    url = Layout(storage).run_registry(run)
-    try:
-        tree = read_json(url)
-    except FileNotFoundError:
-        return None
-    reg = RunRecord.parse(tree, url)
-    if not reg.name:
+    reg = RunRecord.read(Layout(storage).run_registry(run))
+    if reg is not None and not reg.name:
         reg.name = run
     return reg
 

@@ -8,6 +8,8 @@ from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ray_jobs.storage import read_json
+
 
 class RecordError(ValueError):
     """A stored record that does not fit its schema (a field unknown to this version, a value of the wrong type)."""
@@ -44,6 +46,15 @@ class Record(Part):
     def migrate(cls, tree: dict[str, Any]) -> dict[str, Any]:
         """An older version's tree in this version's shape (subclasses add steps as versions come)."""
         return tree
+
+    @classmethod
+    def read(cls, url: str) -> Self | None:
+        """The record stored at ``url`` (parsed as :meth:`parse` does), or None when there is no such file."""
+        try:
+            tree = read_json(url)
+        except FileNotFoundError:
+            return None
+        return cls.parse(tree, url)
 
     @classmethod
     def parse(cls, tree: dict[str, Any], where: str) -> Self:

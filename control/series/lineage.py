@@ -18,7 +18,7 @@ from control import lease as leases
 from control import registry
 from control.records.series import EvalPin, SeriesRecord, SeriesRun
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, exists, read_json, write_json_atomic
+from ray_jobs.storage import Layout, exists, write_json_atomic
 
 T = TypeVar("T")
 INIT_FROM = {"series-champion": "champion", "series-latest": "latest"}
@@ -35,12 +35,7 @@ class WarmStart:
 
 def load(storage: str, series: str) -> SeriesRecord | None:
     """The series' record (an older version's file migrated), or None before its first run."""
-    url = Layout(storage).series_registry(series)
-    try:
-        tree = read_json(url)
-    except FileNotFoundError:
-        return None
-    return SeriesRecord.parse(tree, url)
+    return SeriesRecord.read(Layout(storage).series_registry(series))
 
 
 def runs(storage: str, series: str) -> list[SeriesRun]:

@@ -40,12 +40,7 @@ def folder_manifest(url: str) -> dict[str, str]:
 
 def champion(storage: str, series: str) -> ChampionPointer | None:
     """The published champion pointer, or None."""
-    url = Layout(storage).champion(series)
-    try:
-        tree = read_json(url)
-    except FileNotFoundError:
-        return None
-    return ChampionPointer.parse(tree, url)
+    return ChampionPointer.read(Layout(storage).champion(series))
 
 
 def finish_run(storage: str, run: str) -> Verdict | None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from control.backends.health import assess
 from control.confirm import Suspicion
-from control.records.run import Incident, RunRecord
+from control.rayapi import first_line
+from control.records.run import Incident, RunRecord, Shape, Suspect
 from control.watchdog.observe import Observations
 from control.watchdog.policy import backoff_s, budget_used, give_up_reason
 from control.watchdog.verdict import Verdict, classify
@@ -123,8 +125,6 @@ def handle_incident(reg: RunRecord, incident: Incident, cfg: Config, now: float,
 def confirm(reg: RunRecord, verdict: Verdict, cfg: Config, now: float) -> str:
     """What this look means given the earlier ones: ``healthy``, ``suspect`` (an ambiguous sign, not confirmed yet)
     or ``trouble`` (act). Keeps the open suspicion in ``reg.suspect``."""
-    from control.records.run import Suspect
-
     if not verdict.trouble:
         return "healthy"
     if verdict.definitive:
@@ -210,9 +210,6 @@ def note_health(reg: RunRecord, cfg: Config, obs: Observations) -> tuple[bool, l
     failure decides), a lost node is asked back of a backend that can; a finding that no longer holds is marked
     cleared. Nodes expected: the most the current attempt's cluster had alive at any look. A summary that cannot
     be read concludes nothing. Returns (record changed, the findings' keys, actions)."""
-    from control.backends.health import assess
-    from control.records.run import Shape
-
     h = obs.health
     if h is None or h.nodes is None:
         return False, [], []
@@ -293,10 +290,3 @@ def restarted(reg: RunRecord, new_attempt: int, sid: str, resume_from: str | Non
 
 def resumed_step(resume_from: str | None) -> int:
     return ckpt.checkpoint_step(resume_from) if resume_from else 0
-
-
-def first_line(text: str) -> str:
-    """Ray's job message carries up to 20,000 characters of log; the record keeps the headline."""
-    from control.rayapi import first_line as line
-
-    return line(text)
