@@ -95,6 +95,11 @@ def write_job_spec(
     return url
 
 
+def entrypoint(cfg: Config) -> str:
+    """The module a run's job runs: a hyperparameter search's driver, or the training job."""
+    return "ray_jobs.search_job" if cfg.tune is not None else "ray_jobs.job"
+
+
 def submit(
     handle: ClusterHandle, submission_id: str, module: str, spec_url: str, env: dict[str, str] | None = None
 ) -> str:

@@ -46,7 +46,7 @@ def load(storage: str, run: str) -> RunRecord | None:
 
 def save(storage: str, run: str, reg: RunRecord) -> None:
     reg.updated_at = time.time()
-    active = reg.active
+    active = reg.watched
     if active:  # the marker first: a crash in between leaves a marker the next look checks, never a hidden run
         _index(storage, run, True)
     write_json_atomic(Layout(storage).run_registry(run), reg.dump())
@@ -112,7 +112,7 @@ def active_runs(storage: str) -> list[str]:
     active = []
     for run in (n for n in names if n != ".built"):
         reg = load(storage, run)
-        is_active = reg is not None and reg.active
+        is_active = reg is not None and reg.watched
         if is_active != (run in indexed):  # heals a crash between run.json and the index, and builds it
             _index(storage, run, is_active)
         if is_active:

@@ -40,6 +40,7 @@ from tasks.record import (
     release_cluster,
 )
 from tasks.report import publish_series, summarize
+from tasks.search import summarize_search
 from tasks.stage import Staged, cached_dataset, stages_on_cluster
 
 
@@ -80,13 +81,18 @@ async def finetune(
 
 
 async def _finetune(cfg: Config) -> dict[str, Any] | State:
+    """The flow's body, the tune flow's too: a config with a ``tune`` section trains a search (one job, its trials
+    runs of the series) where another trains one run."""
+    search = cfg.tune is not None  # a search always searches: no "nothing new" for it
     early = _provision_early(cfg) if not base_model_ready(cfg) else None  # a new base: nothing trained on it yet
     handle: ClusterHandle | None = None
     try:
         model_path = prepare_base_model(cfg)
         check_model_options(cfg, model_path)  # a LoRA layer the model lacks fails here, before staging or a cluster
         check_series(cfg)
-        if early is None and (done := _trained_already(cfg, model_path)):  # source fingerprints only, no staging
+        if (
+            early is None and not search and (done := _trained_already(cfg, model_path))
+        ):  # source fingerprints only, no staging
             return nothing_new(cfg, done)
         early = early or _provision_early(cfg)  # the cluster comes up while the data is staged
         staged, handle = stage_for(cfg, model_path)  # a cluster here only when staging ran on it
@@ -94,7 +100,7 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
         early = None
         staged_as = cfg.name
         cfg = cfg.resolved(staged.dataset_id, _started_at())
-        if done := find_trained_run(cfg, staged.dataset_id):
+        if not search and (done := find_trained_run(cfg, staged.dataset_id)):
             return nothing_new(cfg, done)
         check_run_compatible(cfg, staged.dataset_id)
         lineage = plan_lineage(cfg, staged, model_path)
@@ -114,7 +120,7 @@ def start_cluster_early(cfg: Config):
     """For ``unbroken run``, before the flow starts (while Prefect's temporary server boots): begin bringing up the
     cluster when the run will surely need it -- staging runs here, and no succeeded run of this series trained this
     recipe (so the run cannot have nothing new to train). Returns what to ``release()`` after the flow, or None."""
-    if stages_on_cluster(cfg) or series.trained_this_recipe(cfg):
+    if stages_on_cluster(cfg) or (cfg.tune is None and series.trained_this_recipe(cfg)):
         return None
     return begin_cluster(cfg)
 
@@ -174,7 +180,7 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
 async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage, attempt: int,
                    spec_url: str) -> dict[str, Any]:  # fmt: skip
     """Submit the attempt's job, watch it to its end, summarize; a failed job is handed over to the watchdog."""
-    submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url)
+    submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url, cfg)
     await acreate_link_artifact(
         f"{handle.dashboard_url}/#/jobs/{submission}", link_text=f"Ray job {submission}",
         key=f"{cfg.name}-ray-job", description="the training job in the Ray dashboard",
@@ -184,4 +190,6 @@ async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: 
     except JobFailed as e:
         hand_over(cfg, attempt, handle.address, e)
         raise
+    if cfg.tune is not None:
+        return summarize_search(cfg, staged.dataset_id)
     return summarize(cfg, staged.dataset_id, lineage.start)

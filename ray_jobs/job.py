@@ -44,8 +44,9 @@ def loop_config(spec: dict, cfg: Config) -> dict:
                          spec.get("attempt", 0), score)  # fmt: skip
 
 
-def build_trainer(cfg: Config, loop: dict):
-    """Ray Train's TorchTrainer for this run: every worker runs ``train_loop_per_worker(loop)``."""
+def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
+    """Ray Train's TorchTrainer for this run: every worker runs ``train_loop_per_worker(loop)``. ``callbacks``: Ray
+    Train callbacks (a search's trial passes Tune's, which forwards rank 0's reports to the scheduler)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
@@ -72,6 +73,7 @@ def build_trainer(cfg: Config, loop: dict):
                 max_failures=cfg.fault_tolerance.max_failures,
                 max_preemption_failures=cfg.fault_tolerance.max_preemptions,
             ),
+            callbacks=callbacks or None,
         ),
     )
 

@@ -14,6 +14,8 @@ SYMBOLS = (
     ("ray._private.authentication.http_token_authentication", "get_auth_headers_if_auth_enabled"),
     ("ray.train.torch.config", "_TorchBackend"),
 )
+# Private attributes read (not imported): (class, attribute path) for the same test.
+ATTRIBUTES = (("ray.tune.schedulers.async_hyperband.AsyncHyperBandScheduler", "_brackets[0]._rungs"),)
 
 
 def auth_headers() -> dict[str, str]:
@@ -30,3 +32,9 @@ def torch_backend() -> type[Any]:
     from ray.train.torch.config import _TorchBackend
 
     return _TorchBackend
+
+
+def asha_rungs(scheduler: Any) -> list[tuple[float, dict[str, float]]]:
+    """ASHA's rungs, ``(milestone, {trial id: value})`` (its one bracket's): Tune neither saves nor exposes them,
+    and a restored search must decide as the uninterrupted one (ray_jobs/search/scheduler.py)."""
+    return scheduler._brackets[0]._rungs

@@ -246,6 +246,14 @@ class Layout:
     def final_model(self, run: str) -> str:
         return join(self.run_dir(run), "final")
 
+    def search_trials(self, run: str) -> str:
+        """A search's trials as its job last saw them (ray_jobs/search/progress.py)."""
+        return join(self.run_dir(run), "trials.json")
+
+    def search_scheduler(self, run: str) -> str:
+        """A search's ASHA rungs (ray_jobs/search/scheduler.py), so a restored search decides as before."""
+        return join(self.run_dir(run), "scheduler.json")
+
     def score(self, run: str) -> str:
         """The final model's loss on its series' pinned eval set (the promotion gate reads it)."""
         return join(self.run_dir(run), "score.json")

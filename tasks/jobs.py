@@ -4,38 +4,42 @@ progress artifact and the registry's ``running`` state."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from prefect import task
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from control import registry
+from control import registry, series
 from control.backends.base import ClusterHandle
-from control.jobs import submit, watch
+from control.jobs import entrypoint, submit, watch
 from ray_jobs.config import Config
+from ray_jobs.search.trials import DONE
 from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import MetricsTail
 
+SEARCH_POLL_S = 5.0  # how often the watch of a search reads its trials
+
 
 @task(name="submit-job", cache_policy=NO_CACHE)
-def submit_job(handle: ClusterHandle, submission_id: str, spec_url: str) -> str:
-    """Submit the training job (``ray_jobs.job``)."""
-    return submit(handle, submission_id, "ray_jobs.job", spec_url)
+def submit_job(handle: ClusterHandle, submission_id: str, spec_url: str, cfg: Config) -> str:
+    """Submit the run's job: the training job (``ray_jobs.job``) or a search's (``ray_jobs.search_job``)."""
+    return submit(handle, submission_id, entrypoint(cfg), spec_url)
 
 
 @task(name="watch-job", cache_policy=NO_CACHE)
 async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, attempt: int, poll_s: float = 2.0) -> str:
     """Watch the training job: log tail into Prefect, a progress artifact (step / max_steps) while it runs, the
     registry's ``running`` state once Ray runs it."""
-    metrics = MetricsTail(Layout(cfg.storage).metrics(cfg.name))  # each poll reads only what is new
+    steps = _steps_of(cfg)
     progress_id, marked = None, False
 
     async def update_progress(status: str) -> None:
         nonlocal progress_id, marked
         if status == "RUNNING" and not marked:
             marked = await asyncio.to_thread(registry.mark_running, cfg.storage, cfg.name, attempt)
-        step = await asyncio.to_thread(metrics.last_step)
-        progress = min(100.0, 100.0 * step / cfg.train.max_steps)
+        step, of = await asyncio.to_thread(steps)
+        progress = min(100.0, 100.0 * step / of)
         if progress_id is None:  # created on the first poll that can: an API outage at the start is no failure
             progress_id = await acreate_progress_artifact(
                 progress, key=f"{cfg.name}-progress", description=f"training steps of {cfg.name}"
@@ -44,3 +48,24 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
             await aupdate_progress_artifact(progress_id, progress=progress)
 
     return await watch(handle, submission_id, poll_s, on_poll=update_progress, confirm_s=cfg.fault_tolerance.confirm_s)
+
+
+def _steps_of(cfg: Config):
+    """What a poll reads of the job's progress: (steps trained, steps in all). A run's from its metrics (each poll
+    reads only what is new); a search's from its trials (their records brought up to date on the way, so
+    ``unbroken runs`` shows each trial's state while the search runs), at most every few seconds."""
+    if cfg.tune is None:
+        metrics = MetricsTail(Layout(cfg.storage).metrics(cfg.name))
+        return lambda: (metrics.last_step(), cfg.train.max_steps)
+    last = {"at": 0.0, "step": 0}
+    total = cfg.train.max_steps * cfg.tune.num_trials
+
+    def read() -> tuple[int, int]:
+        if time.monotonic() - last["at"] >= SEARCH_POLL_S:
+            found = series.sync_trials(cfg.storage, cfg.name)
+            # a trial stopped early counts as done: the steps it will never train are not waited for
+            last.update(at=time.monotonic(), step=sum(cfg.train.max_steps if t["state"] in DONE else t["step"]
+                                                      for t in found.values()))  # fmt: skip
+        return last["step"], total
+
+    return read

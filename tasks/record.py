@@ -27,12 +27,16 @@ def check_run_compatible(cfg: Config, dataset_id: str) -> None:
 def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest_url: str, start: str,
                    pin: EvalPin, parent: str | None) -> tuple[int, str]:  # fmt: skip
     """Write the attempt's job spec, make sure a recovering attempt's job no longer runs, then record the attempt
-    (refused while another is in flight) and the run's place in its series. Returns (attempt, job spec URL)."""
+    (refused while another is in flight) and the run's place in its series (a search's trials too: each a run).
+    Returns (attempt, job spec URL)."""
     attempt = registry.next_attempt(cfg)
     spec_url = write_job_spec(cfg, attempt, manifest_url, start, None, pin.manifest_url)
     _stop_superseded_job(cfg)
     extra = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
              "score_manifest_url": pin.manifest_url}  # fmt: skip
+    if cfg.tune is not None:  # a search: its trials are runs of their own, recorded before it starts
+        trials = series.record_trials(cfg, dataset_id, extra)
+        extra |= {"kind": "search", "trials": [t.name for t in trials]}
     registry.begin_attempt(cfg, handle.to_dict(), dataset_id, extra=extra, expect=attempt)
     series.begin_run(cfg, dataset_id, pin, parent, flow_run.id)
     return attempt, spec_url

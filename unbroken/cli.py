@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     commands = (
         ("run", "run the finetune flow"),
+        ("tune", "run the tune flow: a hyperparameter search over the config's tune.space (Ray Tune)"),
         ("stage", "stage the dataset only"),
         ("train", "local mode: train in this process (or each torchrun process), without Ray or Prefect"),
     )
@@ -85,6 +86,43 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     print(f"final model: {s['final_model']}")
     return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from control.config import ConfigError
+    from flows.finetune import start_cluster_early
+    from flows.tune import tune
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.tune is None:
+        raise ConfigError(["tune: the config has no tune section; add one (see configs/demo-tune.yaml)"], args.config)
+    early = start_cluster_early(cfg)
+    try:
+        s = asyncio.run(tune(args.config, args.overrides))
+    finally:
+        if early is not None:
+            early.release()
+    print(f"search {s['run']}: {len(s['trials'])} trials on dataset {s['dataset_id']}")
+    print(format_trials(s["trials"]))
+    if verdict := s.get("verdict"):
+        print(f"winner {s['winner']}: {'promoted' if verdict['promoted'] else 'not promoted'} -- {verdict['why']}")
+    else:
+        print("no trial completed: nothing to promote")
+    print(f"final model: {s['final_model'] or '-'}")
+    return 0
+
+
+def format_trials(rows: list[dict]) -> str:
+    """The trial table the CLI prints: each trial's values, state, steps, eval loss and series score."""
+    fixed = ("trial", "state", "steps", "eval_loss", "score", "starts", "winner")
+    params = [k for k in rows[0] if k not in fixed] if rows else []
+    head = f"{'trial':<24} " + " ".join(f"{p:>18}" for p in params) + f" {'state':<14} {'steps':>6} {'eval loss':>9}"
+    lines = [head]
+    for r in rows:
+        loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        lines.append(f"{r['trial']:<24} " + " ".join(f"{r[p]!s:>18}" for p in params)
+                     + f" {r['state']:<14} {r['steps']:>6} {loss:>9}{'  <- winner' if r['winner'] else ''}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -191,7 +229,14 @@ def cmd_server(args: argparse.Namespace) -> int:
     os.execvpe(prefect, [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], env)
 
 
-COMMANDS = {"run": cmd_run, "stage": cmd_stage, "train": cmd_train, "watchdog": cmd_watchdog, "serve": cmd_serve}
+COMMANDS = {
+    "run": cmd_run,
+    "tune": cmd_tune,
+    "stage": cmd_stage,
+    "train": cmd_train,
+    "watchdog": cmd_watchdog,
+    "serve": cmd_serve,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "runs":
         return cmd_runs(args)
     try:
-        if args.command in ("run", "stage", "train"):
+        if args.command in ("run", "tune", "stage", "train"):
             load_config(args.config, args.overrides)  # before Prefect is imported
         _quiet_defaults()
         return COMMANDS[args.command](args)

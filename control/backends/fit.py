@@ -15,6 +15,7 @@ from collections.abc import Callable
 from control.backends.base import ClusterError
 from control.backends.health import Health
 from ray_jobs.config import Config
+from ray_jobs.config.tune import concurrency_problem
 from ray_jobs.poll import poll_until
 
 
@@ -51,6 +52,8 @@ def resource_problems(cfg: Config, total: dict[str, float]) -> list[str]:
             f"{what} x cluster.cpus_per_worker={c.cpus_per_worker} needs {need_cpu:g} CPUs; the cluster has "
             f"{total.get('CPU', 0):g}"
         )
+    if cfg.tune is not None and (p := concurrency_problem(cfg, total.get("CPU", 0))):
+        problems.append(p)
     if c.use_gpu and total.get("GPU", 0) < fewest:
         problems.append(f"cluster.use_gpu with {what} needs {fewest} GPUs; the cluster has {total.get('GPU', 0):g}")
     return problems

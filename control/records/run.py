@@ -4,6 +4,9 @@
 States: ``submitted`` (a job was submitted) -> ``running`` (Ray says RUNNING) -> ``succeeded``; on trouble
 ``recovering`` (an open incident: the watchdog will restart it, or is waiting out a backoff) and ``failed``
 (terminal: gave up, the user cancelled, or it failed before training could start).
+A search's trial (``search`` set) is a run too, but its job is the search's: its state follows the search's
+trials (``stopped-early``: the search's scheduler stopped it, a verdict on its values, not a failure); the
+watchdog looks after the search, never a trial on its own.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pydantic import Field
 from control.records.base import Part, Record
 from ray_jobs.config import Config, from_json
 
-State = Literal["submitted", "running", "recovering", "succeeded", "failed"]
+State = Literal["submitted", "running", "recovering", "succeeded", "failed", "stopped-early"]
 STATES: tuple[str, ...] = State.__args__
 ACTIVE = ("submitted", "running", "recovering")
 # An attempt's job: SUBMITTED/RUNNING while it may train; how it ended otherwise.
@@ -147,6 +150,11 @@ class RunRecord(Record):
     parent: str | None = None  # the series run this one was warm-started from
     suspect: Suspect | None = None
     shape: Shape | None = None
+    # a hyperparameter search (``kind: search``: its trials' run names) and its trials (``search``: whose)
+    kind: Literal["run", "search"] = "run"
+    trials: list[str] = Field(default_factory=list)
+    search: str | None = None
+    params: dict[str, Any] | None = None  # a trial's drawn values, field -> value
 
     @classmethod
     def migrate(cls, tree: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +165,11 @@ class RunRecord(Record):
     @property
     def active(self) -> bool:
         return self.state in ACTIVE
+
+    @property
+    def watched(self) -> bool:
+        """Whether the watchdog looks after this run (active, and not a trial: its search is looked after)."""
+        return self.active and self.search is None
 
     @property
     def current(self) -> Attempt:

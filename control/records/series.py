@@ -9,6 +9,8 @@ Version 1: the untyped files of earlier releases had these same fields and no ve
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from control.records.base import Part, Record
@@ -50,6 +52,14 @@ class SeriesRun(Part):
     flow_run_id: str | None = None  # the flow run that started it (its cancel/crash hooks look it up by this)
     ended_at: float | None = None
     final_deleted_at: float | None = None  # retention (series.keep_runs) deleted its final folder
+    # a hyperparameter search's entry (``trials``: its trials' runs, ``winner``: the one put to the gate), and each
+    # trial's (``search``: whose, ``params``: its values, ``state``: how it ended)
+    trials: list[str] | None = None
+    winner: str | None = None
+    search: str | None = None
+    params: dict[str, Any] | None = None
+    state: str | None = None
+    steps: int | None = None  # the trial's last reported step
 
 
 class SeriesRecord(Record):

@@ -8,6 +8,7 @@ to champion. The record is typed (control/records/series.py); the run registry s
 - ``lineage``: the record's store (read, and change under the series' lease) and the flow's questions of it.
 - ``promotion``: the gate a succeeded run passes to become champion, and the champion pointer ``champion.json``.
 - ``retention``: what is deleted once a run succeeded, and what never is.
+- ``search``: a hyperparameter search's trials as runs of the series, and its winner put to the gate.
 - ``views``: the runs table and a run's lineage lines, as people read them.
 """
 
@@ -24,8 +25,9 @@ from control.series.lineage import (
     trained_this_recipe,
     warm_start,
 )
-from control.series.promotion import champion, decide, finish_run, folder_manifest
+from control.series.promotion import champion, decide, folder_manifest
 from control.series.retention import trim_checkpoints
+from control.series.search import final_model, finish_run, record_trials, score_of, sync_trials, winner
 from control.series.views import format_table, lineage_lines, table
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "champion",
     "check_eval_source",
     "decide",
+    "final_model",
     "finish_run",
     "folder_manifest",
     "format_table",
@@ -42,10 +45,14 @@ __all__ = [
     "load",
     "pinned_eval",
     "recipe",
+    "record_trials",
     "run_of_flow_run",
+    "score_of",
     "state_of",
+    "sync_trials",
     "table",
     "trained_this_recipe",
     "trim_checkpoints",
     "warm_start",
+    "winner",
 ]

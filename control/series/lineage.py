@@ -17,7 +17,8 @@ from typing import TypeVar
 from control import lease as leases
 from control import registry
 from control.records.series import EvalPin, SeriesRecord, SeriesRun
-from ray_jobs.config import Config
+from ray_jobs.config import Config, trial_name
+from ray_jobs.search.trials import trials
 from ray_jobs.storage import Layout, exists, write_json_atomic
 
 T = TypeVar("T")
@@ -98,7 +99,9 @@ def warm_start(cfg: Config) -> WarmStart | None:
     if which == "champion":
         run = rec.champion
     else:
-        done = [e.run for e in rec.runs if state_of(cfg.storage, e.run) == "succeeded"]
+        winners = {e.winner for e in rec.runs if e.trials is not None}  # a search's latest model is its winner's
+        done = [e.run for e in rec.runs if e.trials is None and (e.search is None or e.run in winners)
+                and state_of(cfg.storage, e.run) == "succeeded"]  # fmt: skip
         run = done[-1] if done else None
     if run is None:
         return None
@@ -127,13 +130,27 @@ def begin_run(cfg: Config, dataset_id: str, eval_pin: EvalPin, parent: str | Non
         rec.eval = rec.eval or eval_pin
         e = rec.entry(cfg.name)
         if e is None:
-            e = SeriesRun(run=cfg.name, dataset_id=dataset_id, recipe=recipe(cfg), started_at=time.time(),
-                          parent=parent, init_from=cfg.model.init_from, score=None, verdict=None)  # fmt: skip
+            search = cfg.tune is not None  # a search trains no recipe of its own: its trials do
+            trials = {"trials": [trial_name(cfg.name, i) for i in range(cfg.tune.num_trials)]} if search else {}
+            e = SeriesRun(run=cfg.name, dataset_id=dataset_id, recipe=None if search else recipe(cfg),
+                          started_at=time.time(), parent=parent, init_from=cfg.model.init_from, score=None,
+                          verdict=None, **trials)  # fmt: skip
             rec.runs.append(e)
+            if search:
+                rec.runs += trial_entries(cfg, dataset_id, parent)
         e.flow_run_id = flow_run_id or e.flow_run_id
         return rec.eval
 
     return mutate(cfg.storage, cfg.series_name, change)
+
+
+def trial_entries(cfg: Config, dataset_id: str, parent: str | None) -> list[SeriesRun]:
+    """The series entries of a search's trials, added with the search's own when it starts: the lineage shows the
+    search as one entry with its children."""
+    now = time.time()
+    return [SeriesRun(run=t.name, dataset_id=dataset_id, recipe=recipe(t.config), started_at=now, parent=parent,
+                      init_from=cfg.model.init_from, search=cfg.name, params=t.params, state="pending")
+            for t in trials(cfg)]  # fmt: skip
 
 
 def run_of_flow_run(storage: str, series: str, flow_run_id: str) -> str | None:

@@ -16,16 +16,17 @@ log = logging.getLogger("unbroken.series")
 
 
 def trim_checkpoints(storage: str, run: str, keep: int) -> list[str]:
-    """Delete all but the ``keep`` newest checkpoints of a succeeded run; returns what was deleted."""
+    """Delete all but the ``keep`` newest checkpoints of a succeeded run (or of a search's trial its scheduler
+    stopped early: it is over too); returns what was deleted."""
     from ray_jobs import checkpoint as ckpt
 
-    if state_of(storage, run) != "succeeded":
+    if state_of(storage, run) not in ("succeeded", "stopped-early"):
         return []
     doomed = [url for _, url in ckpt.list_checkpoints(Layout(storage).checkpoints_dir(run))[keep:]]
     for url in doomed:
         _remove_folder(url)
     if doomed:
-        log.info("run %s succeeded: deleted %d older checkpoint(s), kept %d", run, len(doomed), keep)
+        log.info("run %s is over: deleted %d older checkpoint(s), kept %d", run, len(doomed), keep)
     return doomed
 
 

@@ -25,7 +25,8 @@ def table(storage: str, series: str | None = None) -> list[dict[str, Any]]:
 def _row(storage: str, rec: SeriesRecord, e: SeriesRun) -> dict[str, Any]:
     return {"series": rec.series, "run": e.run, "state": state_of(storage, e.run), "dataset": e.dataset_id,
             "score": e.score, "parent": e.parent, "champion": rec.champion == e.run,
-            "verdict": e.verdict.why if e.verdict else None, "started_at": e.started_at}  # fmt: skip
+            "verdict": e.verdict.why if e.verdict else None, "started_at": e.started_at, "search": e.search,
+            "params": e.params, "steps": e.steps}  # fmt: skip
 
 
 def _series_names(storage: str) -> list[str]:
@@ -40,13 +41,23 @@ def _series_names(storage: str) -> list[str]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no runs in any series"
-    head = f"{'series':<16} {'run':<28} {'state':<11} {'dataset':<20} {'eval loss':>9}  {'parent':<28} champion"
+    head = f"{'series':<16} {'run':<28} {'state':<13} {'dataset':<20} {'eval loss':>9}  {'parent':<28} champion"
     lines = [head]
     for r in rows:
         score = "-" if r["score"] is None else f"{r['score']:.4f}"
-        lines.append(f"{r['series']:<16} {r['run']:<28} {r['state']:<11} {r['dataset']:<20} {score:>9}  "
-                     f"{r['parent'] or '-':<28} {'*' if r['champion'] else ''}")  # fmt: skip
+        run = f"  {r['run']}" if r.get("search") else r["run"]  # a search's trials under it
+        lines.append(f"{r['series']:<16} {run:<28} {r['state']:<13} {r['dataset']:<20} {score:>9}  "
+                     f"{r['parent'] or '-':<28} {'*' if r['champion'] else ''}{_params(r)}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _params(r: dict[str, Any]) -> str:
+    """A trial's values (and the step it was stopped at), after the row."""
+    if not r.get("params"):
+        return ""
+    values = ", ".join(f"{k}={float(f'{v:.4g}') if isinstance(v, float) else v}" for k, v in r["params"].items())
+    stopped = f" (stopped at step {r['steps']})" if r["state"] == "stopped-early" and r.get("steps") else ""
+    return f"  {values}{stopped}"
 
 
 def lineage_lines(storage: str, run: str) -> list[str]:

@@ -13,7 +13,7 @@ from control import registry, series
 from control.backends import backend_for
 from control.backends.base import ClusterError, ClusterHandle, StopUnverified
 from control.cluster import provision, release
-from control.jobs import stop_and_wait, submit, write_job_spec
+from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
 from control.records.run import RunRecord
 from control.watchdog.decide import (
@@ -83,7 +83,7 @@ def restart(cfg: Config, reg: RunRecord, lease: leases.Lease) -> Outcome:
     registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
     attempt = _begin(cfg, reg, handle, resume_from, lease)
     spec = write_job_spec(cfg, attempt, reg.manifest_url, reg.model_path, resume_from, reg.score_manifest_url)
-    sid = submit(handle, registry.submission_id(cfg.name, attempt), "ray_jobs.job", spec)
+    sid = submit(handle, registry.submission_id(cfg.name, attempt), entrypoint(cfg), spec)
     reg = registry.load(cfg.storage, cfg.name)
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
     registry.save(cfg.storage, cfg.name, reg)

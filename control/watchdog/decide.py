@@ -20,7 +20,6 @@ from control.watchdog.policy import backoff_s, budget_used, give_up_reason
 from control.watchdog.verdict import Verdict, classify
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout
 
 CONFIRM_OBSERVATIONS = 2  # looks an ambiguous sign must be seen in (besides holding for confirm_s)
 
@@ -176,8 +175,8 @@ def finish(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) -> 
     attempt = reg.current
     attempt.set(status="SUCCEEDED", ended_at=attempt.ended_at or obs.now)
     reg.state = "succeeded"
-    if obs.final_exists:
-        reg.final_model = Layout(cfg.storage).final_model(cfg.name)
+    if obs.final_model:
+        reg.final_model = obs.final_model
     actions: list[Any] = [Save()]
     if "watchdog" in (attempt.started_by, attempt.adopted_by):
         actions += [*_release(cfg), FinishSeries()]

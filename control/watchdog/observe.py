@@ -14,9 +14,10 @@ from control.backends import backend_for, handle_from_record
 from control.backends.base import ClusterHandle
 from control.backends.health import Health, disk_usage
 from control.records.run import RunRecord
+from control.series.search import final_model
 from control.watchdog.verdict import classify
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, exists, read_json
+from ray_jobs.storage import Layout, read_json
 from ray_jobs.train.metrics import MetricsTail
 
 
@@ -31,7 +32,7 @@ class Observations:
     metrics_step: int = 0  # newest step in the metrics log (read only when the attempt is in trouble)
     health: Health | None = None  # the cluster's nodes (read only while the job runs)
     disk: tuple[int, int] | None = None  # free/total bytes of a local storage path
-    final_exists: bool = False  # the run's final model folder is there (read once the job succeeded)
+    final_model: str | None = None  # the run's final model folder (a search's: its winner's), once the job succeeded
 
 
 def current_heartbeat(storage: str, run: str, attempt: int) -> dict[str, Any] | None:
@@ -76,7 +77,7 @@ def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
     if verdict.trouble:
         extra["metrics_step"] = last_step(cfg.storage, cfg.name)
     elif verdict.kind == "succeeded":
-        extra["final_exists"] = exists(Layout(cfg.storage).final_model(cfg.name))
+        extra["final_model"] = final_model(cfg.storage, cfg.name)
     elif view.status == "RUNNING":
         extra["health"], extra["disk"] = backend_for(cfg).health(recorded_handle(reg)), disk_usage(cfg.storage)
     return Observations(now, view, beat, error, **extra)

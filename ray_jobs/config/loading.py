@@ -94,7 +94,7 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         for err in e.errors():
             msg = ("unknown key" if err["type"] == "extra_forbidden" else err["msg"]).removeprefix("Value error, ")
             named = not err["loc"] and re.match(r"[a-z_]+(\.[a-z_]+)*: ", msg)  # a cross-field check names its field
-            problems.append(msg if named else f"{_field_name(err['loc'])}: {msg}")
+            problems += msg.split("\n  - ") if named else [f"{_field_name(err['loc'])}: {msg}"]
     cluster = cfg.cluster if cfg is not None else cluster_alone(raw)
     if cluster is not None:
         problems += cluster_problems(cluster, str(raw.get("storage") or ""))

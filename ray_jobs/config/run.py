@@ -21,6 +21,7 @@ from ray_jobs.config.series import (
     series_of,
 )
 from ray_jobs.config.train import TrainConfig
+from ray_jobs.config.tune import TuneConfig, concurrency_problem, trial_name, tune_problems
 
 
 class Config(Section):
@@ -38,6 +39,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     cluster: ClusterConfig = ClusterConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+    tune: TuneConfig | None = None
+    """A hyperparameter search (``unbroken tune``): trials of this config with values drawn from ``tune.space``."""
 
     @field_validator("name")
     @classmethod
@@ -92,7 +95,26 @@ class Config(Section):
                 f"data.seq_len ({self.data.seq_len}) exceeds model.tiny.max_position_embeddings "
                 f"({self.model.tiny.max_position_embeddings})"
             )
+        if self.tune is not None:
+            problems = tune_problems(self) + self._search_names()
+            if self.cluster.backend_name == "local" and (p := concurrency_problem(self, local_cpus())):
+                problems.append(p + " (a local head has one CPU per core of this machine)")
+            if problems:
+                raise ValueError("\n  - ".join(problems))
         return self
+
+    def _search_names(self) -> list[str]:
+        last = trial_name(render_name(self.name, PLACEHOLDERS), self.tune.num_trials - 1)
+        if RUN_NAME.fullmatch(last):
+            return []
+        return [f"name: the trials of a search are named <name>-tNN ({last!r}); that {RUN_NAME_RULE}"]
+
+
+def local_cpus() -> float:
+    """What a local head advertises: every core of this machine (it is started without ``--num-cpus``)."""
+    import os
+
+    return float(os.cpu_count() or 1)
 
 
 def batch_split_problem(lo: int, hi: int, grad_accum_steps: int) -> str | None:

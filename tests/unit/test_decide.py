@@ -229,7 +229,7 @@ ROWS = [
             ],
             incidents=[],
         ),
-        ok(JobView("ok", "SUCCEEDED"), beat(), final_exists=True),
+        ok(JobView("ok", "SUCCEEDED"), beat(), final_model="/nonexistent/storage/runs/r/final"),
         "succeeded",
         [Save],
         {"state": "succeeded", "current.status": "SUCCEEDED", "final_model": "/nonexistent/storage/runs/r/final"},

@@ -38,3 +38,13 @@ def test_every_private_ray_import_in_ray_jobs_goes_through_this_module() -> None
         if p.name != "ray_private.py" and private.search(p.read_text())
     ]
     assert not strays, f"private Ray imports outside ray_jobs/ray_private.py: {strays}"
+
+
+def test_asha_still_keeps_its_rungs_where_a_restored_search_reads_them() -> None:
+    from ray.tune.schedulers import AsyncHyperBandScheduler
+
+    asha = AsyncHyperBandScheduler(time_attr="step", metric="eval_loss", mode="min", max_t=400, grace_period=100,
+                                   reduction_factor=2, brackets=1)  # fmt: skip
+    rungs = ray_private.asha_rungs(asha)
+    assert [m for m, _ in rungs] == [400, 200, 100], f"Ray {ray.__version__}: ASHA's rungs moved ({rungs!r})"
+    assert all(isinstance(recorded, dict) for _, recorded in rungs)

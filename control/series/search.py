@@ -1,0 +1,121 @@
+"""A hyperparameter search in its series: its trials are runs of the series, its winner goes through the gate.
+
+The search's entry in the series record lists its trials; each trial has an entry of its own (its values, how it
+ended, its score on the series' eval set), so the lineage shows the search as one entry with its children. Once
+the search's job succeeded, whoever closes it (the tune flow, or the watchdog for a search it restarted) brings the
+trials' run records up to date from ``runs/<search>/trials.json``, picks the winner (the completed trial with the
+lowest eval loss by the search's metric) and puts the winner to the promotion gate exactly as a retraining run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Any
+
+from control import registry
+from control.records.run import RunRecord
+from control.records.series import SeriesRecord, Verdict
+from control.series import promotion
+from control.series.lineage import mutate
+from control.series.retention import trim_checkpoints
+from ray_jobs.config import Config
+from ray_jobs.search.trials import Trial, read_trials, trials
+from ray_jobs.storage import Layout, exists, read_json
+
+# A trial's state in trials.json -> its run record's state
+RUN_STATE = {"pending": "submitted", "running": "running", "completed": "succeeded", "stopped-early": "stopped-early",
+             "failed": "failed"}  # fmt: skip
+
+
+def record_trials(cfg: Config, dataset_id: str, extra: dict[str, Any]) -> list[Trial]:
+    """Each trial's run record (``unbroken runs`` and ``status`` show a trial like any run): written once, when
+    the search first starts; ``extra``: the search's manifest, base model and eval set, which every trial shares."""
+    out = trials(cfg)
+    for t in out:
+        if registry.load(cfg.storage, t.name) is None:
+            reg = RunRecord(name=t.name, created_at=time.time(), state="submitted",
+                            config=json.loads(t.config.model_dump_json()), dataset_id=dataset_id, search=cfg.name,
+                            params=t.params, **extra)  # fmt: skip
+            registry.save(cfg.storage, t.name, reg)
+    return out
+
+
+def sync_trials(storage: str, search: str) -> dict[str, dict[str, Any]]:
+    """The trials as the search job last wrote them, with each trial's run record brought up to date (state, final
+    model). Only whoever closes or watches the search writes trial records; the job writes trials.json."""
+    found = (read_trials(storage, search) or {}).get("trials", {})
+    for name, info in found.items():
+        reg = registry.load(storage, name)
+        if reg is None:
+            continue
+        state = RUN_STATE[info["state"]]
+        final = Layout(storage).final_model(name)
+        final_model = final if state == "succeeded" and exists(final) else None
+        if (reg.state, reg.final_model) != (state, final_model):
+            reg.set(state=state, final_model=final_model)
+            registry.save(storage, name, reg)
+    return found
+
+
+def winner(found: dict[str, dict[str, Any]]) -> str | None:
+    """The completed trial with the lowest eval loss (the lower index on a tie), or None when none completed."""
+    done = [(t["eval_loss"], t["index"], name) for name, t in found.items()
+            if t["state"] == "completed" and t["eval_loss"] is not None]  # fmt: skip
+    return min(done)[2] if done else None
+
+
+def finish_search(storage: str, search: str) -> Verdict | None:
+    """The search's job succeeded: its trials recorded, their checkpoints trimmed, the winner put to the gate."""
+    cfg = registry.load(storage, search).cfg()
+    found = sync_trials(storage, search)
+    best = winner(found)
+    mutate(storage, cfg.series_name, lambda rec: _record_trials(storage, rec, search, found, best))
+    for name, t in found.items():
+        if t["state"] in ("completed", "stopped-early"):
+            trim_checkpoints(storage, name, cfg.checkpoint.keep_after_success)
+    verdict = promotion.finish_run(storage, best) if best else None
+    mutate(storage, cfg.series_name, lambda rec: _close_search(rec, search, verdict))
+    return verdict
+
+
+def _record_trials(storage: str, rec: SeriesRecord, search: str, found: dict[str, dict[str, Any]],
+                   best: str | None) -> None:  # fmt: skip
+    for name, t in found.items():
+        e = rec.entry(name)
+        if e is not None:
+            e.set(state=t["state"], steps=t["step"], score=e.score if e.score is not None else score_of(storage, name))
+    s = rec.entry(search)
+    if s is not None:
+        s.winner = best
+
+
+def _close_search(rec: SeriesRecord, search: str, verdict: Verdict | None) -> None:
+    s = rec.entry(search)
+    if s is not None and s.ended_at is None:
+        s.set(ended_at=time.time(), score=verdict.score if verdict else None, verdict=verdict)
+
+
+def score_of(storage: str, run: str) -> float | None:
+    with contextlib.suppress(FileNotFoundError):
+        return read_json(Layout(storage).score(run))["eval_loss"]
+    return None
+
+
+def finish_run(storage: str, run: str) -> Verdict | None:
+    """Close a succeeded run in its series: a search through its winner, any other run through the gate itself."""
+    reg = registry.load(storage, run)
+    if reg is not None and reg.kind == "search":
+        return finish_search(storage, run)
+    return promotion.finish_run(storage, run)
+
+
+def final_model(storage: str, run: str) -> str | None:
+    """Where a succeeded run's final model is: its own folder, or for a search its winner's (None if neither)."""
+    reg = registry.load(storage, run)
+    if reg is not None and reg.kind == "search":
+        best = winner((read_trials(storage, run) or {}).get("trials", {}))
+        run = best or run
+    folder = Layout(storage).final_model(run)
+    return folder if exists(folder) else None

@@ -1,0 +1,38 @@
+"""The tune flow: a hyperparameter search (``tune:`` in the config) run like a finetune -- stage once, provision
+once, one Ray job (``ray_jobs/search_job.py``) submitted through the Jobs API and watched, each trial a run of the
+series, the winner put to the promotion gate. A failed search job is left to the watchdog, which resubmits it; the
+search then restores its experiment from storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from control.config import ConfigError
+from control.sources import SourceRefused
+from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
+from flows.finetune import _finetune
+from flows.params import run_config
+
+
+def tune_run_name() -> str:
+    """``tune-<search name>``, findable by name in the UI."""
+    try:
+        cfg = run_config(**flow_run.parameters)
+    except (ConfigError, SourceRefused, OSError):
+        return "tune-invalid-config"
+    return f"tune-{cfg.series_name if cfg.is_template else cfg.name}"
+
+
+@flow(name="tune", flow_run_name=tune_run_name, on_cancellation=[stop_on_cancel], on_crashed=[stop_on_crash])
+async def tune(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Search hyperparameters with Ray Tune over the config's ``tune.space``; returns the trials and the winner."""
+    cfg = run_config(config_path, overrides)
+    if cfg.tune is None:
+        raise ConfigError(["tune: the config has no tune section; add one (see configs/demo-tune.yaml)"],
+                          str(config_path or "config"))  # fmt: skip
+    async with one_run_per_series(cfg.series_name):
+        return await _finetune(cfg)

@@ -1,0 +1,130 @@
+"""What watchers outside the search job read of it: each trial's state on storage, and the search's heartbeat.
+
+``runs/<search>/trials.json``: per trial its values, state (``pending`` -> ``running`` -> ``completed`` /
+``stopped-early`` / ``failed``), how many times it was started, its newest step and eval loss and the eval loss at
+every reported step. Written by a Ray Tune callback on the search's driver at every trial event; a restored
+search reads it back and carries on counting (a trial Tune re-runs after the driver was lost is a second start).
+
+``runs/<search>/heartbeat.json``: the watchdog judges a search like any run by its heartbeat. The search's is made
+from its trials' own heartbeats (each trial's rank 0 writes one): it trains while any trial trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from ray.tune import Callback
+
+from ray_jobs.config import Config
+from ray_jobs.search.trials import Trial, read_trials
+from ray_jobs.storage import Layout, read_json, write_json_atomic
+from ray_jobs.train.sidewrite import SideWriter
+
+
+class TrialProgress(Callback):
+    """Tune's trial events -> ``trials.json``. Pickled with the Tuner (a restored search gets it back)."""
+
+    def __init__(self, cfg: Config, trials: list[Trial]):
+        self.storage, self.search, self.max_steps = cfg.storage, cfg.name, cfg.train.max_steps
+        self.names = [t.name for t in trials]
+        self.fresh = {t.name: {"index": t.index, "params": t.params, "state": "pending", "starts": 0, "step": 0,
+                               "eval_loss": None, "history": [], "error": None} for t in trials}  # fmt: skip
+        self.doc: dict[str, Any] | None = None
+
+    def setup(self, **info: Any) -> None:
+        found = read_trials(self.storage, self.search)
+        self.doc = found if found and set(found.get("trials", {})) == set(self.names) else {"trials": self.fresh}
+        self._save()
+
+    def _trial(self, trial: Any) -> dict[str, Any]:
+        return self.doc["trials"][self.names[trial.config["trial"]]]
+
+    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        t = self._trial(trial)
+        t["starts"] += 1
+        t["state"], t["error"] = "running", None
+        self._save()
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        t = self._trial(trial)
+        step, loss = int(result.get("step", 0)), result.get("eval_loss")
+        t["step"], t["eval_loss"] = step, loss
+        t["history"] = [h for h in t["history"] if h[0] < step] + [[step, loss]]  # a resumed trial re-reports
+        self._save()
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        t = self._trial(trial)
+        t["state"] = "completed" if t["step"] >= self.max_steps else "stopped-early"  # ASHA stopped it before
+        self._save()
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        t = self._trial(trial)
+        t["state"] = "failed"
+        t["error"] = _first_line(getattr(trial, "error_msg", None) or "the trial raised")
+        self._save()
+
+    def _save(self) -> None:
+        self.doc["updated_at"] = time.time()
+        write_json_atomic(Layout(self.storage).search_trials(self.search), self.doc)
+
+
+def _first_line(text: str) -> str:
+    lines = [ln for ln in str(text).splitlines() if ln.strip()]
+    return (lines[-1] if lines else "")[:500]  # a traceback's last line names the exception
+
+
+class SearchHeartbeat:
+    """``runs/<search>/heartbeat.json`` from the trials' heartbeats of this attempt, every few seconds."""
+
+    def __init__(self, cfg: Config, trials: list[Trial], attempt: int):
+        self.cfg, self.attempt, self.started_at = cfg, attempt, time.time()
+        self.urls = [Layout(cfg.storage).heartbeat(t.name) for t in trials]
+        self.writer = SideWriter(self.beat, "unbroken-search-heartbeat", every_s=cfg.fault_tolerance.heartbeat_every_s)
+
+    def __enter__(self) -> SearchHeartbeat:
+        self.writer.start().poke()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.writer.close(10.0)
+
+    def beat(self) -> None:
+        write_json_atomic(Layout(self.cfg.storage).heartbeat(self.cfg.name), self.state(self._beats()))
+
+    def _beats(self) -> list[dict[str, Any]]:
+        beats = []
+        for url in self.urls:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                b = read_json(url)
+                if b.get("attempt") == self.attempt:
+                    beats.append(b)
+        return beats
+
+    def state(self, beats: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "run": self.cfg.name,
+            "attempt": self.attempt,
+            "time": time.time(),
+            "max_steps": self.cfg.train.max_steps * self.cfg.tune.num_trials,
+        } | combine(beats, self.started_at)
+
+
+def combine(beats: list[dict[str, Any]], started_at: float) -> dict[str, Any]:
+    """One heartbeat for the search: training while any trial trains (the newest step of any), else the phase of
+    the trial that entered its phase last; ``loading`` from the search's start before any trial wrote one."""
+    steps = sum(b.get("step", 0) for b in beats)
+    firsts = [b["first_step_at"] for b in beats if b.get("first_step_at")]
+    out = {"step": steps, "started_step": sum(b.get("started_step", 0) for b in beats),
+           "first_step_at": min(firsts) if firsts else None,
+           "tokens_per_s": sum(b.get("tokens_per_s", 0.0) for b in beats if b.get("phase") == "training")}  # fmt: skip
+    training = [b for b in beats if b.get("phase") == "training"]
+    if training:
+        last = max(b["last_step_at"] for b in training)
+        return out | {"phase": "training", "phase_started_at": last, "last_step_at": last}
+    if not beats:
+        return out | {"phase": "loading", "phase_started_at": started_at, "last_step_at": started_at}
+    newest = max(beats, key=lambda b: b.get("phase_started_at") or 0.0)
+    return out | {"phase": newest.get("phase", "loading"), "phase_started_at": newest.get("phase_started_at"),
+                  "last_step_at": max(b.get("last_step_at", started_at) for b in beats)}  # fmt: skip

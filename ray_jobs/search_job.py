@@ -1,0 +1,52 @@
+"""Ray Jobs entrypoint for a hyperparameter search: ``python -m ray_jobs.search_job --spec <url of job spec json>``.
+
+The spec is a training job's (written by the tune flow, or by the watchdog when it resubmits the search): the
+config with its ``tune`` section, the dataset manifest, the base model, the series' eval set. Every trial trains
+with the manifest and base model given here. Submitted again after the driver or the cluster was lost, it restores
+the experiment from storage (ray_jobs/search/driver.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+from ray_jobs.config import job_spec
+from ray_jobs.job import POLL_INTERVAL_ENV, POLL_INTERVAL_S, loop_config, root_cause
+
+log = logging.getLogger("unbroken.search")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    from ray_jobs.search.driver import build_tuner
+    from ray_jobs.search.progress import SearchHeartbeat
+    from ray_jobs.search.trials import DONE, read_trials
+    from ray_jobs.search.trials import trials as search_trials
+
+    spec, cfg = job_spec("ray_jobs.search_job", argv)
+    os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    trials = search_trials(cfg)
+    base = loop_config(spec, cfg)  # the manifests read once, here
+    loops = [base | {"config": t.config.model_dump_json()} for t in trials]
+    ray.init(ignore_reinit_error=True)
+    with SearchHeartbeat(cfg, trials, spec.get("attempt", 0)):
+        grid = build_tuner(cfg, trials, loops, ray.cluster_resources().get("CPU", 0.0)).fit()
+    done = (read_trials(cfg.storage, cfg.name) or {}).get("trials", {})
+    states = {name: t["state"] for name, t in done.items()}
+    print("UNBROKEN_RESULT " + json.dumps({"trials": states}), flush=True)
+    if any(state not in DONE for state in states.values()) or all(s == "failed" for s in states.values()):
+        errors = [r.error for r in grid if r.error is not None]
+        cause = root_cause(errors[0]) if errors else {"type": "SearchIncomplete", "message": f"trials: {states}",
+                                                      "kinds": [], "preempted": False}  # fmt: skip
+        print("UNBROKEN_FAILURE " + json.dumps(cause), flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
