@@ -57,7 +57,8 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and not (len(value) == 1 and next(iter(value)) in DISTRIBUTIONS):
+        leaf = len(value) == 1 and isinstance(next(iter(value.values())), list) if isinstance(value, dict) else True
+        if not leaf:  # a section of fields (``{train: {lr: {...}}}``), not a distribution (``{name: [args]}``)
             out |= flatten(value, f"{name}.")
         else:
             out[name] = value
