@@ -1,4 +1,4 @@
-"""The served deployments (``unbroken serve``): finetune, stage-dataset, watchdog and the dataset sensor.
+"""The served deployments (``unbroken serve``): finetune, tune, stage-dataset, watchdog and the dataset sensor.
 
 ``build()`` is the single definition of what is served; ``prefect.yaml`` declares the same set for teams that deploy
 to a process work pool, and a test keeps the two in agreement.
@@ -7,9 +7,11 @@ to a process work pool, and a test keeps the two in agreement.
   ``dataset_uri`` becomes the run's ``data.train``. Runs are named ``<name>-{dataset}`` (see ``serve_name``). One
   active run per series is enforced inside the flow (a global concurrency limit named after the series), because
   a deployment-level limit cannot see series.
+- ``tune``: a hyperparameter search (``unbroken tune``) of the tune config, on demand (the UI's Run button, with
+  other overrides as parameters).
 - ``stage-dataset``: on demand.
-- ``watchdog``: an interval schedule, and a trigger on any ``finetune`` flow run that ends FAILED (including
-  TimedOut) or CRASHED: the hand-over from the finetune flow is immediate.
+- ``watchdog``: an interval schedule, and a trigger on any ``finetune`` or ``tune`` flow run that ends FAILED
+  (including TimedOut) or CRASHED: the hand-over from the flow is immediate.
 - ``dataset-sensor``: an interval schedule; fingerprints the source location and emits the event above on change.
 """
 
@@ -23,6 +25,7 @@ from prefect.events import DeploymentEventTrigger
 from flows.finetune import finetune
 from flows.sensor import EVENT, dataset_sensor
 from flows.stage import stage_flow
+from flows.tune import tune
 from flows.watchdog import watchdog
 
 
@@ -34,6 +37,7 @@ class ServeOptions:
     watchdog_interval_s: float = 60.0
     sensor_source: str | None = None  # where new data lands (defaults to the config's data.train)
     sensor_interval_s: float = 60.0
+    tune_config: str = "configs/demo-tune.yaml"  # the config the tune deployment searches over
 
 
 def serve_name(name: str) -> list[str]:
@@ -60,7 +64,7 @@ def finetune_failed_trigger(storage: str) -> DeploymentEventTrigger:
         name="recover-failed-finetune",
         expect={"prefect.flow-run.*"},
         match={"prefect.resource.id": "prefect.flow-run.*", "prefect.state-type": ["FAILED", "CRASHED"]},
-        match_related={"prefect.resource.role": "flow", "prefect.resource.name": "finetune"},
+        match_related={"prefect.resource.role": "flow", "prefect.resource.name": ["finetune", "tune"]},
         parameters={"storage": storage},
     )
 
@@ -83,6 +87,16 @@ def _checked(opts: ServeOptions) -> tuple[str, str, str, list[str]]:
     return config, storage, str(absolute_url(source)), retrain
 
 
+def _tune_config(opts: ServeOptions, storage: str) -> str:
+    """The tune deployment's config, checked before anything is served (a search space error fails here)."""
+    from control.config import load_config
+    from ray_jobs.config import absolute_url
+
+    config = str(absolute_url(opts.tune_config))
+    load_config(config, [f"storage={storage}"])
+    return config
+
+
 def build(opts: ServeOptions) -> list[Any]:
     """The RunnerDeployments ``unbroken serve`` serves."""
     config, storage, source, retrain = _checked(opts)
@@ -93,6 +107,12 @@ def build(opts: ServeOptions) -> list[Any]:
             parameters={"config_path": config, "overrides": retrain},
             triggers=[dataset_trigger(config)],
             description="fine-tune from a config; retrains when the dataset sensor sees new data",
+            tags=["unbroken"],
+        ),
+        tune.to_deployment(
+            "tune",
+            parameters={"config_path": _tune_config(opts, storage), "overrides": [f"storage={storage}"]},
+            description="a hyperparameter search (Ray Tune) over the config's tune.space; the winner is gated",
             tags=["unbroken"],
         ),
         stage_flow.to_deployment(

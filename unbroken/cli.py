@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--watchdog-interval", type=float, default=60.0, help="seconds between watchdog runs")
     sv.add_argument("--watch-source", default=None, help="location the dataset sensor watches (default: data.train)")
     sv.add_argument("--sensor-interval", type=float, default=60.0, help="seconds between dataset sensor runs")
+    sv.add_argument("--tune-config", default="configs/demo-tune.yaml", help="config the tune deployment searches")
     srv = sub.add_parser("server", help="start a local Prefect server (SQLite) with the UI on 127.0.0.1")
     srv.add_argument("--port", type=int, default=4200)
     st = sub.add_parser("status", help="print a run's registry: state, attempts, incidents, heartbeat, lineage")
@@ -214,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     load_config(args.config, [])  # a bad config fails now, not at 3 a.m.
     serve(ServeOptions(args.config, args.storage, args.cron, args.watchdog_interval, args.watch_source,
-                       args.sensor_interval))  # fmt: skip
+                       args.sensor_interval, args.tune_config))  # fmt: skip
     return 0
 
 

@@ -29,7 +29,7 @@ def test_served_deployments_and_prefect_yaml_agree() -> None:
     from prefect.flows import load_flow_from_entrypoint
 
     s, d = served(), declared()
-    assert sorted(s) == sorted(d) == ["dataset-sensor", "finetune", "stage-dataset", "watchdog"]
+    assert sorted(s) == sorted(d) == ["dataset-sensor", "finetune", "stage-dataset", "tune", "watchdog"]
     for name, dep in d.items():
         flow = load_flow_from_entrypoint(str(ROOT / dep["entrypoint"]))
         assert flow.name == s[name].flow_name, name
@@ -70,7 +70,7 @@ def test_finetune_is_retriggered_by_dataset_events_and_watchdog_by_finetune_fail
     assert dataset.parameters["dataset_uri"] == "{{ event.payload.dataset_uri }}"
     [failed] = s["watchdog"].triggers
     assert failed.match["prefect.state-type"] == ["FAILED", "CRASHED"]  # TimedOut is a FAILED type too
-    assert failed.match_related["prefect.resource.name"] == ["finetune"]
+    assert failed.match_related["prefect.resource.name"] == ["finetune", "tune"]
 
 
 def test_the_sensor_emits_once_per_change_with_the_dataset_uri(tmp_path: Path, asserting_events) -> None:
