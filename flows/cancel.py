@@ -94,6 +94,8 @@ def stop_on_cancel(flow, flow_run, state) -> None:
         if found := _current_attempt(flow_run):
             cfg, _, attempt = found
             registry.end_attempt(cfg, attempt.attempt, "STOPPED", f"flow run {flow_run.name} was cancelled")
+            if cfg.tune is not None:  # a search: its trials went with its driver
+                series.end_unfinished(cfg.storage, cfg.name, f"its search's flow run {flow_run.name} was cancelled")
 
 
 def stop_on_crash(flow, flow_run, state) -> None:

@@ -73,6 +73,8 @@ def record_flow_end(cfg: Config, attempt: int, e: BaseException) -> None:
     (not of the job) leaves the attempt to the watchdog, whose job may be training fine."""
     if cancelled(e):
         registry.end_attempt(cfg, attempt, "STOPPED", f"cancelled ({type(e).__name__})")
+        if cfg.tune is not None:  # the search's job was stopped, and every trial with its driver
+            series.end_unfinished(cfg.storage, cfg.name, "its search was cancelled")
     else:
         registry.adopt(cfg, attempt, f"the finetune flow failed: {type(e).__name__}: {e}")
 

@@ -26,8 +26,12 @@ def describe(storage: str, run: str) -> str:
     reg = load(storage, run)
     if reg is None:
         raise FileNotFoundError(f"no run {run!r} under {storage} (looked for {Layout(storage).run_registry(run)})")
+    if reg.search is not None:
+        return _trial(storage, reg)
     mode, address = (reg.cluster.mode or "-", reg.cluster.address) if reg.cluster else ("-", "")
     lines = [f"run {run}: {reg.state}", f"  dataset: {reg.dataset_id or '-'}    cluster: {mode} {address}", "attempts:"]
+    if reg.kind == "search":
+        lines.insert(1, f"  search of {len(reg.trials)} trials: {', '.join(reg.trials)}")
     for a in reg.attempts:
         msg = f"  {a.message.splitlines()[0][:100]}" if a.message else ""
         lines.append(f"  #{a.attempt} {a.submission_id}  {a.status:<9} {_when(a.started_at)}  {_took(a)}{msg}")
@@ -37,6 +41,17 @@ def describe(storage: str, run: str) -> str:
     if reg.state == "failed" and reg.reason:
         lines.append(f"reason: {reg.reason}")
     lines.append(_heartbeat_line(storage, run))
+    if reg.final_model:
+        lines.append(f"final model: {reg.final_model}")
+    return "\n".join(lines)
+
+
+def _trial(storage: str, reg) -> str:
+    """A search's trial: its values, how it ended, its heartbeat; its jobs are the search's."""
+    values = ", ".join(f"{k}={v}" for k, v in (reg.params or {}).items())
+    lines = [f"run {reg.name}: {reg.state}", f"  trial of search {reg.search} (unbroken status {reg.search}: its "
+             f"jobs and incidents)", f"  values: {values or '-'}", f"  dataset: {reg.dataset_id or '-'}",
+             _heartbeat_line(storage, reg.name)]  # fmt: skip
     if reg.final_model:
         lines.append(f"final model: {reg.final_model}")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ from control.series.lineage import (
 )
 from control.series.promotion import champion, decide, folder_manifest
 from control.series.retention import trim_checkpoints
-from control.series.search import final_model, finish_run, record_trials, score_of, sync_trials, winner
+from control.series.search import end_unfinished, final_model, finish_run, record_trials, score_of, sync_trials, winner
 from control.series.views import format_table, lineage_lines, table
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "champion",
     "check_eval_source",
     "decide",
+    "end_unfinished",
     "final_model",
     "finish_run",
     "folder_manifest",

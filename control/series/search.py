@@ -59,6 +59,21 @@ def sync_trials(storage: str, search: str) -> dict[str, dict[str, Any]]:
     return found
 
 
+def end_unfinished(storage: str, search: str, why: str) -> list[str]:
+    """The search ended without finishing (cancelled, or the watchdog gave up): every trial not yet over is
+    ``failed`` with ``why``, so no trial record says ``running`` forever. Returns those trials."""
+    sync_trials(storage, search)
+    reg = registry.load(storage, search)
+    ended = []
+    for name in reg.trials if reg else []:
+        trial = registry.load(storage, name)
+        if trial is not None and trial.state in ("submitted", "running"):
+            trial.set(state="failed", reason=why)
+            registry.save(storage, name, trial)
+            ended.append(name)
+    return ended
+
+
 def winner(found: dict[str, dict[str, Any]]) -> str | None:
     """The completed trial with the lowest eval loss (the lower index on a tie), or None when none completed."""
     done = [(t["eval_loss"], t["index"], name) for name, t in found.items()

@@ -72,6 +72,9 @@ def lineage_lines(storage: str, run: str) -> list[str]:
         return []
     verdict = e.verdict
     said = "not decided yet" if not verdict else ("promoted" if verdict.promoted else "not promoted")
+    search = rec.entry(e.search) if e.search else None
+    if search is not None and not verdict:  # a trial: only its search's winner is put to the gate
+        said = f"not judged: only the winner of search {e.search} is ({search.winner or 'not known yet'})"
     lines = [f"series {name}: warm start from {e.parent or 'the base model'} (model.init_from={e.init_from})",
              f"  promotion: {said}{' -- ' + verdict.why if verdict else ''}"]  # fmt: skip
     if rec.champion:

@@ -54,6 +54,8 @@ def act(decision: Decision, cfg: Config, lease: leases.Lease) -> Outcome:
             with contextlib.suppress(ClusterError):  # giving up must not hinge on reaching the cluster
                 stop_leftovers(cfg, reg, reg.current.submission_id)
             registry.save(cfg.storage, cfg.name, reg)
+            if reg.kind == "search":
+                series.end_unfinished(cfg.storage, cfg.name, "the watchdog gave up on its search")
         elif isinstance(action, ReleaseCluster):
             with contextlib.suppress(ClusterError):  # release leaves alone a cluster the run did not bring up
                 release(cfg, recorded_handle(reg), run=cfg.name)

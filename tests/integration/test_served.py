@@ -21,10 +21,11 @@ import yaml
 from control import series
 from control.backends.base import jobs_client, reachable
 from ray_jobs.config import ClusterConfig, load_config
+from ray_jobs.search.trials import read_trials
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import read_registry
 from tests.prefect_server import serving
-from tests.procs import train_worker_pids, wait_for
+from tests.procs import processes, train_worker_pids, wait_for
 
 pytestmark = pytest.mark.integration
 SCREENSHOT_DIR = ROOT / ".unbroken" / "screenshots"
@@ -392,3 +393,34 @@ def _weights(storage: Path, run: str) -> str:
 
     state = load_file(str(storage / "runs" / run / "final" / "model.safetensors"))
     return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
+
+
+def test_cancelling_a_search_stops_its_job_and_every_trial(served) -> None:
+    """The tune deployment's flow run cancelled mid-trial: the search's job is stopped, no trial's worker or
+    driver outlives it, and no trial record says ``running`` afterwards."""
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    _, storage, log = served
+    long = tiny_overrides(storage, name="cancel-search", **{"train.max_steps": 200000, "train.eval_every_steps": 100,
+                                                            "checkpoint.every_steps": 100})  # fmt: skip
+    flow_run = run_deployment("tune/tune", parameters={"overrides": long}, timeout=0)
+
+    def a_trial_trains():
+        found = (read_trials(str(storage), "cancel-search") or {}).get("trials", {})
+        return found.get("cancel-search-t00", {}).get("state") == "running" and train_worker_pids(8265)
+
+    wait_for("a trial to train", a_trial_trains, 300, 1.0)
+    sid = read_registry(storage, "cancel-search")["attempts"][-1]["submission_id"]
+    _client_call(lambda c: c.set_flow_run_state(flow_run.id, Cancelling(message="test cancels the search")))
+    run = _final(flow_run.id, 120, log)
+    assert run.state.is_cancelled(), run.state
+    address = "http://127.0.0.1:8265"
+    if reachable(address) is None:
+        assert jobs_client(address).get_job_status(sid).is_terminal()
+    reg = read_registry(storage, "cancel-search")
+    assert reg["state"] == "failed" and reg["attempts"][-1]["status"] in ("STOPPED", "FAILED"), reg
+    wait_for("no trial worker left", lambda: not train_worker_pids(8265), 60, 1.0)
+    assert not [pid for pid, cmd in processes() if b"ray_jobs.search_job" in cmd and b"cancel-search" in cmd]
+    states = {t: read_registry(storage, t)["state"] for t in reg["trials"]}
+    assert "running" not in states.values() and states["cancel-search-t00"] == "failed", states
