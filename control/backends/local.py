@@ -55,6 +55,11 @@ def _head_env(cfg: Config) -> dict[str, str]:
     # A single-machine cluster: Ray then takes 127.0.0.1 as the node address, and its gRPC servers (GCS, raylet,
     # agents) bind loopback; without it Ray resolves 127.0.0.1 to the machine's address and binds 0.0.0.0.
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # A process of this head that asks Ray's state or job API without an address (Ray Train's placement group
+    # cleaner does) finds its own head's dashboard, not "multiple active Ray instances" when another head runs on
+    # this machine. Without it the cleaner's thread dies, a Tune trial's placement group outlives its trial, and
+    # the search's next trial waits forever for the CPUs it holds.
+    env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{cfg.cluster.dashboard_port}"
     return env
 
 

@@ -27,7 +27,16 @@ from control.series.lineage import (
 )
 from control.series.promotion import champion, decide, folder_manifest
 from control.series.retention import trim_checkpoints
-from control.series.search import end_unfinished, final_model, finish_run, record_trials, score_of, sync_trials, winner
+from control.series.search import (
+    end_unfinished,
+    final_model,
+    finish_run,
+    lost_steps,
+    record_trials,
+    score_of,
+    sync_trials,
+    winner,
+)
 from control.series.views import format_table, lineage_lines, table
 
 __all__ = [
@@ -44,6 +53,7 @@ __all__ = [
     "format_table",
     "lineage_lines",
     "load",
+    "lost_steps",
     "pinned_eval",
     "recipe",
     "record_trials",

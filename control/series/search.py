@@ -74,6 +74,22 @@ def end_unfinished(storage: str, search: str, why: str) -> list[str]:
     return ended
 
 
+def lost_steps(storage: str, search: str) -> int:
+    """Steps the search's running trials trained past their newest valid checkpoints (what a restart trains again),
+    from each trial's heartbeat: the search's own heartbeat sums every trial's steps, not what is lost."""
+    from ray_jobs import checkpoint as ckpt
+
+    lost = 0
+    for name, t in ((read_trials(storage, search) or {}).get("trials", {})).items():
+        if t["state"] != "running":
+            continue
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            step = read_json(Layout(storage).heartbeat(name)).get("step", 0)
+            found = ckpt.find_latest_valid(Layout(storage).checkpoints_dir(name))
+            lost += max(0, step - (ckpt.checkpoint_step(found[0]) if found else 0))
+    return lost
+
+
 def winner(found: dict[str, dict[str, Any]]) -> str | None:
     """The completed trial with the lowest eval loss (the lower index on a tie), or None when none completed."""
     done = [(t["eval_loss"], t["index"], name) for name, t in found.items()

@@ -80,7 +80,10 @@ def restart(cfg: Config, reg: RunRecord, lease: leases.Lease) -> Outcome:
     resume_from = found[0] if found else None
     # Steps lost: trained before the failure, to be trained again.
     incident = reg.open_incident()
-    incident.lost_steps = max(0, (incident.failed_step or 0) - resumed_step(resume_from))
+    if reg.kind == "search":  # each running trial resumes from its own newest checkpoint
+        incident.lost_steps = series.lost_steps(cfg.storage, cfg.name)
+    else:
+        incident.lost_steps = max(0, (incident.failed_step or 0) - resumed_step(resume_from))
     lease.check()  # fencing: never submit on a lease another watchdog has taken over
     registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
     attempt = _begin(cfg, reg, handle, resume_from, lease)
@@ -90,6 +93,8 @@ def restart(cfg: Config, reg: RunRecord, lease: leases.Lease) -> Outcome:
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
     registry.save(cfg.storage, cfg.name, reg)
     where = f"checkpoint at step {resumed_step(resume_from)}" if resume_from else "scratch (no valid checkpoint yet)"
+    if reg.kind == "search":
+        where = "its Ray Tune experiment (each unfinished trial from its own newest checkpoint)"
     run_logger().warning("run %s: restarted as attempt %d (%s) from %s; %d steps lost", cfg.name, attempt, sid, where,
                          incident.lost_steps)  # fmt: skip
     return Outcome(cfg.name, "restarted", f"attempt {attempt} from {where}", incident)

@@ -288,7 +288,6 @@ def test_a_failed_finetune_run_triggers_the_watchdog(served) -> None:
 
 def test_cancelling_a_finetune_run_leaves_no_ray_job_running(served) -> None:
     from prefect.deployments import run_deployment
-    from prefect.states import Cancelling
 
     config, storage, log = served
     long = ["train.max_steps=200000", "name=cancel-me", f"storage={storage}"]
@@ -299,17 +298,25 @@ def test_cancelling_a_finetune_run_leaves_no_ray_job_running(served) -> None:
         return reg.get("state") == "running"
 
     wait_for("the Ray job to run", training, 300, 2)
-    sid = read_registry(storage, "cancel-me")["attempts"][-1]["submission_id"]
-    _client_call(lambda c: c.set_flow_run_state(flow_run.id, Cancelling(message="test cancels")))
-    run = _final(flow_run.id, 120, log)
-    assert run.state.is_cancelled(), run.state
+    cancel(flow_run, storage, "cancel-me", log)
+    assert not train_worker_pids(8265), "no Ray Train worker may outlive the cancelled run"
 
+
+def cancel(flow_run, storage: Path, run: str, log: Path) -> dict:
+    """Cancel the flow run while its job trains: it ends Cancelled, its Ray job has ended, and the run is ``failed``
+    with its attempt stopped. Returns the run's record."""
+    from prefect.states import Cancelling
+
+    sid = read_registry(storage, run)["attempts"][-1]["submission_id"]
+    _client_call(lambda c: c.set_flow_run_state(flow_run.id, Cancelling(message="test cancels")))
+    final = _final(flow_run.id, 120, log)
+    assert final.state.is_cancelled(), final.state
     address = "http://127.0.0.1:8265"
     if reachable(address) is None:  # the head may still be up; then the job must have ended
         assert jobs_client(address).get_job_status(sid).is_terminal()
-    reg = read_registry(storage, "cancel-me")
+    reg = read_registry(storage, run)
     assert reg["state"] == "failed" and reg["attempts"][-1]["status"] in ("STOPPED", "FAILED"), reg
-    assert not train_worker_pids(8265), "no Ray Train worker may outlive the cancelled run"
+    return reg
 
 
 def test_an_event_naming_a_file_outside_the_allowed_sources_is_refused(served) -> None:
@@ -399,7 +406,6 @@ def test_cancelling_a_search_stops_its_job_and_every_trial(served) -> None:
     """The tune deployment's flow run cancelled mid-trial: the search's job is stopped, no trial's worker or
     driver outlives it, and no trial record says ``running`` afterwards."""
     from prefect.deployments import run_deployment
-    from prefect.states import Cancelling
 
     _, storage, log = served
     long = tiny_overrides(storage, name="cancel-search", **{"train.max_steps": 200000, "train.eval_every_steps": 100,
@@ -411,15 +417,7 @@ def test_cancelling_a_search_stops_its_job_and_every_trial(served) -> None:
         return found.get("cancel-search-t00", {}).get("state") == "running" and train_worker_pids(8265)
 
     wait_for("a trial to train", a_trial_trains, 300, 1.0)
-    sid = read_registry(storage, "cancel-search")["attempts"][-1]["submission_id"]
-    _client_call(lambda c: c.set_flow_run_state(flow_run.id, Cancelling(message="test cancels the search")))
-    run = _final(flow_run.id, 120, log)
-    assert run.state.is_cancelled(), run.state
-    address = "http://127.0.0.1:8265"
-    if reachable(address) is None:
-        assert jobs_client(address).get_job_status(sid).is_terminal()
-    reg = read_registry(storage, "cancel-search")
-    assert reg["state"] == "failed" and reg["attempts"][-1]["status"] in ("STOPPED", "FAILED"), reg
+    reg = cancel(flow_run, storage, "cancel-search", log)
     wait_for("no trial worker left", lambda: not train_worker_pids(8265), 60, 1.0)
     assert not [pid for pid, cmd in processes() if b"ray_jobs.search_job" in cmd and b"cancel-search" in cmd]
     states = {t: read_registry(storage, t)["state"] for t in reg["trials"]}
