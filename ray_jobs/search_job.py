@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray_jobs.search.driver import build_tuner
     from ray_jobs.search.progress import SearchHeartbeat
-    from ray_jobs.search.trials import DONE, read_trials
+    from ray_jobs.search.trials import DONE, trial_states
     from ray_jobs.search.trials import trials as search_trials
 
     spec, cfg = job_spec("ray_jobs.search_job", argv)
@@ -36,8 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(ignore_reinit_error=True)
     with SearchHeartbeat(cfg, trials, spec.get("attempt", 0)):
         grid = build_tuner(cfg, trials, loops, ray.cluster_resources().get("CPU", 0.0)).fit()
-    done = (read_trials(cfg.storage, cfg.name) or {}).get("trials", {})
-    states = {name: t["state"] for name, t in done.items()}
+    states = {name: t["state"] for name, t in trial_states(cfg.storage, cfg.name).items()}
     print("UNBROKEN_RESULT " + json.dumps({"trials": states}), flush=True)
     if any(state not in DONE for state in states.values()) or all(s == "failed" for s in states.values()):
         errors = [r.error for r in grid if r.error is not None]

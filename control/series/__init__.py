@@ -25,7 +25,7 @@ from control.series.lineage import (
     trained_this_recipe,
     warm_start,
 )
-from control.series.promotion import champion, decide, folder_manifest
+from control.series.promotion import champion, decide, folder_manifest, score_of
 from control.series.retention import trim_checkpoints
 from control.series.search import (
     end_unfinished,
@@ -33,7 +33,6 @@ from control.series.search import (
     finish_run,
     lost_steps,
     record_trials,
-    score_of,
     sync_trials,
     winner,
 )

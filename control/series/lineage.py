@@ -17,7 +17,7 @@ from typing import TypeVar
 from control import lease as leases
 from control import registry
 from control.records.series import EvalPin, SeriesRecord, SeriesRun
-from ray_jobs.config import Config, trial_name
+from ray_jobs.config import Config
 from ray_jobs.search.trials import trials
 from ray_jobs.storage import Layout, exists, write_json_atomic
 
@@ -131,13 +131,11 @@ def begin_run(cfg: Config, dataset_id: str, eval_pin: EvalPin, parent: str | Non
         e = rec.entry(cfg.name)
         if e is None:
             search = cfg.tune is not None  # a search trains no recipe of its own: its trials do
-            trials = {"trials": [trial_name(cfg.name, i) for i in range(cfg.tune.num_trials)]} if search else {}
+            children = trial_entries(cfg, dataset_id, parent) if search else []
             e = SeriesRun(run=cfg.name, dataset_id=dataset_id, recipe=None if search else recipe(cfg),
                           started_at=time.time(), parent=parent, init_from=cfg.model.init_from, score=None,
-                          verdict=None, **trials)  # fmt: skip
-            rec.runs.append(e)
-            if search:
-                rec.runs += trial_entries(cfg, dataset_id, parent)
+                          verdict=None, **({"trials": [c.run for c in children]} if search else {}))  # fmt: skip
+            rec.runs += [e, *children]
         e.flow_run_id = flow_run_id or e.flow_run_id
         return rec.eval
 

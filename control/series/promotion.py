@@ -52,7 +52,7 @@ def finish_run(storage: str, run: str) -> Verdict | None:
     series = cfg.series_name
     if _entry(storage, series, run) is None:  # not started as part of a lineage: nothing to gate or trim
         return None
-    score = _read_score(storage, run)
+    score = score_of(storage, run)
     # Hashed before the lease is taken (a big model's folder takes a while); the folder no longer changes.
     files = folder_manifest(Layout(storage).final_model(run)) if score is not None else {}
     verdict = mutate(storage, series, lambda rec: _close(storage, rec, cfg, score, files))
@@ -96,7 +96,8 @@ def _judge(rec: SeriesRecord, cfg: Config, score: float | None) -> Verdict:
                    champion=champ.run if champ else None, champion_score=champion_score)  # fmt: skip
 
 
-def _read_score(storage: str, run: str) -> float | None:
+def score_of(storage: str, run: str) -> float | None:
+    """The run's loss on its series' eval set (``runs/<run>/score.json``), or None when it left none."""
     with contextlib.suppress(FileNotFoundError):
         return read_json(Layout(storage).score(run))["eval_loss"]
     return None

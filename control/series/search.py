@@ -21,7 +21,7 @@ from control.series import promotion
 from control.series.lineage import mutate
 from control.series.retention import trim_checkpoints
 from ray_jobs.config import Config
-from ray_jobs.search.trials import Trial, read_trials, trials
+from ray_jobs.search.trials import Trial, trial_states, trials
 from ray_jobs.storage import Layout, exists, read_json
 
 # A trial's state in trials.json -> its run record's state
@@ -45,7 +45,7 @@ def record_trials(cfg: Config, dataset_id: str, extra: dict[str, Any]) -> list[T
 def sync_trials(storage: str, search: str) -> dict[str, dict[str, Any]]:
     """The trials as the search job last wrote them, with each trial's run record brought up to date (state, final
     model). Only whoever closes or watches the search writes trial records; the job writes trials.json."""
-    found = (read_trials(storage, search) or {}).get("trials", {})
+    found = trial_states(storage, search)
     for name, info in found.items():
         reg = registry.load(storage, name)
         if reg is None:
@@ -80,7 +80,7 @@ def lost_steps(storage: str, search: str) -> int:
     from ray_jobs import checkpoint as ckpt
 
     lost = 0
-    for name, t in ((read_trials(storage, search) or {}).get("trials", {})).items():
+    for name, t in trial_states(storage, search).items():
         if t["state"] != "running":
             continue
         with contextlib.suppress(FileNotFoundError, ValueError):
@@ -116,7 +116,11 @@ def _record_trials(storage: str, rec: SeriesRecord, search: str, found: dict[str
     for name, t in found.items():
         e = rec.entry(name)
         if e is not None:
-            e.set(state=t["state"], steps=t["step"], score=e.score if e.score is not None else score_of(storage, name))
+            e.set(
+                state=t["state"],
+                steps=t["step"],
+                score=e.score if e.score is not None else promotion.score_of(storage, name),
+            )
     s = rec.entry(search)
     if s is not None:
         s.winner = best
@@ -126,12 +130,6 @@ def _close_search(rec: SeriesRecord, search: str, verdict: Verdict | None) -> No
     s = rec.entry(search)
     if s is not None and s.ended_at is None:
         s.set(ended_at=time.time(), score=verdict.score if verdict else None, verdict=verdict)
-
-
-def score_of(storage: str, run: str) -> float | None:
-    with contextlib.suppress(FileNotFoundError):
-        return read_json(Layout(storage).score(run))["eval_loss"]
-    return None
 
 
 def finish_run(storage: str, run: str) -> Verdict | None:
@@ -146,7 +144,7 @@ def final_model(storage: str, run: str) -> str | None:
     """Where a succeeded run's final model is: its own folder, or for a search its winner's (None if neither)."""
     reg = registry.load(storage, run)
     if reg is not None and reg.kind == "search":
-        best = winner((read_trials(storage, run) or {}).get("trials", {}))
+        best = winner(trial_states(storage, run))
         run = best or run
     folder = Layout(storage).final_model(run)
     return folder if exists(folder) else None

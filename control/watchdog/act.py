@@ -15,7 +15,7 @@ from control.backends.base import ClusterError, ClusterHandle, StopUnverified
 from control.cluster import provision, release
 from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
-from control.records.run import RunRecord
+from control.records.run import Incident, RunRecord
 from control.watchdog.decide import (
     Decision,
     FinishSeries,
@@ -76,14 +76,8 @@ def restart(cfg: Config, reg: RunRecord, lease: leases.Lease) -> Outcome:
     lease.renew()
     handle = provision(cfg)  # starts a local head again if it is gone, repairs or brings up a managed cluster
     lease.renew()
-    found = ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name))
-    resume_from = found[0] if found else None
-    # Steps lost: trained before the failure, to be trained again.
     incident = reg.open_incident()
-    if reg.kind == "search":  # each running trial resumes from its own newest checkpoint
-        incident.lost_steps = series.lost_steps(cfg.storage, cfg.name)
-    else:
-        incident.lost_steps = max(0, (incident.failed_step or 0) - resumed_step(resume_from))
+    resume_from, incident.lost_steps, where = resume_point(cfg, reg, incident)
     lease.check()  # fencing: never submit on a lease another watchdog has taken over
     registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
     attempt = _begin(cfg, reg, handle, resume_from, lease)
@@ -92,12 +86,26 @@ def restart(cfg: Config, reg: RunRecord, lease: leases.Lease) -> Outcome:
     reg = registry.load(cfg.storage, cfg.name)
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
     registry.save(cfg.storage, cfg.name, reg)
-    where = f"checkpoint at step {resumed_step(resume_from)}" if resume_from else "scratch (no valid checkpoint yet)"
-    if reg.kind == "search":
-        where = "its Ray Tune experiment (each unfinished trial from its own newest checkpoint)"
     run_logger().warning("run %s: restarted as attempt %d (%s) from %s; %d steps lost", cfg.name, attempt, sid, where,
                          incident.lost_steps)  # fmt: skip
     return Outcome(cfg.name, "restarted", f"attempt {attempt} from {where}", incident)
+
+
+def resume_point(cfg: Config, reg: RunRecord, incident: Incident) -> tuple[str | None, int, str]:
+    """(checkpoint to resume from, steps lost: trained before the failure, to be trained again, what the restart
+    resumes from in words). A search resumes its Ray Tune experiment, each running trial from its own newest
+    checkpoint: no checkpoint of the search's own, and the lost steps are its running trials'."""
+    if reg.kind == "search":
+        return (
+            None,
+            series.lost_steps(cfg.storage, cfg.name),
+            "its Ray Tune experiment (each unfinished trial from its own newest checkpoint)",
+        )
+    found = ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name))
+    resume_from = found[0] if found else None
+    lost = max(0, (incident.failed_step or 0) - resumed_step(resume_from))
+    where = f"checkpoint at step {resumed_step(resume_from)}" if resume_from else "scratch (no valid checkpoint yet)"
+    return resume_from, lost, where
 
 
 def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str | None, lease: leases.Lease) -> int:

@@ -47,3 +47,8 @@ def read_trials(storage: str, search: str) -> dict[str, Any] | None:
         return read_json(Layout(storage).search_trials(search))
     except (FileNotFoundError, ValueError):
         return None
+
+
+def trial_states(storage: str, search: str) -> dict[str, dict[str, Any]]:
+    """Trial run name -> what trials.json says of it (none before the search job wrote it)."""
+    return (read_trials(storage, search) or {}).get("trials", {})
