@@ -36,3 +36,13 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def check_flow(cfg: Config, search: bool, source: str = "config") -> None:
+    """A config with a ``tune`` section is a hyperparameter search (``unbroken tune``, the tune flow); any other is
+    one run (``unbroken run``, the finetune flow). ConfigError naming ``tune`` when the command does not fit."""
+    if search and cfg.tune is None:
+        raise ConfigError(["tune: the config has no tune section; add one (see configs/demo-tune.yaml)"], source)
+    if not search and cfg.tune is not None:
+        raise ConfigError(["tune: the config is a hyperparameter search; run it with `unbroken tune` (the tune flow)"],
+                          source)  # fmt: skip

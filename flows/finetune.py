@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 from prefect.states import State
 
 from control import registry, series
-from control.config import Config, ConfigError, load_config
+from control.config import Config, ConfigError, check_flow, load_config
 from control.jobs import JobFailed
 from control.records.series import SeriesRun
 from control.sources import SourceRefused, rejected_event
@@ -76,6 +76,7 @@ async def finetune(
     except SourceRefused as e:  # before anything is read from it
         rejected_event(load_config(config_path, overrides), dataset_uri, str(e))
         raise
+    check_flow(cfg, search=False, source=str(config_path or "config"))
     async with one_run_per_series(cfg.series_name):
         return await _finetune(cfg)
 

@@ -11,7 +11,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from control.config import ConfigError
+from control.config import ConfigError, check_flow
 from control.sources import SourceRefused
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from flows.finetune import _finetune
@@ -31,8 +31,6 @@ def tune_run_name() -> str:
 async def tune(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Search hyperparameters with Ray Tune over the config's ``tune.space``; returns the trials and the winner."""
     cfg = run_config(config_path, overrides)
-    if cfg.tune is None:
-        raise ConfigError(["tune: the config has no tune section; add one (see configs/demo-tune.yaml)"],
-                          str(config_path or "config"))  # fmt: skip
+    check_flow(cfg, search=True, source=str(config_path or "config"))
     async with one_run_per_series(cfg.series_name):
         return await _finetune(cfg)

@@ -13,7 +13,7 @@ import asyncio
 import os
 import sys
 
-from control.config import ConfigError, load_config
+from control.config import ConfigError, check_flow, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,15 +61,23 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from flows.finetune import finetune, start_cluster_early
+def _with_early_cluster(args: argparse.Namespace, run_flow):
+    """Run a flow (``run_flow()``, a coroutine) while the cluster it will surely need starts coming up beside
+    Prefect's temporary server; a head the flow never took over (it ended before it needed one) is released."""
+    from flows.finetune import start_cluster_early
 
-    early = start_cluster_early(load_config(args.config, args.overrides))  # comes up while Prefect boots
+    early = start_cluster_early(load_config(args.config, args.overrides))
     try:
-        s = asyncio.run(finetune(args.config, args.overrides))
+        return asyncio.run(run_flow())
     finally:
         if early is not None:
-            early.release()  # a head the flow never took over (it ended before it needed one)
+            early.release()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.finetune import finetune
+
+    s = _with_early_cluster(args, lambda: finetune(args.config, args.overrides))
     if s.get("nothing_new"):
         print(s["message"])
         print(f"final model: {s['final_model']}")
@@ -90,19 +98,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from control.config import ConfigError
-    from flows.finetune import start_cluster_early
     from flows.tune import tune
 
-    cfg = load_config(args.config, args.overrides)
-    if cfg.tune is None:
-        raise ConfigError(["tune: the config has no tune section; add one (see configs/demo-tune.yaml)"], args.config)
-    early = start_cluster_early(cfg)
-    try:
-        s = asyncio.run(tune(args.config, args.overrides))
-    finally:
-        if early is not None:
-            early.release()
+    s = _with_early_cluster(args, lambda: tune(args.config, args.overrides))
     print(f"search {s['run']}: {len(s['trials'])} trials on dataset {s['dataset_id']}")
     print(format_trials(s["trials"]))
     if verdict := s.get("verdict"):
@@ -250,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_runs(args)
     try:
         if args.command in ("run", "tune", "stage", "train"):
-            load_config(args.config, args.overrides)  # before Prefect is imported
+            cfg = load_config(args.config, args.overrides)  # before Prefect is imported
+            if args.command in ("run", "tune"):
+                check_flow(cfg, search=args.command == "tune", source=args.config)
         _quiet_defaults()
         return COMMANDS[args.command](args)
     except ConfigError as e:

@@ -75,6 +75,10 @@ def test_the_cli_refuses_a_bad_search_before_touching_storage(tmp_path) -> None:
     p = subprocess.run([sys.executable, "-m", "unbroken", "tune", str(ROOT / "configs" / "demo.yaml"), "--set",
                         f"storage={storage}"], capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
     assert p.returncode == 2 and "tune: the config has no tune section" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "unbroken", "run", str(DEMO_TUNE), "--set", f"storage={storage}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert p.returncode == 2 and "run it with `unbroken tune`" in p.stderr, p.stderr
+    assert not storage.exists()
 
 
 def test_a_restored_asha_decides_as_the_uninterrupted_one(tmp_path) -> None:
