@@ -43,14 +43,18 @@ def metrics_table(cfg: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any
 def mermaid_line(title: str, y_label: str, points: list[tuple[str, float]], top: float) -> list[str]:
     """A mermaid ``xychart-beta`` line chart (the Prefect UI renders mermaid in markdown artifacts); the axes only
     when there are points."""
-    lines = ["```mermaid", CHART_THEME, "xychart-beta", f'    title "{title}"']
-    if points:
-        lines += [
-            f"    x-axis [{', '.join(x for x, _ in points)}]",
-            f'    y-axis "{y_label}" 0 --> {top * 1.05:.3f}',
-            "    line [" + ", ".join(f"{y:.4f}" for _, y in points) + "]",
-        ]
-    return [*lines, "```"]
+    return mermaid_chart(title, y_label, [x for x, _ in points], [[y for _, y in points]] if points else [], top)
+
+
+def mermaid_chart(title: str, y_label: str, xs: list[str], lines: list[list[float]], top: float,
+                  theme: str = CHART_THEME) -> list[str]:  # fmt: skip
+    """A mermaid ``xychart-beta`` chart of one or more lines over the same x labels (a shorter line stops early);
+    the axes only when there are lines."""
+    out = ["```mermaid", theme, "xychart-beta", f'    title "{title}"']
+    if xs and lines:
+        out += [f"    x-axis [{', '.join(xs)}]", f'    y-axis "{y_label}" 0 --> {top * 1.05:.3f}']
+        out += ["    line [" + ", ".join(f"{y:.4f}" for y in ys) + "]" for ys in lines]
+    return [*out, "```"]
 
 
 def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:

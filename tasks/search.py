@@ -11,7 +11,9 @@ from prefect.cache_policies import NO_CACHE
 
 from control import series
 from control.logs import run_logger
+from control.series.views import short_value
 from ray_jobs.config import Config
+from tasks.report import mermaid_chart
 
 # one colour per trial's line
 CHART_THEME = (
@@ -43,35 +45,25 @@ def trial_rows(cfg: Config, found: dict[str, dict[str, Any]], best: str | None) 
     rows = []
     for name, t in sorted(found.items(), key=lambda kv: kv[1]["index"]):
         score = series.score_of(cfg.storage, name)
-        rows.append({"trial": name, **{k: _short(v) for k, v in t["params"].items()}, "state": t["state"],
+        rows.append({"trial": name, **{k: short_value(v) for k, v in t["params"].items()}, "state": t["state"],
                      "steps": t["step"], "eval_loss": t["eval_loss"], "score": score, "starts": t["starts"],
                      "winner": name == best})  # fmt: skip
     return rows
 
 
-def _short(v: Any) -> Any:
-    return float(f"{v:.4g}") if isinstance(v, float) else v
-
-
 def trials_chart_markdown(cfg: Config, found: dict[str, dict[str, Any]]) -> str:
     """Each trial's eval loss at every reported step, one line per trial, as a mermaid ``xychart-beta`` chart
-    (a trial stopped early has a shorter line)."""
-    steps = sorted({h[0] for t in found.values() for h in t["history"]})
-    values = [h[1] for t in found.values() for h in t["history"] if h[1] is not None]
-    lines = [f"# Search {cfg.name}: eval loss by step", "", "```mermaid", CHART_THEME, "xychart-beta",
-             f'    title "{cfg.name}: eval loss of each trial"']  # fmt: skip
-    if steps and values:
-        lines += [
-            f"    x-axis [{', '.join(map(str, steps))}]",
-            f'    y-axis "eval loss" 0 --> {max(values) * 1.05:.3f}',
-        ]
-        for t in sorted(found.values(), key=lambda t: t["index"]):
-            points = [h[1] for h in t["history"] if h[1] is not None]
-            if points:
-                lines.append("    line [" + ", ".join(f"{y:.4f}" for y in points) + "]")
-    lines += ["```", "", "| line | trial | values | state | steps | eval loss |", "|---|---|---|---|---|---|"]
-    for i, (name, t) in enumerate(sorted(found.items(), key=lambda kv: kv[1]["index"]), 1):
+    (a trial stopped early has a shorter line), and which line is which."""
+    ordered = sorted(found.items(), key=lambda kv: kv[1]["index"])
+    steps = sorted({h[0] for _, t in ordered for h in t["history"]})
+    curves = [ys for _, t in ordered if (ys := [h[1] for h in t["history"] if h[1] is not None])]
+    top = max((y for ys in curves for y in ys), default=0.0)
+    lines = [f"# Search {cfg.name}: eval loss by step", "",
+             *mermaid_chart(f"{cfg.name}: eval loss of each trial", "eval loss", [str(x) for x in steps], curves, top,
+                            CHART_THEME),
+             "", "| line | trial | values | state | steps | eval loss |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for i, (name, t) in enumerate(ordered, 1):
         loss = "-" if t["eval_loss"] is None else f"{t['eval_loss']:.4f}"
-        values_ = ", ".join(f"{k}={_short(v)}" for k, v in t["params"].items())
-        lines.append(f"| {i} | {name} | {values_} | {t['state']} | {t['step']} | {loss} |")
+        values = ", ".join(f"{k}={short_value(v)}" for k, v in t["params"].items())
+        lines.append(f"| {i} | {name} | {values} | {t['state']} | {t['step']} | {loss} |")
     return "\n".join(lines) + "\n"

@@ -51,11 +51,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def short_value(v: Any) -> Any:
+    """A drawn value as people read it: a float to 4 significant digits."""
+    return float(f"{v:.4g}") if isinstance(v, float) else v
+
+
 def _params(r: dict[str, Any]) -> str:
     """A trial's values (and the step it was stopped at), after the row."""
     if not r.get("params"):
         return ""
-    values = ", ".join(f"{k}={float(f'{v:.4g}') if isinstance(v, float) else v}" for k, v in r["params"].items())
+    values = ", ".join(f"{k}={short_value(v)}" for k, v in r["params"].items())
     stopped = f" (stopped at step {r['steps']})" if r["state"] == "stopped-early" and r.get("steps") else ""
     return f"  {values}{stopped}"
 
