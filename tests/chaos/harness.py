@@ -70,11 +70,11 @@ def start_run(handle: ClusterHandle, cfg: Config, env: dict | None = None) -> st
     return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec, env=env)
 
 
-def driver_pid(cfg: Config) -> int | None:
-    """The Ray job driver (``python -m ray_jobs.job --spec .../runs/<run>/job-spec-NNN.json``) of this run."""
-    needle = f"/runs/{cfg.name}/job-spec-".encode()
+def driver_pid(cfg: Config, module: str = "ray_jobs.job") -> int | None:
+    """The Ray job driver (``python -m <module> --spec .../runs/<run>/job-spec-NNN.json``) of this run."""
+    needle, entry = f"/runs/{cfg.name}/job-spec-".encode(), f"-m {module} ".encode()
     for pid, cmdline in processes():
-        if b"-m ray_jobs.job" in cmdline and needle in cmdline and not cmdline.startswith(b"/bin/sh"):
+        if entry in cmdline and needle in cmdline and not cmdline.startswith(b"/bin/sh"):
             return pid
     return None
 

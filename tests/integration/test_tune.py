@@ -29,10 +29,10 @@ from ray_jobs.search.trials import read_trials, trials
 from ray_jobs.storage import Layout
 from tasks.model import prepare_base_model
 from tasks.stage import stage_dataset
-from tests.chaos.harness import final_weights_hash, until_finished
+from tests.chaos.harness import driver_pid, final_weights_hash, heartbeat, until_finished
 from tests.conftest import ROOT, tiny_overrides
 from tests.integration.conftest import run_cli
-from tests.procs import processes, wait_for
+from tests.procs import wait_for
 
 DEMO_TUNE = ROOT / "configs" / "demo-tune.yaml"
 PORT, GCS_PORT = 8315, 6429  # this module's head, nobody else's
@@ -174,26 +174,13 @@ def watchdog(tmp_path):
 def running_past(cfg: Config, trial: str, step: int) -> bool:
     """The trial trains past ``step`` with a checkpoint behind it (its own heartbeat and checkpoints)."""
     found = (read_trials(cfg.storage, cfg.name) or {}).get("trials", {})
-    beat = _json(Layout(cfg.storage).heartbeat(trial))
+    beat = heartbeat(cfg.named(trial))
     return (
         found.get(trial, {}).get("state") == "running"
         and beat.get("phase") == "training"
         and beat.get("step", 0) > step
         and ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(trial))
     )
-
-
-def _json(path: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
-
-
-def driver_pid(cfg: Config) -> int | None:
-    needle = f"/runs/{cfg.name}/job-spec-".encode()
-    return next((pid for pid, cmd in processes() if b"-m ray_jobs.search_job" in cmd and needle in cmd
-                 and not cmd.startswith(b"/bin/sh")), None)  # fmt: skip
 
 
 def test_a_search_survives_a_killed_worker_driver_and_head_to_the_same_outcome(head, clean, watchdog, tmp_path):
@@ -209,11 +196,13 @@ def test_a_search_survives_a_killed_worker_driver_and_head_to_the_same_outcome(h
     lost_driver, lost_head = past[1], past[2]
 
     wait_for("trial 0 past step 25", lambda: running_past(cfg, t[0], 25), timeout_s=240, every_s=0.1)
-    os.kill(_json(Layout(cfg.storage).heartbeat(t[0]))["pid"], signal.SIGKILL)  # its rank 0: Ray Train restarts it
+    os.kill(heartbeat(cfg.named(t[0]))["pid"], signal.SIGKILL)  # its rank 0: Ray Train restarts it
 
     wait_for(f"trial {lost_driver} past step 25", lambda: running_past(cfg, t[lost_driver], 25), timeout_s=240,
              every_s=0.1)  # fmt: skip
-    os.kill(driver_pid(cfg), signal.SIGKILL)  # the search's driver: the watchdog resubmits, Tune restores
+    os.kill(
+        driver_pid(cfg, "ray_jobs.search_job"), signal.SIGKILL
+    )  # the search's driver: the watchdog resubmits, Tune restores
     wait_for("attempt 2", lambda: len(registry.load(cfg.storage, cfg.name).attempts) == 2, timeout_s=120)
 
     wait_for(f"trial {lost_head} past step 25", lambda: running_past(cfg, t[lost_head], 25), timeout_s=300,
