@@ -14,7 +14,7 @@ from control.jobs import JobFailed, run_to_end, submit
 from control.logs import run_logger
 from ray_jobs.config import Config
 from ray_jobs.data.fingerprint import describe
-from ray_jobs.data.staging import StageResult, StagingError, cached, stage
+from ray_jobs.data.staging import StageResult, StagingError, cached, stage, summary
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout, exists, is_local, read_json, write_json_atomic
 
@@ -89,8 +89,8 @@ def _report(result: StageResult) -> Staged:
     counts = result.manifest["counts"]
     verb = "cache hit" if result.cache_hit else "staged"
     run_logger().info(
-        "%s dataset %s: %d records (%d rejected) -> %d train / %d eval rows; manifest %s",
-        verb, result.dataset_id, counts["records"], counts["rejects"], counts["train_rows"], counts["eval_rows"],
+        "%s dataset %s: %s -> %d train / %d eval rows; manifest %s",
+        verb, result.dataset_id, summary(result.manifest), counts["train_rows"], counts["eval_rows"],
         result.manifest_url,
     )  # fmt: skip
     return Staged(result.dataset_id, result.manifest_url, result.cache_hit, counts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ray_jobs.config.base import Section
 
@@ -14,10 +14,16 @@ class DataConfig(Section):
     """Training source: a JSONL or Parquet file, or a folder of them, as a local path or any fsspec URL (``s3://...``)."""
     eval: str | None = None
     """Optional separate eval source; when empty, ``eval_fraction`` of ``train`` is held out by record hash."""
-    format: Literal["pairs", "text", "chat"] = "pairs"
-    """``pairs``: prompt/completion fields, tokenized as one text (prompt masked from the loss); ``text``: one text
-    field, all of it learned; ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat
-    template, the assistant turns chosen by ``train_on`` learned."""
+    format: Literal["pairs", "text", "chat", "alpaca", "sharegpt", "prompt_completion", "auto"] = "pairs"
+    """The records' shape. ``pairs``: prompt/completion fields (``input_field``/``target_field``), tokenized as one
+    text, the prompt masked from the loss; ``text``: one text field, all of it learned, a document longer than
+    ``seq_len`` cut into pieces; ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat
+    template, the assistant turns chosen by ``train_on`` learned. Shapes other tools write: ``alpaca``
+    (``instruction``, optional ``input``, ``output``, optional ``system``; a chat when the tokenizer has a template,
+    else the Alpaca prompt as ``pairs``), ``sharegpt`` (``conversations: [{from: human|gpt|system, value}]``, as
+    ``chat``), ``prompt_completion`` (TRL's ``prompt``/``completion``: strings as ``pairs``, message lists as
+    ``chat``). ``auto``: the shape is detected from the first records of ``train`` (logged, and part of the dataset
+    id)."""
     train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     """``chat``: learn every assistant turn of a conversation (the default), or only the final one."""
     input_field: str = "input"
@@ -32,8 +38,19 @@ class DataConfig(Section):
     """Share of records held out for eval (chosen by record hash, so adding records never reshuffles)."""
     seq_len: int = Field(256, ge=8)
     """Length in tokens of each packed training sequence."""
-    max_record_chars: int = Field(100_000, ge=1)
-    """A record whose input plus target is longer than this is rejected."""
+    max_record_chars: int | None = Field(None, ge=1)
+    """A record longer than this many characters is rejected; unset: 100,000 for prompt/completion and chat records,
+    no limit for ``text`` documents (they are cut into pieces, whatever their length)."""
+    too_long: Literal["reject", "drop", "truncate"] = "reject"
+    """A prompt/completion or chat record longer than ``seq_len`` tokens: ``reject`` it (it counts against
+    ``max_reject_fraction``), ``drop`` it (listed in rejects.jsonl and counted in the manifest, not against
+    ``max_reject_fraction``), or ``truncate`` it (earlier exchanges of a chat first, then the end of the final reply,
+    its end-of-turn marker kept; a record that cannot keep a learned token is dropped). ``text`` documents are never
+    too long: they are cut into pieces."""
+    text_overlap_tokens: int = Field(0, ge=0)
+    """``text``: tokens each piece of a document longer than ``seq_len`` repeats from the end of the piece before, as
+    context it is not trained on (every token is learned once). At least the one token before a piece's first
+    learned token is always repeated, so 0 and 1 are the same."""
     max_reject_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of bad records tolerated (they go to rejects.jsonl); above it staging fails. 0 = any reject fails."""
     shard_mb: float = Field(256.0, gt=0)
@@ -63,3 +80,12 @@ class DataConfig(Section):
     allowed_sources: list[str] = []
     """URL or path prefixes a dataset event's ``dataset_uri`` may name (a served deployment trains on whatever an
     event says, so this is its allow-list); empty = the folder holding ``data.train``. Anything else is refused."""
+
+    @model_validator(mode="after")
+    def _overlap_fits(self) -> DataConfig:
+        if self.text_overlap_tokens > self.seq_len // 2:
+            raise ValueError(
+                f"data.text_overlap_tokens ({self.text_overlap_tokens}) must be at most half of data.seq_len "
+                f"({self.seq_len}): a piece of a long document repeats that much and learns the rest"
+            )
+        return self

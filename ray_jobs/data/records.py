@@ -2,7 +2,8 @@
 
 A Record carries the exact text that is tokenized and the character spans of it the model learns, so tokenizing is
 the same for every format: ``pairs`` is prompt + target as one text (the target learned), ``text`` is learned whole,
-``chat`` is the conversation rendered once by the tokenizer's chat template (the assistant turns learned).
+``chat`` is the conversation rendered once by the tokenizer's chat template (the assistant turns learned). The
+shapes other tools write become a ``pairs`` or a ``chat`` record (:mod:`ray_jobs.data.shapes`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
+from ray_jobs.data.shapes import RecordProblem, shape, string_field  # RecordProblem: imported from here too
 from ray_jobs.data.sources import SourceBatch, SourceFile, StagingError, position_unit
 
-
-class RecordProblem(ValueError):
-    """Why one record cannot be staged (it becomes a Reject; the run goes on)."""
+# data.max_record_chars when unset, for records that are not text documents (those are cut into pieces instead)
+DEFAULT_MAX_RECORD_CHARS = 100_000
 
 
 @dataclass
@@ -47,6 +48,8 @@ class Record:
     learn: list[tuple[int, int]] = field(default_factory=list)
     split: str = "train"
     shown: str = ""
+    messages: list[dict] | None = None  # a conversation's messages (``data.too_long=truncate`` renders fewer)
+    templated: bool = False  # ``text`` was written by the chat template, special tokens included
 
 
 @dataclass
@@ -56,18 +59,20 @@ class Reject:
     reason: str
     text: str = ""
     unit: str = "line"
+    dropped: bool = False  # over-long, and ``data.too_long`` drops it: listed, not counted against the reject limit
 
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file}:row {self.line}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, self.unit: self.line, "reason": self.reason, "text": self.text}
+        out = {"file": self.file, self.unit: self.line, "reason": self.reason, "text": self.text}
+        return {**out, "dropped": True} if self.dropped else out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Reject:
         unit = "row" if "row" in obj else "line"
-        return cls(obj["file"], obj[unit], obj["reason"], obj.get("text", ""), unit)
+        return cls(obj["file"], obj[unit], obj["reason"], obj.get("text", ""), unit, obj.get("dropped", False))
 
 
 Renderer = Callable[[list[dict]], Rendered]
@@ -146,57 +151,34 @@ def _rows(src: SourceFile) -> Iterator[tuple[int, Any, None, str]]:
 
 
 def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos: int, split: str) -> Record:
-    """The Record of one decoded object under ``data.format``; raises RecordProblem."""
+    """The Record of one decoded object under ``data.format`` (resolved: never ``auto``); raises RecordProblem. A
+    ``render`` (the chat template) puts every conversation, and alpaca records, on the chat path."""
     if not isinstance(obj, dict):
         raise RecordProblem(f"expected a JSON object, got {type(obj).__name__}")
-    if data.format == "chat":
-        msgs = _messages(obj, data.messages_field)
-        r = _render(render, msgs)
-        rec = Record(file, pos, r.prompt, msgs[-1]["content"], r.text, r.learn, split, shown=msgs[-2]["content"])
-    elif data.format == "pairs":
-        prompt, target = _string(obj, data.input_field), _string(obj, data.target_field)
-        rec = Record(file, pos, prompt, target, prompt + target, [(len(prompt), len(prompt) + len(target))], split)
-    else:
-        text = _string(obj, data.text_field)
+    if data.format == "text":
+        text = string_field(obj, data.text_field)
         rec = Record(file, pos, "", text, text, [(0, len(text))], split)
-    if len(rec.text) > data.max_record_chars:
-        raise RecordProblem(
-            f"record is {len(rec.text)} characters, over data.max_record_chars ({data.max_record_chars})"
-        )
+    else:
+        s = shape(obj, data, render is not None)
+        if s.messages is not None:
+            msgs = s.messages
+            r = _render(render, msgs)
+            rec = Record(file, pos, r.prompt, msgs[-1]["content"], r.text, r.learn, split,
+                         shown=msgs[-2]["content"], messages=msgs, templated=True)  # fmt: skip
+        else:
+            end = len(s.prompt) + len(s.target)
+            rec = Record(file, pos, s.prompt, s.target, s.prompt + s.target, [(len(s.prompt), end)], split, s.shown)
+    limit = data.max_record_chars
+    if limit is None and data.format != "text":
+        limit = DEFAULT_MAX_RECORD_CHARS
+    if limit is not None and len(rec.text) > limit:
+        raise RecordProblem(f"record is {len(rec.text)} characters, over data.max_record_chars ({limit})")
     return rec
-
-
-def _string(obj: dict, key: str) -> str:
-    if key not in obj:
-        raise RecordProblem(f"missing field {key!r}")
-    if not isinstance(obj[key], str):
-        raise RecordProblem(f"field {key!r} must be a string, got {type(obj[key]).__name__}")
-    if not obj[key].strip():
-        raise RecordProblem(f"field {key!r} is empty")
-    return obj[key]
-
-
-def _messages(obj: dict, key: str) -> list[dict]:
-    if key not in obj:
-        raise RecordProblem(f"missing field {key!r}")
-    msgs = obj[key]
-    if not isinstance(msgs, list) or not msgs:
-        raise RecordProblem(f"field {key!r} must be a non-empty list of messages")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RecordProblem(f"{key}[{i}] must be an object with string 'role' and 'content'")
-        if not m["content"].strip():
-            raise RecordProblem(f"{key}[{i}] has empty content")
-    if msgs[-1]["role"] != "assistant":
-        raise RecordProblem(f"the last message must be the assistant's (got {msgs[-1]['role']!r})")
-    if len(msgs) < 2:
-        raise RecordProblem("a conversation needs a message before the assistant's reply")
-    return msgs
 
 
 def _render(render: Renderer | None, msgs: list[dict]) -> Rendered:
     if render is None:
-        raise ValueError("data.format=chat: parse_records needs the chat template renderer")
+        raise ValueError("a conversation: parse_records needs the chat template renderer")
     try:
         return render(msgs)
     except RecordProblem:

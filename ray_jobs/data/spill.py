@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_jobs.data.documents import DocPieces
 from ray_jobs.data.pack import Packer, shard_bounds, write_shard
 from ray_jobs.data.records import Reject
 from ray_jobs.data.sources import Position
@@ -26,7 +27,8 @@ from ray_jobs.data.workers import BatchResult
 SPLITS = ("train", "eval")
 # rejects.jsonl lists records that failed validation first, then those too long or unrepresentable once tokenized
 REJECT_KINDS = ("invalid", "train", "eval")
-_COUNTS = ("records", "rejects", "train_examples", "eval_examples", "train_tokens", "train_target_tokens")
+_COUNTS = ("records", "rejects", "dropped", "truncated", "documents", "pieces", "cut_documents", "train_examples",
+           "eval_examples", "train_tokens", "train_target_tokens")  # fmt: skip
 
 
 class Spill:
@@ -41,6 +43,7 @@ class Spill:
         if any(self._size(name) < size for name, size in self.progress["sizes"].items()):
             self.progress = self._fresh(dataset_id)  # files shorter than progress says (a host crash): start over
             self.packers = {s: Packer(seq_len, pad_id) for s in SPLITS}
+        shutil.rmtree(self.doc_dir, ignore_errors=True)
         for name, size in self.progress["sizes"].items():
             with open(self._path(name), "ab") as f:
                 f.truncate(size)  # bytes written after the last progress record are written again
@@ -66,14 +69,25 @@ class Spill:
     def add(self, result: BatchResult) -> None:
         c = self.counts
         c["records"] += result.records
+        for k, n in result.counts.items():
+            c[k] += n
         self._rejects("invalid", result.invalid)
         for split in SPLITS:
-            ex = result.examples[split]
             self._rejects(split, result.token_rejects[split])
-            c[f"{split}_examples"] += len(ex.lengths)
-            if split == "train":
-                c["train_tokens"] += int(ex.lengths.sum())
-            self._rows(split, self.packers[split].add(ex))
+            for part in result.segments(split):
+                for ex in part.read() if isinstance(part, DocPieces) else [part]:
+                    c[f"{split}_examples"] += len(ex.lengths)
+                    if split == "train":
+                        c["train_tokens"] += int(ex.lengths.sum())
+                    self._rows(split, self.packers[split].add(ex))
+                if isinstance(part, DocPieces):
+                    part.discard()
+
+    @property
+    def doc_dir(self) -> Path:
+        """Where this machine's workers leave long documents' pieces for :meth:`add` (emptied at every start: a
+        killed staging's leftovers are read again from the sources)."""
+        return self.folder / "docs"
 
     def commit(self, file_index: int, position: Position) -> None:
         """Record that every source before ``file_index``, and that file up to ``position``, is in the spill."""
@@ -109,7 +123,9 @@ class Spill:
                 for line in f:
                     if len(out) == k:
                         return out
-                    out.append(Reject.from_json(json.loads(line)))
+                    r = Reject.from_json(json.loads(line))
+                    if not r.dropped:
+                        out.append(r)
         return out
 
     def rejects_file(self) -> Path:
@@ -136,7 +152,9 @@ class Spill:
 
     def _rejects(self, kind: str, rejects: list[Reject]) -> None:
         if rejects:
-            self.counts["rejects"] += len(rejects)
+            dropped = sum(r.dropped for r in rejects)
+            self.counts["rejects"] += len(rejects) - dropped
+            self.counts["dropped"] += dropped
             body = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
             self._write(f"rejects-{kind}.jsonl", body.encode())
 

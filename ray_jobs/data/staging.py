@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,8 @@ __all__ = [
 ]  # fmt: skip
 
 # 2: pairs tokenized as one text, chat learns assistant turns by offsets, shards carry position_ids.
-STAGING_VERSION = 2
+# 3: text documents longer than seq_len cut into pieces; data.too_long; the shapes of other tools.
+STAGING_VERSION = 3
 BATCH_BYTES = 4 << 20  # of source per piece a worker reads
 COMMIT_BATCHES = 8  # progress is recorded every this many pieces (and at the end of every source file)
 
@@ -74,7 +76,11 @@ class StageResult:
 def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: str = "local") -> StageResult:
     """Stage ``data`` onto ``storage`` with ``tokenizer``; a cache hit when the same inputs were staged before.
     ``on="cluster"``: from a driver on a Ray cluster, its sources hashed and its pieces tokenized by Ray tasks and
-    actors across the nodes (the same shards, manifest and dataset id as ``local``)."""
+    actors across the nodes (the same shards, manifest and dataset id as ``local``). ``data.format: auto`` is
+    resolved first, from the first records of ``data.train``: the dataset id and manifest hold the detected shape."""
+    from ray_jobs.data.shapes import resolve_format
+
+    data = resolve_format(data)
     sources = describe_sources(data)
     read = resolve_hashes(sources, storage, data.verify_sources, _hash_on_cluster if on == "cluster" else None)
     tok_fp = tokenizer_fingerprint(tokenizer)
@@ -95,12 +101,17 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: st
 
 def cached(data: DataConfig, tokenizer, storage: str) -> StageResult | None:
     """The staged dataset when every source's fingerprint was hashed before and that dataset is on storage; None
-    when finding out would take reading sources (or staging). Reads no source bytes: one metadata call per file."""
+    when finding out would take hashing sources (or staging). One metadata call per file, and no source bytes read
+    but for ``data.format: auto``, whose shape (part of the dataset id) comes from the first records of
+    ``data.train``: up to 1 MB of its first file, or a Parquet file's schema."""
+    from ray_jobs.data.shapes import resolve_format
+
     if data.verify_sources:
         return None
     sources = describe_sources(data)
     if not known_hashes(sources, storage):
         return None
+    data = resolve_format(data)
     ds_id = dataset_id(sources, tokenizer_fingerprint(tokenizer), data)
     url = Layout(storage).dataset_manifest(ds_id)
     return StageResult(ds_id, url, True, read_json(url)) if exists(url) else None
@@ -139,7 +150,11 @@ def staging_config(data: DataConfig) -> dict[str, Any]:
     )  # fmt: skip
     out = {k: getattr(data, k) for k in keys}
     out["separate_eval"] = data.eval is not None
-    if data.format == "chat":  # only chat reads it: other formats keep their id when it changes
+    if data.format == "text":  # fields only some formats read: the others keep their id when these change
+        out["text_overlap_tokens"] = data.text_overlap_tokens
+    else:
+        out["too_long"] = data.too_long
+    if data.format != "pairs" and data.format != "text":
         out["train_on"] = data.train_on
     return out
 
@@ -147,12 +162,13 @@ def staging_config(data: DataConfig) -> dict[str, Any]:
 def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on) -> dict[str, Any]:
     if tokenizer.eos_token_id is None:
         raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
-    work = BatchWork(tokenizer, tokenizer_name, data)
-    work.render()  # a chat format with no chat template fails here, before any source is read
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # the spill names source files (rejects do): the same bytes under other names are another staging
     where = hashlib.sha256(json.dumps({k: [f.url for f in v] for k, v in sources.items()}).encode()).hexdigest()[:8]
     spill = Spill(Path(data.work_dir) / f"{ds_id}-{where}", ds_id, data.seq_len, pad)
+    # long documents' pieces: beside the spill when workers run here; through Ray's object store on a cluster
+    work = BatchWork(tokenizer, tokenizer_name, data, None if on == "cluster" else str(spill.doc_dir))
+    work.render()  # a chat format with no chat template fails here, before any source is read
     try:
         if spill.reading:
             _read_all(spill, work, sources, data, on)
@@ -177,6 +193,7 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
         "shards": shards,
     }
     spill.remove()
+    logging.getLogger("unbroken.staging").info("staged %s: %s", ds_id, summary(manifest))
     return manifest
 
 
@@ -230,6 +247,11 @@ def _counts(spill: Spill) -> dict[str, int]:
     return {
         "records": c["records"],
         "rejects": c["rejects"],
+        "dropped": c["dropped"],
+        "truncated": c["truncated"],
+        "documents": c["documents"],
+        "pieces": c["pieces"],
+        "cut_documents": c["cut_documents"],
         "train_examples": c["train_examples"],
         "eval_examples": c["eval_examples"],
         "train_rows": spill.rows("train"),
@@ -237,6 +259,18 @@ def _counts(spill: Spill) -> dict[str, int]:
         "train_tokens": c["train_tokens"],
         "train_target_tokens": c["train_target_tokens"],
     }
+
+
+def summary(manifest: dict[str, Any]) -> str:
+    """What staging made of the records, in one line (the staging log's, and the flow's)."""
+    counts, conf = manifest["counts"], manifest["staging_config"]
+    if conf["format"] == "text":
+        return (f"{counts['documents']} documents -> {counts['pieces']} pieces ({counts['cut_documents']} cut into "
+                f"pieces of at most {conf['seq_len']} tokens), {counts['train_tokens']} train tokens")  # fmt: skip
+    out = f"{counts['records']} records ({counts['rejects']} rejected"
+    if counts.get("dropped") or counts.get("truncated"):
+        out += f", {counts['dropped']} dropped and {counts['truncated']} truncated by data.too_long={conf['too_long']}"
+    return out + f"), {counts['train_tokens']} train tokens"
 
 
 def _check_counts(spill: Spill, data: DataConfig, out_dir: str, sources: dict[str, list[Source]]) -> None:

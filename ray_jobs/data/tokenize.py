@@ -39,6 +39,19 @@ class Examples(NamedTuple):
         empty = np.empty(0, dtype=np.int32)
         return cls(np.concatenate(ids) if ids else empty, np.concatenate(labels) if labels else empty, lengths)
 
+    @classmethod
+    def concat(cls, parts: list[Examples]) -> Examples:
+        empty = np.empty(0, dtype=np.int32)
+        if not parts:
+            return cls(empty, empty, np.empty(0, dtype=np.int64))
+        return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("ids", "labels", "lengths")))
+
+    def slice(self, a: int, b: int) -> Examples:
+        """Examples ``a`` to ``b`` (exclusive)."""
+        bounds = np.concatenate([[0], np.cumsum(self.lengths)])
+        lo, hi = int(bounds[a]), int(bounds[b])
+        return Examples(self.ids[lo:hi], self.labels[lo:hi], self.lengths[a:b])
+
     def as_lists(self) -> list[tuple[list[int], list[int]]]:
         bounds = np.concatenate([[0], np.cumsum(self.lengths)])
         return [
@@ -49,25 +62,53 @@ class Examples(NamedTuple):
 class Tokenized:
     """Token ids and per-token labels (IGNORE_INDEX where not learned) of records; unfit records become rejects.
 
+    A record's text gets the tokenizer's special tokens unless a chat template wrote it (it holds them already;
+    adding them would double BOS). A record longer than ``seq_len`` is handled by ``too_long`` (``data.too_long``):
+    rejected, dropped, or truncated (:mod:`ray_jobs.data.fit`, which needs the chat ``render`` for conversations).
     Per record the work is numpy over its tokens (no Python loop per token): staging tokenizes every record once.
     """
 
-    def __init__(self, tokenizer, records: list[Record], seq_len: int, add_special_tokens: bool = True):
+    def __init__(self, tokenizer, records: list[Record], seq_len: int, too_long: str = "reject", render=None):
         if tokenizer.eos_token_id is None:
             raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
+        self.tokenizer, self.seq_len, self.too_long, self.render = tokenizer, seq_len, too_long, render
         self.eos, self.eos_text, self.unk = tokenizer.eos_token_id, tokenizer.eos_token, tokenizer.unk_token_id
         self.rejects: list[Reject] = []
+        self.truncated = 0
         kept_ids, kept_labels = [], []
-        encoded = _encode(tokenizer, [r.text for r in records], add_special_tokens)
-        for rec, (ids, offsets) in zip(records, encoded, strict=True):
-            ids, labels = self._example(rec, ids, offsets)
-            problem = self._problem(ids, seq_len)
-            if problem:
-                self.rejects.append(Reject(rec.file, rec.line, problem, rec.text[:200], position_unit(rec.file)))
-            else:
-                kept_ids.append(ids)
-                kept_labels.append(labels)
+        for rec, (ids, offsets) in zip(records, encode_records(tokenizer, records), strict=True):
+            example = self._fitted(rec, *self._example(rec, ids, offsets))
+            if example is not None:
+                kept_ids.append(example[0])
+                kept_labels.append(example[1])
         self.flat = Examples._join(kept_ids, kept_labels)
+
+    def _fitted(self, rec: Record, ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The example as it is staged, or None when it became a reject (or a dropped record)."""
+        if self.unk is not None and bool((ids == self.unk).any()):
+            return self._reject(rec, "contains characters the tokenizer cannot represent (would become <unk>)")
+        if len(ids) <= self.seq_len:
+            return ids, labels
+        problem = f"record is {len(ids)} tokens, longer than data.seq_len ({self.seq_len})"
+        if self.too_long == "reject":
+            return self._reject(rec, problem)
+        if self.too_long == "truncate":
+            from ray_jobs.data.fit import truncate
+
+            fitted, why = truncate(self, rec)
+            if fitted is not None:
+                self.truncated += 1
+                return fitted
+            problem += f", and {why}"
+        return self._reject(rec, f"{problem}; dropped (data.too_long={self.too_long})", dropped=True)
+
+    def _reject(self, rec: Record, reason: str, dropped: bool = False) -> None:
+        self.rejects.append(Reject(rec.file, rec.line, reason, rec.text[:200], position_unit(rec.file), dropped))
+
+    def example(self, rec: Record) -> tuple[np.ndarray, np.ndarray]:
+        """One record's (ids, labels), as a batch would give them."""
+        ((ids, offsets),) = encode_records(self.tokenizer, [rec])
+        return self._example(rec, ids, offsets)
 
     @property
     def examples(self) -> list[tuple[list[int], list[int]]]:
@@ -90,13 +131,6 @@ class Tokenized:
         """Whether the text still lacks an EOS: one the tokenizer added, or one the text (a template) wrote itself."""
         return not (ids[-1:] == [self.eos] or text.rstrip().endswith(self.eos_text))
 
-    def _problem(self, ids: np.ndarray, seq_len: int) -> str | None:
-        if self.unk is not None and bool((ids == self.unk).any()):
-            return "contains characters the tokenizer cannot represent (would become <unk>)"
-        if len(ids) > seq_len:
-            return f"record is {len(ids)} tokens, longer than data.seq_len ({seq_len})"
-        return None
-
 
 def learned_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
     """Per token: whether its characters overlap a learned [start, end) span (a token straddling a boundary is
@@ -118,6 +152,17 @@ def learned_mask_array(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.
     last_real = np.where(start < end, np.arange(len(offsets)), -1)
     np.maximum.accumulate(last_real, out=last_real)
     return np.where(last_real >= 0, hit[np.maximum(last_real, 0)], False)
+
+
+def encode_records(tokenizer, records: list[Record]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """(ids, character offsets) per record: a chat template's rendering as it is, other text with the tokenizer's
+    special tokens."""
+    out: list = [None] * len(records)
+    for templated in (False, True):
+        idx = [i for i, r in enumerate(records) if r.templated == templated]
+        for i, enc in zip(idx, _encode(tokenizer, [records[i].text for i in idx], not templated), strict=True):
+            out[i] = enc
+    return out
 
 
 def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[tuple[list[int], list[tuple[int, int]]]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
+from ray_jobs.data.documents import DocPieces, DocSink, Documents
 from ray_jobs.data.records import Record, Reject, batch_records, record_in_eval
 from ray_jobs.data.sources import Position, SourceBatch, SourceRange, read_range
 from ray_jobs.data.tokenize import Examples, Tokenized, chat_renderer
@@ -40,6 +41,19 @@ class BatchResult:
     token_rejects: dict[str, list[Reject]] = field(default_factory=dict)
     end: Position = Position()  # where the piece ended; numbered from 1 when ``relative``
     relative: bool = False
+    long: dict[str, list[tuple[int, DocPieces]]] = field(default_factory=dict)  # ``text``: long documents' pieces
+    counts: dict[str, int] = field(default_factory=dict)  # documents, pieces, cut_documents, truncated
+
+    def segments(self, split: str) -> Iterator[Examples | DocPieces]:
+        """The split's examples in record order: runs of inline examples, and long documents' pieces."""
+        ex, at = self.examples[split], 0
+        for n, doc in self.long.get(split, []):
+            if n > at:
+                yield ex.slice(at, n)
+            yield doc
+            at = n
+        if at < len(ex.lengths):
+            yield ex.slice(at, len(ex.lengths))
 
     def placed(self, at: Position) -> Position:
         """Number this result's rejects as the lines (rows) of the file they are, given that the piece began at
@@ -56,15 +70,20 @@ class BatchResult:
 class BatchWork:
     """What a worker needs to turn a batch into a BatchResult (pickled once into each worker process)."""
 
-    def __init__(self, tokenizer, tokenizer_name: str, data: DataConfig):
+    def __init__(self, tokenizer, tokenizer_name: str, data: DataConfig, doc_dir: str | None = None):
         self.tokenizer, self.tokenizer_name, self.data = tokenizer, tokenizer_name, data
+        self.doc_dir = doc_dir  # where long documents' pieces go on this machine; None: Ray's object store
         self._render = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_render": None}  # a closure over the tokenizer: rebuilt where it runs
 
     def render(self):
-        if self._render is None and self.data.format == "chat":
+        """The chat template renderer when this staging's records go through the template, else None (decided by
+        the format and whether the tokenizer has a template; a shape that needs one and lacks it fails here)."""
+        from ray_jobs.data.shapes import uses_template
+
+        if self._render is None and uses_template(self.data, self.tokenizer, self.tokenizer_name):
             self._render = chat_renderer(self.tokenizer, self.tokenizer_name, self.data.train_on)
         return self._render
 
@@ -73,10 +92,20 @@ class BatchWork:
         records, invalid = batch_records(batch, self.data, split, self.render())
         out = BatchResult(len(records) + len(invalid), invalid, {}, end=batch.end)
         out.relative = isinstance(piece, SourceRange)
+        counts = {"documents": 0, "pieces": 0, "cut_documents": 0, "truncated": 0}
         for name, recs in zip(("train", "eval"), self._split(records), strict=True):
-            # a chat rendering already holds the template's special tokens; adding the tokenizer's would double BOS
-            tok = Tokenized(self.tokenizer, recs, self.data.seq_len, add_special_tokens=self.data.format != "chat")
-            out.examples[name], out.token_rejects[name] = tok.flat, tok.rejects
+            if self.data.format == "text":
+                docs = Documents(self.tokenizer, recs, self.data.seq_len, self.data.text_overlap_tokens,
+                                 DocSink(self.doc_dir))  # fmt: skip
+                out.long[name] = docs.long
+                counts["documents"] += docs.counts.documents
+                counts["pieces"] += docs.counts.pieces
+                counts["cut_documents"] += docs.counts.cut
+            else:
+                docs = Tokenized(self.tokenizer, recs, self.data.seq_len, self.data.too_long, self.render())
+                counts["truncated"] += docs.truncated
+            out.examples[name], out.token_rejects[name] = docs.flat, docs.rejects
+        out.counts = counts
         return out
 
     def _split(self, records: list[Record]) -> tuple[list[Record], list[Record]]:

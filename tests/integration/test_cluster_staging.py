@@ -61,6 +61,33 @@ def test_a_bad_record_read_on_the_cluster_fails_naming_its_line(two_node_ray, tm
         staging.stage(data, train_char_tokenizer(), "b", str(tmp_path / "s"), on="cluster")
 
 
+def test_long_documents_staged_on_two_nodes_are_what_staging_here_wrote(two_node_ray, tmp_path: Path, monkeypatch):
+    """Documents past one encoding window: their pieces leave the actors through Ray's object store a chunk at a
+    time (here they go through a file beside the spill), and the shards are the same bytes."""
+    import random
+
+    import ray_jobs.data.documents as documents
+    from ray_jobs.config import DataConfig
+    from ray_jobs.model.builtin import train_char_tokenizer
+    from tests.unit.test_documents import corpus_text
+
+    monkeypatch.setattr(staging, "BATCH_BYTES", 200_000)
+    rng = random.Random(4)
+    src, ev = tmp_path / "docs.jsonl", tmp_path / "eval.jsonl"
+    sizes = [40, 600_000, 3_000, 700_000, 90]
+    src.write_text("".join(json.dumps({"text": corpus_text(rng, n, ascii_only=True)}) + "\n" for n in sizes))
+    ev.write_text(json.dumps({"text": "held out"}) + "\n")
+    assert max(sizes) > 2 * documents.WINDOW_CHARS
+    data = DataConfig(train=str(src), eval=str(ev), format="text", seq_len=256, text_overlap_tokens=8, min_shards=2,
+                      work_dir=str(tmp_path / "work"))  # fmt: skip
+    there = staging.stage(data, train_char_tokenizer(), "b", str(tmp_path / "there"), on="cluster")
+    here = staging.stage(data, train_char_tokenizer(), "b", str(tmp_path / "here"))
+    assert there.manifest["counts"]["cut_documents"] == 3 and there.dataset_id == here.dataset_id
+    assert outputs(tmp_path / "there" / "datasets" / here.dataset_id, []) == outputs(
+        tmp_path / "here" / "datasets" / here.dataset_id, []
+    )
+
+
 def sets(storage: Path, **extra: object) -> list[str]:
     base = {"storage": str(storage), "data.cache_dir": str(storage / "_node_cache"), **PORTS}
     return [arg for k, v in {**base, **extra}.items() for arg in ("--set", f"{k}={v}")]

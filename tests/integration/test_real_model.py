@@ -5,6 +5,7 @@ still ends bit-identical. Steps are kept few and short (seq 128, micro-batch 2):
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -120,12 +121,32 @@ def test_lora_chat_finetune_of_the_real_model_end_to_end(lora_run) -> None:
     assert (Path(newest) / ckpt.MODEL_FILE).stat().st_size < 50e6
 
 
-def test_full_finetune_of_the_real_model_end_to_end(cluster, smollm2, tmp_path) -> None:
+def real_documents(path: Path) -> Path:
+    """Documentation nobody here wrote, as ``text`` records: every installed package's long description (its
+    PyPI README), from under 1 KB to over 100 KB -- most of them far longer than a training sequence."""
+    import sysconfig
+
+    files = sorted(Path(sysconfig.get_paths()["purelib"]).glob("*.dist-info/METADATA"))
+    with path.open("w") as f:
+        for meta in files:
+            f.write(json.dumps({"text": meta.read_text(errors="replace")}) + "\n")
+    return path
+
+
+def test_full_finetune_of_the_real_model_on_long_documents_end_to_end(cluster, smollm2, tmp_path) -> None:
+    """Continued pre-training on real documents longer than ``seq_len``: they are cut into pieces, none rejected,
+    and the model trains on them through ``unbroken run``."""
     storage = tmp_path / "storage"
+    docs = {"data.train": real_documents(tmp_path / "docs.jsonl"), "data.format": "text", "data.eval_fraction": 0.2,
+            "data.text_overlap_tokens": 16}  # fmt: skip
     full = {"model.lora": "null", "train.lr": 5e-5, "train.max_steps": 4, "train.eval_every_steps": 2,
             "checkpoint.every_steps": 0}  # fmt: skip
-    r = run_cli("run", str(RECIPE), *sets(overrides(storage, "full", smollm2, cluster, **full)))
+    r = run_cli("run", str(RECIPE), *sets(overrides(storage, "full", smollm2, cluster, **docs, **full)))
     assert r.returncode == 0, r.explain()
+    (manifest,) = storage.glob("datasets/ds-*/manifest.json")
+    counts = json.loads(manifest.read_text())["counts"]
+    assert counts["rejects"] == 0 and counts["cut_documents"] > counts["documents"] // 2, counts
+    assert re.search(r"\d+ documents -> \d+ pieces \(\d+ cut", r.stdout + r.stderr), r.explain()
     assert_loads_and_answers(storage / "runs" / "full" / "final")
     assert_eval_loss_fell(storage, "full")
 

@@ -5,7 +5,9 @@ The golden file was written by the in-memory staging path (the code before strea
     .venv/bin/python -m tests.unit.staging_cases > tests/unit/staging_golden.json
 
 so the test comparing against it says: streaming staging writes exactly the shards, manifest and rejects the old
-path wrote for the same input. Paths in the outputs are made relative to the case folder, so any checkout compares.
+path wrote for the same input. Staging version 3 (long documents, ``data.too_long``, other tools' shapes) re-pinned
+the manifests and dataset ids (the version and the new counts are in them); every shard and rejects file kept its
+bytes. Paths in the outputs are made relative to the case folder, so any checkout compares.
 """
 
 from __future__ import annotations

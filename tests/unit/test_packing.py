@@ -66,7 +66,7 @@ def staged_examples(tok, objs: list[dict], **cfg) -> list[tuple[list[int], list[
     render = chat_renderer(tok, "t") if data.format == "chat" else None
     records, rejects = parse_records(src, data, render=render)
     assert not rejects
-    return Tokenized(tok, records, data.seq_len, add_special_tokens=data.format != "chat").examples
+    return Tokenized(tok, records, data.seq_len).examples
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -68,7 +68,11 @@ if __name__ == "__main__":
         init(self, *a)
         print("START", json.dumps(self.progress), flush=True)
     spill.Spill.__init__ = report
-    data = DataConfig(train=sys.argv[1], seq_len=64, shard_mb=0.01, min_shards=2, work_dir=sys.argv[2] + "/work")
+    import ray_jobs.data.documents as documents
+    documents.WINDOW_CHARS, documents.BACKOFF_CHARS, documents.CHECK_CHARS = 5000, 500, 200  # long: many windows
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    data = DataConfig(train=sys.argv[1], seq_len=64, shard_mb=0.01, min_shards=2, work_dir=sys.argv[2] + "/work",
+                      **extra)
     staging.stage(data, train_char_tokenizer(), "builtin", sys.argv[2])
 """
 
@@ -78,10 +82,10 @@ def _staged(storage: Path) -> dict[str, str]:
     return outputs(ds, [])
 
 
-def _kill_when(storage: Path, ready, slow: float) -> dict:
+def _kill_when(storage: Path, ready, slow: float, src: Path = SAMPLE_DATA, extra: str = "{}") -> dict:
     """Start a staging into ``storage``, kill -9 it once ``ready(progress)`` holds, then stage to the end again;
     the progress the second staging started from."""
-    cmd = [sys.executable, "-c", KILLABLE, str(SAMPLE_DATA), str(storage), str(slow)]
+    cmd = [sys.executable, "-c", KILLABLE, str(src), str(storage), str(slow), extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 120
@@ -98,7 +102,7 @@ def _kill_when(storage: Path, ready, slow: float) -> dict:
     proc.wait()
     assert progress_files(), "the killed staging left its progress"
     assert not list(storage.glob("datasets/ds-*/manifest.json")), "and no manifest: the dataset is not staged"
-    out = subprocess.run([*cmd[:-1], "0"], env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([*cmd[:-2], "0", extra], env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.split("START ", 1)[1].splitlines()[0])
 
 
@@ -120,6 +124,28 @@ def test_staging_killed_mid_way_resumes_and_ends_identical(tmp_path: Path, phase
     resumed_from = _kill_when(killed, phase, slow=0.05)
     assert phase(resumed_from), "the second staging went on from where the first was killed"
     assert _staged(killed) == _staged(whole)
+
+
+def test_staging_of_long_documents_killed_mid_document_resumes_and_ends_identical(tmp_path: Path) -> None:
+    """Documents of 20-40k characters, encoded in 5k windows, pieces spilled beside the staging: a kill leaves
+    some of a document's pieces on disk, and the resumed staging reads that document again from its start."""
+    from tests.unit.test_documents import corpus_text
+
+    rng = __import__("random").Random(2)
+    src, ev = tmp_path / "docs.jsonl", tmp_path / "eval.jsonl"
+    sizes = [rng.choice([30, 2_000, 20_000, 40_000]) for _ in range(14)]
+    src.write_text("".join(json.dumps({"text": corpus_text(rng, n, ascii_only=True)}) + "\n" for n in sizes))
+    ev.write_text(json.dumps({"text": "held out"}) + "\n")
+    extra = json.dumps({"format": "text", "eval": str(ev), "text_overlap_tokens": 4})
+    whole = tmp_path / "whole"
+    subprocess.run([sys.executable, "-c", KILLABLE, str(src), str(whole), "0", extra],
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)  # fmt: skip
+    killed = tmp_path / "killed"
+    started = _kill_when(killed, lambda p: p["position"]["offset"] > 100_000, 0.05, src, extra)
+    assert started["position"]["offset"] > 100_000, "the second staging went on from where the first was killed"
+    assert _staged(killed) == _staged(whole)
+    manifest = json.loads(next(whole.glob("datasets/ds-*/manifest.json")).read_text())
+    assert manifest["counts"]["cut_documents"] == sum(n > 60 for n in sizes) > 5
 
 
 def test_a_cache_hit_reads_no_source_bytes_until_the_file_changes(tmp_path: Path, monkeypatch) -> None:

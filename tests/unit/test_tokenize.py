@@ -52,7 +52,7 @@ def tokenized(tok, objs: list[dict], **cfg) -> tuple[Tokenized, list]:
     src = SourceFile("mem.jsonl", b"".join(json.dumps(o).encode() + b"\n" for o in objs))
     render = chat_renderer(tok, "t", data.train_on) if data.format == "chat" else None
     records, rejects = parse_records(src, data, render=render)
-    out = Tokenized(tok, records, data.seq_len, add_special_tokens=data.format != "chat")
+    out = Tokenized(tok, records, data.seq_len)
     return out, rejects + out.rejects
 
 
