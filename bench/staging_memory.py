@@ -1,6 +1,7 @@
 """Staging's peak memory against dataset size, and its throughput next to ``datasets.map(batched=True, num_proc=2)``.
 
     .venv/bin/python bench/staging_memory.py [--small-mb 100] [--large-mb 1000] [--skip-baseline]
+                                             [--doc-mb 100] [--cluster]
 
 Generates instruction-style JSONL pairs (about 600 bytes a record, like the seeds' shards) of two sizes and stages
 each in a fresh process with a real BPE tokenizer (SmolLM2's, built by ``make smollm2``). Peak RSS is sampled over the
@@ -8,6 +9,15 @@ staging process and its worker processes together (their sum), every 50 ms. The 
 with ``datasets.load_dataset("json")`` and tokenizes prompt and target with ``.map(batched=True, num_proc=2)``; its
 own peak is measured the same way. Ratios from one run on one machine; the goal (issue 13): large/small peak <= 1.3,
 peak <= 2 GB, throughput >= 1.5x the baseline.
+
+``--doc-mb``: one ``text`` document of that many MB of word text in one JSONL line (``seq_len`` 512, a small separate
+eval file), staged the same way; its peak next to the text's size. The goal (issue 27): memory a small multiple of
+the text (the JSON line and its decoded string) plus one window of ``WINDOW_CHARS``, not proportional to its tokens.
+The baseline tokenizes such a line with ``datasets.map`` too (the whole document in one call; at most 20 MB of it). ``--cluster``: also
+stage the document with ``on="cluster"`` on a Ray instance this benchmark starts in the staging process
+(``address="local"``, no dashboard, its own temp folder; the sum then includes Ray's own processes, and pages of
+Ray's shared-memory object store count in every process that maps them).
+``--small-mb 0 --large-mb 0`` stages the document alone.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +46,7 @@ _TEXT = (
     "being under never day same another know while last might us great old year off come since against go came right"
 )
 WORDS = _TEXT.split()
+BASELINE_DOC_MB = 20  # the baseline tokenizes a document whole: ~200 MB of peak per MB of text
 
 
 def make_data(path: Path, megabytes: int, seed: int = 0) -> int:
@@ -48,6 +60,23 @@ def make_data(path: Path, megabytes: int, seed: int = 0) -> int:
             f.write(json.dumps({"input": f"Question {n}: {prompt}", "target": answer}) + "\n")
             n += 1
     return n
+
+
+def make_doc(path: Path, megabytes: int, seed: int = 0) -> int:
+    """One document of about ``megabytes`` MB of word text as one JSONL line, written a paragraph batch at a time;
+    returns its characters."""
+    rng = random.Random(seed)
+    chars = 0
+    with path.open("w") as f:
+        f.write('{"text": "')
+        while not chars or chars < megabytes * 1_000_000:  # at least one batch: 0 MB is one small document
+            words = rng.choices(WORDS, k=9600)  # 100 paragraphs of 8 sentences of 12 words
+            sentences = [" ".join(words[i : i + 12]).capitalize() + "." for i in range(0, len(words), 12)]
+            text = "".join(" ".join(sentences[i : i + 8]) + "\n\n" for i in range(0, len(sentences), 8))
+            f.write(json.dumps(text)[1:-1])
+            chars += len(text)
+        f.write('"}\n')
+    return chars
 
 
 def peak_rss(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
@@ -81,10 +110,30 @@ from ray_jobs.config import DataConfig
 from ray_jobs.data.staging import stage
 from ray_jobs.model.loading import load_tokenizer
 if __name__ == "__main__":
-    src, storage, tok = sys.argv[1:4]
-    data = DataConfig(train=src, seq_len=512, shard_mb=64, min_shards=2, work_dir=storage + "-work")
+    src, storage, tok, fmt, ev = (sys.argv[1:] + ["pairs", ""])[:5]
+    data = DataConfig(train=src, eval=ev or None, format=fmt, seq_len=512, shard_mb=64, min_shards=2,
+                      work_dir=storage + "-work")
     r = stage(data, load_tokenizer(tok), tok, storage)
     print(json.dumps(r.manifest["counts"]))
+"""
+
+STAGE_CLUSTER = """
+import json, os, sys, psutil, ray
+from ray_jobs.config import DataConfig
+from ray_jobs.data.staging import stage
+from ray_jobs.model.loading import load_tokenizer
+if __name__ == "__main__":
+    src, storage, tok, fmt, ev, tmp = sys.argv[1:7]
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=tmp,
+             object_store_memory=2 * 10**9, log_to_driver=False)
+    me = psutil.Process()
+    idle = sum(p.memory_info().rss for p in [me, *me.children(recursive=True)])
+    data = DataConfig(train=src, eval=ev, format=fmt, seq_len=512, shard_mb=64, min_shards=2,
+                      work_dir=storage + "-work")
+    r = stage(data, load_tokenizer(tok), tok, storage, on="cluster")
+    ray.shutdown()
+    print(json.dumps({**r.manifest["counts"], "ray_idle_rss": idle}))
 """
 
 BASELINE = """
@@ -93,13 +142,15 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import datasets
 from transformers import AutoTokenizer
 if __name__ == "__main__":
-    src, cache, tok_path = sys.argv[1:4]
+    src, cache, tok_path, cols = (sys.argv[1:] + ["input,target"])[:4]
     tok = AutoTokenizer.from_pretrained(tok_path)
+    datasets.disable_progress_bars()
     ds = datasets.load_dataset("json", data_files=src, split="train", cache_dir=cache)
     def tokenize(batch):
-        return {"prompt_ids": tok(batch["input"])["input_ids"], "target_ids": tok(batch["target"])["input_ids"]}
+        return {c + "_ids": tok(batch[c])["input_ids"] for c in cols.split(",")}
     out = ds.map(tokenize, batched=True, num_proc=2, remove_columns=ds.column_names)
-    tokens = sum(len(p) + len(t) for p, t in zip(out["prompt_ids"], out["target_ids"]))
+    import pyarrow.compute as pc  # counted in Arrow: a Python list of every token would add its own memory
+    tokens = sum(pc.sum(pc.list_value_length(out.data.column(c + "_ids"))).as_py() for c in cols.split(","))
     print(json.dumps({"tokens": tokens}))
 """
 
@@ -111,39 +162,80 @@ def tokenizer_path() -> str:
     return str(smollm2())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--small-mb", type=int, default=100)
-    p.add_argument("--large-mb", type=int, default=1000)
-    p.add_argument("--skip-baseline", action="store_true")
-    args = p.parse_args()
-    tok = tokenizer_path()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def run(script: str, argv: list[str], env: dict[str, str], what: str, **extra) -> dict:
+    """One staging (or baseline) in a fresh process: a printed row of its seconds, peak RSS and tokens."""
+    secs, peak, out = peak_rss([sys.executable, "-c", script, *argv], env)
+    got = json.loads(out.strip().splitlines()[-1])
+    tokens = got.get("train_tokens", got.get("tokens"))
+    row = {"what": what, **extra, "seconds": round(secs, 1), "peak_rss_mb": round(peak / 1e6), "tokens": tokens,
+           "tokens_per_s": round(tokens / secs)}  # fmt: skip
+    if "ray_idle_rss" in got:
+        row["ray_idle_rss_mb"] = round(got["ray_idle_rss"] / 1e6)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def pairs_cases(d: str, args, tok: str, env: dict[str, str]) -> None:
+    """The two sizes of instruction pairs, and the baseline on the small one; their summary."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as d:
-        for mb in (args.small_mb, args.large_mb):
-            src = Path(d) / f"data-{mb}.jsonl"
-            records = make_data(src, mb)
-            secs, peak, out = peak_rss([sys.executable, "-c", STAGE, str(src), f"{d}/storage-{mb}", tok], env)
-            counts = json.loads(out.strip().splitlines()[-1])
-            rows.append({"what": f"unbroken stage {mb} MB", "records": records, "seconds": round(secs, 1),
-                         "peak_rss_mb": round(peak / 1e6), "tokens": counts["train_tokens"],
-                         "tokens_per_s": round(counts["train_tokens"] / secs)})  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
-        if not args.skip_baseline:
-            src = Path(d) / f"data-{args.small_mb}.jsonl"
-            secs, peak, out = peak_rss([sys.executable, "-c", BASELINE, str(src), f"{d}/hf-cache", tok], env)
-            tokens = json.loads(out.strip().splitlines()[-1])["tokens"]
-            rows.append({"what": f"datasets.map num_proc=2 {args.small_mb} MB", "seconds": round(secs, 1),
-                         "peak_rss_mb": round(peak / 1e6), "tokens": tokens, "tokens_per_s": round(tokens / secs)})  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
+    for mb in (args.small_mb, args.large_mb):
+        src = Path(d) / f"data-{mb}.jsonl"
+        records = make_data(src, mb)
+        rows.append(run(STAGE, [str(src), f"{d}/storage-{mb}", tok], env, f"unbroken stage {mb} MB", records=records))
+    if not args.skip_baseline:
+        src = str(Path(d) / f"data-{args.small_mb}.jsonl")
+        rows.append(run(BASELINE, [src, f"{d}/hf-cache", tok], env, f"datasets.map num_proc=2 {args.small_mb} MB"))
     small, large = rows[0], rows[1]
     print(f"\npeak RSS {args.large_mb} MB / {args.small_mb} MB: {large['peak_rss_mb'] / small['peak_rss_mb']:.2f}x "
           f"(goal <= 1.3); largest peak {max(small['peak_rss_mb'], large['peak_rss_mb'])} MB (goal <= 2000)")  # fmt: skip
     if not args.skip_baseline:
         ratio = small["tokens_per_s"] / rows[2]["tokens_per_s"]
         print(f"throughput vs datasets.map(batched=True, num_proc=2): {ratio:.2f}x (goal >= 1.5; unbroken's time "
-              "covers validate+tokenize+mask+pack+write shards, the baseline's load+tokenize)")  # fmt: skip
+              "covers validate+tokenize+mask+pack+write shards, the baseline's load+tokenize)\n")  # fmt: skip
+
+
+def doc_cases(d: str, args, tok: str, env: dict[str, str]) -> None:
+    """One document of ``--doc-mb`` MB, and of 1 MB (the fixed cost: interpreter, tokenizer, workers): staged here
+    (and on a local Ray instance with ``--cluster``), and through the baseline (at most ``BASELINE_DOC_MB``: whole,
+    a document takes ~200 MB per MB of text there); the peak each MB of text adds."""
+    ev = Path(d) / "doc-eval.jsonl"
+    make_doc(ev, 0)  # 100 paragraphs, about 45 KB
+    kinds = [("unbroken stage", STAGE, ["text", str(ev)], args.doc_mb)]
+    if args.cluster:
+        kinds.append(("unbroken stage on=cluster (local Ray)", STAGE_CLUSTER, ["text", str(ev), ""], args.doc_mb))
+    if not args.skip_baseline:
+        kinds.append(("datasets.map", BASELINE, ["text"], min(args.doc_mb, BASELINE_DOC_MB)))
+    sizes = {mb: make_doc(Path(d) / f"doc-{mb}.jsonl", mb) / 1e6 for mb in {1, *(k[3] for k in kinds)}}
+    print(f"\none document: {sizes[args.doc_mb]:.1f} MB of text, its JSONL line "
+          f"{(Path(d) / f'doc-{args.doc_mb}.jsonl').stat().st_size / 1e6:.1f} MB")  # fmt: skip
+    for n, (what, script, tail, top) in enumerate(kinds):
+        rows = {}
+        for mb in (1, top):
+            tmp = tempfile.mkdtemp(prefix="ub-ray-")  # short: Ray's socket paths live under it
+            argv = [str(Path(d) / f"doc-{mb}.jsonl"), f"{d}/out-{n}-{mb}", tok, *tail[:2], *([tmp] if tail[2:] else [])]
+            rows[mb] = run(script, argv, env, f"{what}: one {mb} MB document")
+            shutil.rmtree(tmp, ignore_errors=True)
+        big, one = rows[top], rows[1]
+        slope = (big["peak_rss_mb"] - one["peak_rss_mb"]) / (sizes[top] - sizes[1])
+        print(f"  -> {what}: peak {big['peak_rss_mb']} MB for {sizes[top]:.0f} MB of text, {one['peak_rss_mb']} MB "
+              f"for 1 MB: {slope:.1f} MB of peak per MB of text; {big['seconds']} s\n", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--small-mb", type=int, default=100)
+    p.add_argument("--large-mb", type=int, default=1000)
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--doc-mb", type=int, default=100, help="one text document of this many MB (0: none)")
+    p.add_argument("--cluster", action="store_true", help="also stage the document on a local Ray instance")
+    args = p.parse_args()
+    tok = tokenizer_path()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as d:
+        if args.small_mb and args.large_mb:
+            pairs_cases(d, args, tok, env)
+        if args.doc_mb:
+            doc_cases(d, args, tok, env)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import re
 import shlex
@@ -303,11 +304,13 @@ async def watch(
     return view.status
 
 
-def run_to_end(handle: ClusterHandle, submission_id: str, poll_s: float = 1.0, confirm_s: float = 30.0) -> str:
+def run_to_end(
+    handle: ClusterHandle, submission_id: str, poll_s: float = 1.0, confirm_s: float = 30.0, on_poll=None
+) -> str:
     """Wait from sync code (a sync task) for a submitted job to end: :func:`watch` itself -- the same status polls,
-    confirmation rule, log forwarding and stop on cancel -- on an event loop of its own. Its final status, or
-    JobFailed."""
-    main = watch(handle, submission_id, poll_s, confirm_s=confirm_s)
+    confirmation rule, log forwarding, ``on_poll`` hook and stop on cancel -- on an event loop of its own. Its final
+    status, or JobFailed."""
+    main = watch(handle, submission_id, poll_s, on_poll=on_poll, confirm_s=confirm_s)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -316,8 +319,9 @@ def run_to_end(handle: ClusterHandle, submission_id: str, poll_s: float = 1.0, c
 
 
 def _run_beside(main) -> str:
-    """``asyncio.run(main)`` in a helper thread, waited on here. A cancel that reaches this thread (the flow run's
-    termination) is passed on to ``main``, and waited for: a watch stops its job on a cancel."""
+    """``asyncio.run(main)`` in a helper thread, waited on here, in this thread's context (the task run's: its logger,
+    its artifacts). A cancel that reaches this thread (the flow run's termination) is passed on to ``main``, and
+    waited for: a watch stops its job on a cancel."""
     started: Future = Future()
 
     async def runner():
@@ -325,7 +329,7 @@ def _run_beside(main) -> str:
         return await main
 
     with ThreadPoolExecutor(1, thread_name_prefix="watch") as pool:
-        done = pool.submit(asyncio.run, runner())
+        done = pool.submit(contextvars.copy_context().run, asyncio.run, runner())
         try:
             return done.result()
         except BaseException:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from control.backends.base import ClusterHandle
@@ -16,7 +19,10 @@ from ray_jobs.config import Config
 from ray_jobs.data.fingerprint import describe
 from ray_jobs.data.staging import StageResult, StagingError, cached, stage, summary
 from ray_jobs.model.loading import load_tokenizer
+from ray_jobs.progress import Reporter, Snapshot, then
 from ray_jobs.storage import Layout, exists, is_local, read_json, write_json_atomic
+
+PROGRESS_POLL_S = 2.0  # how often the flow reads the progress a staging job on the cluster writes (every 5 s)
 
 
 @dataclass
@@ -25,6 +31,7 @@ class Staged:
     manifest_url: str
     cache_hit: bool
     counts: dict[str, Any]
+    summary: str = ""  # what staging made of the records (staging.summary), for people
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,19 +70,70 @@ def stage_dataset(cfg: Config, model_path: str, handle: ClusterHandle | None = N
     or as a Ray job on ``handle``'s cluster (the same shards and manifest either way)."""
     if handle is not None:
         return _report(_stage_on_cluster(cfg, model_path, handle))
-    return _report(stage(cfg.data, _tokenizer(cfg, model_path), model_path, cfg.storage))
+    return _report(_stage_here(cfg, model_path))
+
+
+def _stage_here(cfg: Config, model_path: str) -> StageResult:
+    """Staging in this process: a progress line in the run's log every few seconds (a bar on a terminal) and the
+    progress artifact, as source bytes are read."""
+    artifact = ProgressArtifact(cfg)
+    reporter = Reporter("staging", log=run_logger(), rates=("tokens",), on_update=artifact.show)
+    writing = Reporter("writing shards", unit="rows", log=run_logger(), quiet_s=5.0)
+    tokenizer = _tokenizer(cfg, model_path)
+    result = stage(
+        cfg.data, tokenizer, model_path, cfg.storage, progress=reporter.update, writing=then(reporter, writing)
+    )
+    reporter.finish()
+    writing.finish()
+    return result
+
+
+class ProgressArtifact:
+    """Staging's progress as one Prefect progress artifact (key ``<series>-staging``), created on the first update
+    and updated in place, its description the progress line. Never fails the staging."""
+
+    def __init__(self, cfg: Config):
+        self.key = re.sub(r"[^a-z0-9-]+", "-", f"{cfg.series_name}-staging".lower()).strip("-")
+        self.id = None
+
+    def show(self, snap: Snapshot | dict[str, Any]) -> None:
+        """``snap``: a Reporter's snapshot, or its JSON (what a staging job writes)."""
+        pct, line = (snap.percent, snap.line()) if isinstance(snap, Snapshot) else (snap["percent"], snap["line"])
+        if self.id is None:
+            self.id = create_progress_artifact(pct or 0.0, key=self.key, description=line, _sync=True)
+        else:
+            update_progress_artifact(self.id, pct or 0.0, description=line, _sync=True)
+
+
+class _JobProgress:
+    """What a staging job on the cluster writes of its progress (``<submission>.progress.json``, every few
+    seconds), read while the flow waits for the job, into the progress artifact. Its lines reach the run's log with
+    the job's own (the forwarded job log)."""
+
+    def __init__(self, url: str, artifact: ProgressArtifact):
+        self.url, self.artifact, self.seen = url, artifact, None
+
+    async def poll(self, status: str) -> None:
+        await asyncio.to_thread(self.show)
+
+    def show(self) -> None:
+        snap = read_json(self.url) if exists(self.url) else None
+        if snap is not None and snap != self.seen:
+            self.seen = snap
+            self.artifact.show(snap)
 
 
 def _stage_on_cluster(cfg: Config, model_path: str, handle: ClusterHandle) -> StageResult:
     sid = f"unbroken-stage-{uuid.uuid4().hex[:12]}"
     layout = Layout(cfg.storage)
     spec_url, outcome_url = layout.staging_job(sid), layout.staging_job(sid, outcome=True)
+    progress = _JobProgress(spec_url.removesuffix(".json") + ".progress.json", ProgressArtifact(cfg))
     write_json_atomic(spec_url, {"config": cfg.model_dump(mode="json"), "model_path": model_path,
-                                 "outcome_url": outcome_url})  # fmt: skip
+                                 "outcome_url": outcome_url, "progress_url": progress.url})  # fmt: skip
     run_logger().info("staging on the cluster at %s (Ray job %s)", handle.address, sid)
     submit(handle, sid, "ray_jobs.stage_job", spec_url)
     try:
-        run_to_end(handle, sid, confirm_s=cfg.fault_tolerance.confirm_s)
+        run_to_end(handle, sid, PROGRESS_POLL_S, cfg.fault_tolerance.confirm_s, on_poll=progress.poll)
     except JobFailed as e:
         if exists(outcome_url) and (error := read_json(outcome_url).get("error")):
             raise StagingError(error) from None
@@ -93,4 +151,4 @@ def _report(result: StageResult) -> Staged:
         verb, result.dataset_id, summary(result.manifest), counts["train_rows"], counts["eval_rows"],
         result.manifest_url,
     )  # fmt: skip
-    return Staged(result.dataset_id, result.manifest_url, result.cache_hit, counts)
+    return Staged(result.dataset_id, result.manifest_url, result.cache_hit, counts, summary(result.manifest))

@@ -130,6 +130,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     r = stage_flow(args.config, args.overrides)
     print(f"dataset id: {r['dataset_id']}{' (cache hit)' if r['cache_hit'] else ''}")
     print(f"manifest: {r['manifest_url']}")
+    print(f"staged: {r['summary']}")
     return 0
 
 

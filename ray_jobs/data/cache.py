@@ -1,15 +1,20 @@
-"""The node-local shard cache: verified copies of a dataset's shards on each node, LRU-evicted by size."""
+"""The node-local shard cache: verified copies of a dataset's shards on each node, LRU-evicted by size. Warming a
+cold cache (a worker's shards fetched and decoded before its first step) logs its progress when it takes long."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
+from ray_jobs.progress import Reporter, every_s
 from ray_jobs.storage import Layout, join, read_bytes
+
+log = logging.getLogger("unbroken.cache")
 
 
 class ShardIntegrityError(RuntimeError):
@@ -37,7 +42,7 @@ class ShardCache:
 
     def local_path(self, entry: dict[str, Any]) -> Path:
         """Path of a verified local copy of a shard, fetching it on a miss."""
-        local = self.local_dir / entry["file"]
+        local = self._local(entry)
         if self._is_valid(local, entry):
             self.hits += 1
             return local
@@ -50,17 +55,41 @@ class ShardCache:
         self._store(local, data, entry["sha256"])
         return local
 
+    def rows_paths(self, entries: list[dict[str, Any]], seq_len: int) -> list[Path]:
+        """``rows_path`` of each entry. Those not in the cache yet are fetched and decoded one after the other: once
+        that has taken a few seconds, a progress line every few (shards and bytes done, MB/s, ETA)."""
+        cold = {id(e) for e in entries if not (self._decoded(e).exists() and self._is_valid(self._local(e), e))}
+        total = sum(e["bytes"] for e in entries if id(e) in cold)
+        report = Reporter(f"node cache warm-up of {self.local_dir.name}", total, quiet_s=every_s(), log=log, tty=False)
+        if cold:
+            report.update(0, shards=0)  # timed from here: the first shard's fetch counts
+        out, done, shards = [], 0, 0
+        for e in entries:
+            out.append(self.rows_path(e, seq_len))
+            if id(e) in cold:
+                done, shards = done + e["bytes"], shards + 1
+                report.update(done, shards=shards)
+        report.finish()
+        return out
+
     def rows_path(self, entry: dict[str, Any], seq_len: int) -> Path:
         """Path of the shard decoded to a raw ``.npy`` (int32 ``[rows, 3, seq_len]``) for memory-mapping; written
         once from the verified Parquet copy, and renamed into place so a half-written one never exists."""
         parquet = self.local_path(entry)
-        decoded = parquet.with_name(f"{parquet.name}.{entry['sha256'][:16]}.npy")
+        decoded = self._decoded(entry)
         if not decoded.exists():
             self._make_room(entry["rows"] * 3 * seq_len * 4)
             tmp = decoded.with_name(f"{decoded.name}.tmp-{uuid.uuid4().hex[:8]}.npy")
             decode_shard(parquet, seq_len, tmp)
             os.replace(tmp, decoded)
         return decoded
+
+    def _local(self, entry: dict[str, Any]) -> Path:
+        return self.local_dir / entry["file"]
+
+    def _decoded(self, entry: dict[str, Any]) -> Path:
+        local = self._local(entry)
+        return local.with_name(f"{local.name}.{entry['sha256'][:16]}.npy")
 
     def _make_room(self, incoming: int) -> None:
         import shutil

@@ -65,7 +65,7 @@ def open_rows(cache: ShardCache, entries: list[dict[str, Any]], seq_len: int) ->
     Position ids restart at 0 for every packed example; passed to the model, they keep examples from attending
     to each other. Shards from staging version 1 have none: every row then counts 0..seq_len-1, as it was trained.
     """
-    return ShardRows([np.load(cache.rows_path(e, seq_len), mmap_mode="r") for e in entries], seq_len)
+    return ShardRows([np.load(p, mmap_mode="r") for p in cache.rows_paths(entries, seq_len)], seq_len)
 
 
 def load_rows(

@@ -101,8 +101,9 @@ class Spill:
         self._save()
 
     # -- writing shards
-    def write_split(self, split: str, n_shards: int, out_dir: str) -> list[dict[str, Any]]:
-        """The split's rows as ``n_shards`` Parquet shards (those written before a kill are kept)."""
+    def write_split(self, split: str, n_shards: int, out_dir: str, told=None) -> list[dict[str, Any]]:
+        """The split's rows as ``n_shards`` Parquet shards (those written before a kill are kept); ``told(rows)``
+        hears how many of the split's rows are written, after each shard."""
         n = self.rows(split)
         done = self.progress["shards"].setdefault(split, [])
         bounds, row_bytes = shard_bounds(n, n_shards), 3 * self.seq_len * 4
@@ -114,6 +115,8 @@ class Spill:
                 rows = np.fromfile(f, np.int32, (bounds[i + 1] - bounds[i]) * 3 * self.seq_len)
                 done.append(write_shard(split, i, rows.reshape(-1, 3, self.seq_len), out_dir))
                 self._save()
+                if told is not None:
+                    told(bounds[i + 1])
         return done
 
     def first_rejects(self, k: int) -> list[Reject]:

@@ -31,6 +31,7 @@ from typing import Any
 from ray_jobs.config import DataConfig
 from ray_jobs.data.fingerprint import Source, describe, hash_file, known_hashes, resolve_hashes
 from ray_jobs.data.pack import pack, shard_count
+from ray_jobs.data.read_progress import ProgressFn, ReadProgress
 from ray_jobs.data.records import Record, Reject, parse_records, record_in_eval
 from ray_jobs.data.sources import (
     Position,
@@ -73,11 +74,14 @@ class StageResult:
     sources_read: int = 0  # source files whose bytes were read to learn their sha256 (0: fingerprints sufficed)
 
 
-def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: str = "local") -> StageResult:
+def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: str = "local",
+          progress: ProgressFn | None = None, writing: ProgressFn | None = None) -> StageResult:  # fmt: skip
     """Stage ``data`` onto ``storage`` with ``tokenizer``; a cache hit when the same inputs were staged before.
     ``on="cluster"``: from a driver on a Ray cluster, its sources hashed and its pieces tokenized by Ray tasks and
     actors across the nodes (the same shards, manifest and dataset id as ``local``). ``data.format: auto`` is
-    resolved first, from the first records of ``data.train``: the dataset id and manifest hold the detected shape."""
+    resolved first, from the first records of ``data.train``: the dataset id and manifest hold the detected shape.
+    ``progress(done, total, records=, tokens=)``: called as source bytes are read (ray_jobs.progress.Reporter.update);
+    ``writing(done, total)``: as rows are written as shards, once every source was read."""
     from ray_jobs.data.shapes import resolve_format
 
     data = resolve_format(data)
@@ -94,7 +98,8 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: st
         if exists(manifest_url):
             return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
         out_dir = layout.dataset_dir(ds_id)
-        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on)
+        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress,
+                                writing)  # fmt: skip
         write_json_atomic(manifest_url, manifest)
     return StageResult(ds_id, manifest_url, False, manifest, read)
 
@@ -159,7 +164,8 @@ def staging_config(data: DataConfig) -> dict[str, Any]:
     return out
 
 
-def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on) -> dict[str, Any]:
+def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress=None,
+                 writing=None) -> dict[str, Any]:  # fmt: skip
     if tokenizer.eos_token_id is None:
         raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -171,14 +177,14 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     work.render()  # a chat format with no chat template fails here, before any source is read
     try:
         if spill.reading:
-            _read_all(spill, work, sources, data, on)
+            _read_all(spill, work, sources, data, on, progress)
         _check_counts(spill, data, out_dir, sources)
     except SourceUnreadable:
         raise  # a store that failed to answer: the spill stays, the next staging goes on from it
     except StagingError:
         spill.remove()  # bad data: the next staging is of fixed data, or under another policy; either reads afresh
         raise
-    shards = {split: spill.write_split(split, _shards(spill, split, data), out_dir) for split in SPLITS}
+    shards = _write_shards(spill, data, out_dir, writing)
     upload_file(spill.rejects_file(), join(out_dir, "rejects.jsonl"))
     tok_info = {"name_or_path": tokenizer_name, "fingerprint": tok_fp, "vocab_size": len(tokenizer),
                 "pad_token_id": pad, "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
@@ -197,19 +203,24 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     return manifest
 
 
-def _read_all(spill: Spill, work: BatchWork, sources: dict[str, list[Source]], data: DataConfig, on: str) -> None:
-    """Every source piece through the workers into the spill, recording progress as it goes."""
+def _read_all(spill: Spill, work: BatchWork, sources: dict[str, list[Source]], data: DataConfig, on: str,
+              progress: ProgressFn | None = None) -> None:  # fmt: skip
+    """Every source piece through the workers into the spill, recording progress as it goes (and telling
+    ``progress`` the source bytes read, from where a resumed staging starts)."""
     files = [(split, f) for split, fs in sources.items() for f in fs]
     if on == "cluster":
         run, workers = ray_results, cluster_size(data)
     else:
         run, workers = results, pool_size(data, sum(f.size for _, f in files))
     current, at = spill.start
+    told = ReadProgress(files, progress)
+    told(current, at, spill.counts)
     for n, ((i, last), result) in enumerate(run(work, _pieces(files, current, at), workers), start=1):
         if i != current:
             current, at = i, Position()
         at = result.placed(at)
         spill.add(result)
+        told(i, at, spill.counts, file_done=last)
         if last:
             _unchanged(files[i][1])
             spill.commit(i + 1, Position())
@@ -236,6 +247,16 @@ def _pieces(files: list[tuple[str, Source]], first: int, at: Position) -> Iterat
             following = next(todo, None)
             yield (i, following is None), split, piece
             piece = following
+
+
+def _write_shards(spill: Spill, data: DataConfig, out_dir: str, writing: ProgressFn | None) -> dict[str, list]:
+    """Every split's rows as Parquet shards, telling ``writing`` the rows written of all splits' rows."""
+    total, before, out = sum(spill.rows(s) for s in SPLITS), 0, {}
+    for split in SPLITS:
+        told = (lambda n, b=before: writing(b + n, total)) if writing else None
+        out[split] = spill.write_split(split, _shards(spill, split, data), out_dir, told)
+        before += spill.rows(split)
+    return out
 
 
 def _shards(spill: Spill, split: str, data: DataConfig) -> int:

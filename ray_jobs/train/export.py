@@ -1,7 +1,11 @@
-"""The end of a run: the final HF folder (weights, tokenizer, model card) at ``runs/<run>/final``."""
+"""The end of a run: the final HF folder (weights, tokenizer, model card) at ``runs/<run>/final``. Writing a big
+model's weights and uploading the folder take a while: rank 0 logs their progress every few seconds once one has
+taken a few (bytes written of the weights' size, then bytes uploaded; MB/s, ETA)."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
 import tempfile
@@ -12,9 +16,10 @@ from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.config import Config
 from ray_jobs.model.loading import load_tokenizer
-from ray_jobs.storage import Layout, upload_dir
+from ray_jobs.progress import Reporter, every_s, polled
+from ray_jobs.storage import Layout, fs_and_path, is_local, upload_dir
 from ray_jobs.train.metrics import MetricsLog
-from ray_jobs.train.model import export_model, finish_in_place, write_sharded_export
+from ray_jobs.train.model import export_dtype, export_model, finish_in_place, write_sharded_export
 from ray_jobs.train.runtime import Runtime
 
 log = logging.getLogger("unbroken.train")
@@ -28,12 +33,15 @@ def write_final(cfg: Config, rt: Runtime, model, model_path: str, manifest: dict
     Its URL on rank 0, None on the others."""
     url = Layout(cfg.storage).final_model(cfg.name)
     with tempfile.TemporaryDirectory(prefix="unbroken-final-") as d:
-        _write_weights(cfg, rt, model, model_path, d)
+        weights = _progress("final model: weights written", _weight_bytes(cfg, model_path, model), lambda: _bytes(d))
+        with weights if rt.rank == 0 else contextlib.nullcontext():
+            _write_weights(cfg, rt, model, model_path, d)
         if rt.rank != 0:
             return None
         load_tokenizer(model_path, cfg.data.cache_dir).save_pretrained(d)
         (Path(d) / "README.md").write_text(model_card(cfg, manifest, loop, metrics))
-        upload_dir(d, url)
+        with _progress(f"final model: uploaded to {url}", _bytes(d), lambda: _published(url)):
+            upload_dir(d, url)
     log.info("final model written to %s", url)
     return url
 
@@ -48,6 +56,38 @@ def _write_weights(cfg: Config, rt: Runtime, model, model_path: str, folder: str
             _save(cfg, export_model(cfg, model_path, state), folder)
     elif rt.rank == 0:
         _save(cfg, finish_in_place(cfg, model_path, unwrap(model)), folder)
+
+
+def _progress(what: str, total: float, read_done):
+    """A progress line every few seconds (once the work has taken a few) while the body runs, polled from
+    ``read_done()``: the work is a library's (``save_pretrained``, an upload), which reports nothing itself."""
+    return polled(Reporter(what, total, quiet_s=every_s(), log=log, tty=False), read_done)
+
+
+def _weight_bytes(cfg: Config, model_path: str, model) -> int:
+    """The final weights' size: every parameter (tied ones once; LoRA's adapters merged away) in the export dtype."""
+    import torch
+
+    itemsize = getattr(torch, export_dtype(cfg, model_path)).itemsize
+    return itemsize * sum(p.numel() for n, p in unwrap(model).named_parameters() if "lora_" not in n)
+
+
+def _bytes(folder: str | Path) -> int:
+    """Bytes in the files under ``folder`` (one written meanwhile counts as far as it got)."""
+    total = 0
+    for p in Path(folder).rglob("*"):
+        with contextlib.suppress(OSError):
+            total += p.stat().st_size if p.is_file() else 0
+    return total
+
+
+def _published(url: str) -> int:
+    """Bytes of the final folder uploaded so far: locally it is copied beside its place first (``upload_dir``)."""
+    if is_local(url):
+        return sum(_bytes(p) for p in glob.glob(f"{fs_and_path(url)[1]}.partial-*"))
+    fs, path = fs_and_path(url)
+    fs.invalidate_cache(path)
+    return fs.du(path) if fs.exists(path) else 0
 
 
 def _save(cfg: Config, model, folder: str) -> None:

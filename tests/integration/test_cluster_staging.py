@@ -105,6 +105,7 @@ def test_the_stage_flow_stages_on_a_cluster_it_provisions_and_then_stops(tmp_pat
     there = run_cli("stage", DEMO, *sets(tmp_path / "there", **common, **{"data.stage_on": "cluster"}))
     assert there.returncode == 0, there.explain()
     assert "staging on the cluster at http://127.0.0.1:8431" in there.stderr + there.stdout, there.explain()
+    assert "staging: 100% (" in there.stderr + there.stdout, "the job's progress reaches the CLI: " + there.explain()
     assert not head_pids(PORTS["cluster.dashboard_port"]), "the head provisioned for staging was stopped"
 
     # The same staging here, with the tokenizer the flow prepared (the demo's data settings, as the flow had them)
