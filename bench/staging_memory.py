@@ -11,13 +11,14 @@ own peak is measured the same way. Ratios from one run on one machine; the goal 
 peak <= 2 GB, throughput >= 1.5x the baseline.
 
 ``--doc-mb``: one ``text`` document of that many MB of word text in one JSONL line (``seq_len`` 512, a small separate
-eval file), staged the same way; its peak next to the text's size. The goal (issue 27): memory a small multiple of
-the text (the JSON line and its decoded string) plus one window of ``WINDOW_CHARS``, not proportional to its tokens.
-The baseline tokenizes such a line with ``datasets.map`` too (the whole document in one call; at most 20 MB of it). ``--cluster``: also
-stage the document with ``on="cluster"`` on a Ray instance this benchmark starts in the staging process
-(``address="local"``, no dashboard, its own temp folder; the sum then includes Ray's own processes, and pages of
-Ray's shared-memory object store count in every process that maps them).
-``--small-mb 0 --large-mb 0`` stages the document alone.
+eval file), staged the same way, and one of 1 MB for the fixed cost (interpreter, tokenizer, workers): the peak each
+MB of text adds. The goal (issue 27): memory a small multiple of the text (the JSON line and its decoded string) plus
+one window of ``WINDOW_CHARS``, not proportional to its tokens. The baseline tokenizes such a line with
+``datasets.map`` too (the whole document in one call; at most ``BASELINE_DOC_MB`` of it). ``--cluster``: also stage
+the documents with ``on="cluster"`` on a Ray instance started in the staging process (``address="local"``, no
+dashboard, its own temp folder): the sum then includes Ray's own processes, and pages of Ray's shared-memory object
+store count in every process that maps them. ``--small-mb 0 --large-mb 0``: the documents alone. Every row says how
+many cores other processes on the machine kept busy meanwhile (``others_cores``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -162,13 +164,29 @@ def tokenizer_path() -> str:
     return str(smollm2())
 
 
+def busy_cpu_s() -> tuple[float, float]:
+    """(CPU seconds every process on this machine has used, CPU seconds this process and its reaped descendants
+    have): their difference over a measurement is what other people's processes took meanwhile."""
+    t = psutil.cpu_times()
+    mine = [*resource.getrusage(resource.RUSAGE_SELF)[:2], *resource.getrusage(resource.RUSAGE_CHILDREN)[:2]]
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0), sum(mine)
+
+
+def measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str, float]:
+    """``peak_rss``, and the cores other processes on this machine kept busy meanwhile (on average)."""
+    all0, mine0 = busy_cpu_s()
+    secs, peak, out = peak_rss(cmd, env)
+    all1, mine1 = busy_cpu_s()
+    return secs, peak, out, round(max(0.0, (all1 - all0) - (mine1 - mine0)) / secs, 2)
+
+
 def run(script: str, argv: list[str], env: dict[str, str], what: str, **extra) -> dict:
     """One staging (or baseline) in a fresh process: a printed row of its seconds, peak RSS and tokens."""
-    secs, peak, out = peak_rss([sys.executable, "-c", script, *argv], env)
+    secs, peak, out, others = measured([sys.executable, "-c", script, *argv], env)
     got = json.loads(out.strip().splitlines()[-1])
     tokens = got.get("train_tokens", got.get("tokens"))
     row = {"what": what, **extra, "seconds": round(secs, 1), "peak_rss_mb": round(peak / 1e6), "tokens": tokens,
-           "tokens_per_s": round(tokens / secs)}  # fmt: skip
+           "tokens_per_s": round(tokens / secs), "others_cores": others}  # fmt: skip
     if "ray_idle_rss" in got:
         row["ray_idle_rss_mb"] = round(got["ray_idle_rss"] / 1e6)
     print(json.dumps(row), flush=True)

@@ -1,21 +1,23 @@
 """Staging throughput (tokens/s) next to ``datasets.map(batched=True, num_proc=2)``, and where staging's time goes.
 
-    .venv/bin/python bench/staging_throughput.py [--mb 100] [--corpus both|pairs|docs] [--tokenizer smollm2|builtin]
-                                                [--profile-mb 20] [--no-profile]
+    .venv/bin/python bench/staging_throughput.py [--mb 100] [--corpus both|pairs|docs|doc] [--repeat 1]
+                                                [--tokenizer smollm2|builtin] [--profile-mb 20] [--no-profile]
 
 Two corpora of ``--mb`` MB each: instruction pairs (``bench/staging_memory.py``'s generator, ~600 bytes a record,
 ``format: pairs``) and long documents (``format: text``: word text, lengths log-uniform from 1 KB to ``--doc-max-mb``,
 so most of the bytes are documents over ``WINDOW_CHARS``, encoded a window at a time and cut into pieces); or,
-``--corpus doc``, one document of ``--mb`` MB in one JSONL line (``staging_memory.py --doc-mb``'s). Each is
-staged in a fresh process (``data.workers`` default: one per core; ``seq_len`` 512; a small separate eval file, so
-the train tokens counted are all of the input the baseline tokenizes) and tokenized by the baseline in another:
+``--corpus doc``, one document of ``--mb`` MB in one JSONL line (``staging_memory.py --doc-mb``'s). Each is staged in
+a fresh process (``data.workers`` default: one per core; ``seq_len`` 512, 1024 for the character tokenizer
+``builtin``; a small separate eval file, so the train tokens counted are all of the input the baseline tokenizes)
+and tokenized by the baseline in another:
 ``datasets.load_dataset("json")`` then ``.map(batched=True, num_proc=2)`` calling the tokenizer on the same columns
 (``input`` and ``target``; ``text``). unbroken's time covers the whole staging (hash sources, read, validate every
 record, tokenize with offsets, mask or cut, pack, spill, write Parquet shards + manifest); the baseline's covers load
 and tokenize. Seconds are measured inside each process (imports and tokenizer load excluded), peak RSS over its
 process tree. Then "where the time goes": one staging per corpus (``--profile-mb``) with ``data.workers=1`` in one
 process (``TOKENIZERS_PARALLELISM=false``, as in a pool worker), its stages timed by wrapping the functions that run
-them (exclusive time: a stage's callees are not counted twice). One run on one machine; print the load average.
+them (exclusive time: a stage's callees are not counted twice). Measurements from one machine: each row says how many
+cores other processes kept busy meanwhile (``others_cores``); ``--repeat`` measures each corpus again, in turn.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import json
 import math
 import os
 import random
-import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -33,14 +35,12 @@ import types
 from collections import defaultdict
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.staging_memory import WORDS, make_data, make_doc, peak_rss, tokenizer_path  # noqa: E402
+from bench.staging_memory import BASELINE_DOC_MB, WORDS, make_data, make_doc, measured, tokenizer_path  # noqa: E402
 
-SEQ_LEN = 512
+SEQ_LEN = {"builtin": 1024}  # by tokenizer, else 512: a pair is up to ~650 characters, so as many builtin tokens
 
 
 # -- the corpora
@@ -94,7 +94,8 @@ def load_tok(cfg: dict):
 def data_config(cfg: dict, workers: int):
     from ray_jobs.config import DataConfig
 
-    return DataConfig(train=cfg["train"], eval=cfg["eval"], format=cfg["format"], seq_len=SEQ_LEN, shard_mb=64,
+    seq_len = SEQ_LEN.get(cfg["tokenizer"], 512)
+    return DataConfig(train=cfg["train"], eval=cfg["eval"], format=cfg["format"], seq_len=seq_len, shard_mb=64,
                       min_shards=2, workers=workers, work_dir=cfg["dir"] + "/work")  # fmt: skip
 
 
@@ -237,45 +238,42 @@ def instrument(stages: Stages, tok) -> None:
 
 
 # -- the parent: corpora, fresh processes, tables
-def busy_cpu_s() -> tuple[float, float]:
-    """(CPU seconds every process on this machine has used, CPU seconds this process and its reaped descendants
-    have): their difference over a measurement is what other people's processes took meanwhile."""
-    t = psutil.cpu_times()
-    mine = [*resource.getrusage(resource.RUSAGE_SELF)[:2], *resource.getrusage(resource.RUSAGE_CHILDREN)[:2]]
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0), sum(mine)
-
-
 def measure(kind: str, cfg: dict) -> dict:
     """Run one measurement in a fresh process: its result, wall seconds, peak RSS of its process tree, and the
     cores other processes kept busy meanwhile (``others_cores``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, __file__, "--child", kind, "--cfg", json.dumps(cfg)]
-    all0, mine0 = busy_cpu_s()
-    wall, peak, out = peak_rss(cmd, env)
-    all1, mine1 = busy_cpu_s()
-    others = max(0.0, (all1 - all0) - (mine1 - mine0))
+    wall, peak, out, others = measured(cmd, env)
     got = json.loads(out.strip().splitlines()[-1])
-    return {**got, "wall_s": wall, "peak_rss_mb": round(peak / 1e6), "others_cores": round(others / wall, 2)}
+    return {**got, "wall_s": wall, "peak_rss_mb": round(peak / 1e6), "others_cores": others}
 
 
-def throughput(d: Path, corpus: str, args, tok: str) -> tuple[Path, Path]:
+def throughput(d: Path, corpus: str, args, tok: str) -> None:
+    """unbroken's staging and the baseline on one corpus, ``--repeat`` times in turn; a row each, and the ratio."""
     train, ev, n = make_corpus(d, corpus, args.mb, args.doc_max_mb)
-    fmt = "pairs" if corpus == "pairs" else "text"
+    kinds = {"ours": "unbroken stage", "baseline": "datasets.map num_proc=2"}
+    if corpus == "doc" and args.mb > BASELINE_DOC_MB:  # whole, ~200 MB of peak per MB of text
+        print(f"(no baseline: datasets.map tokenizes a document whole; over {BASELINE_DOC_MB} MB it would need GBs)")
+        del kinds["baseline"]
+    rate: dict[str, list[float]] = defaultdict(list)
     mb = round(train.stat().st_size / 1e6, 1)
-    rows = {}
-    for kind, what in (("ours", "unbroken stage"), ("baseline", "datasets.map num_proc=2")):
-        cfg = {"train": str(train), "eval": str(ev), "format": fmt, "tokenizer": tok, "workers": args.workers,
-               "dir": str(d / f"{corpus}-{kind}")}  # fmt: skip
-        r = measure(kind, cfg)
-        rows[kind] = r
-        print(json.dumps({"corpus": corpus, "what": what, "mb": mb, "records": n, "workers": r["workers"],
-                          "seconds": round(r["seconds"], 1), "wall_s": round(r["wall_s"], 1), "tokens": r["tokens"],
-                          "tokens_per_s": round(r["tokens"] / r["seconds"]), "peak_rss_mb": r["peak_rss_mb"],
-                          "others_cores": r["others_cores"]}), flush=True)  # fmt: skip
-    ours, base = (rows[k]["tokens"] / rows[k]["seconds"] for k in ("ours", "baseline"))
-    print(f"{corpus}: unbroken staging / datasets.map(batched=True, num_proc=2) = {ours / base:.2f}x tokens/s "
-          f"(time ratio {rows['baseline']['seconds'] / rows['ours']['seconds']:.2f}x)\n", flush=True)  # fmt: skip
-    return train, ev
+    for rep in range(args.repeat):
+        for kind, what in kinds.items():
+            cfg = {"train": str(train), "eval": str(ev), "format": "pairs" if corpus == "pairs" else "text",
+                   "tokenizer": tok, "workers": args.workers, "dir": str(d / f"{corpus}-{kind}-{rep}")}  # fmt: skip
+            r = measure(kind, cfg)
+            rate[kind].append(r["tokens"] / r["seconds"])
+            row = {"corpus": corpus, "what": what, "run": rep + 1, "mb": mb, "records": n, "workers": r["workers"],
+                   "seconds": round(r["seconds"], 1), "wall_s": round(r["wall_s"], 1), "tokens": r["tokens"],
+                   "tokens_per_s": round(rate[kind][-1]), "peak_rss_mb": r["peak_rss_mb"],
+                   "others_cores": r["others_cores"]}  # fmt: skip
+            print(json.dumps(row), flush=True)
+    if "baseline" in kinds:
+        ratios = [o / b for o, b in zip(rate["ours"], rate["baseline"], strict=True)]
+        med = {k: statistics.median(v) for k, v in rate.items()}
+        print(f"{corpus}: unbroken staging / datasets.map(batched=True, num_proc=2) tokens/s = "
+              f"{', '.join(f'{x:.2f}' for x in ratios)}x (median {statistics.median(ratios):.2f}x; median tokens/s "
+              f"{med['ours']:,.0f} vs {med['baseline']:,.0f})\n", flush=True)  # fmt: skip
 
 
 def breakdown(d: Path, corpus: str, args, tok: str) -> None:
@@ -286,8 +284,8 @@ def breakdown(d: Path, corpus: str, args, tok: str) -> None:
     r = measure("profile", cfg)
     total, own = r["total_s"], r["own_s"]
     own["other (setup, manifest, rest)"] = total - sum(own.values())
-    print(f"where the time goes: {corpus}, {args.profile_mb} MB, data.workers=1, {total:.1f} s "
-          f"(others kept {r['others_cores']} cores busy)")  # fmt: skip
+    print(f"where the time goes: {corpus}, {args.profile_mb} MB, data.workers=1, {total:.1f} s, peak RSS "
+          f"{r['peak_rss_mb']} MB (others kept {r['others_cores']} cores busy)")  # fmt: skip
     by_where: dict[str, float] = defaultdict(float)
     for label, secs in sorted(own.items(), key=lambda kv: -kv[1]):
         where = WHERE.get(label, "staging process")
@@ -301,10 +299,12 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=100, help="size of each corpus's train file")
     p.add_argument("--corpus", choices=["both", "pairs", "docs", "doc"], default="both", help="doc: one document")
     p.add_argument("--tokenizer", default="smollm2", help="smollm2 (SmolLM2's BPE) or builtin (characters)")
+    p.add_argument("--repeat", type=int, default=1, help="measure each this many times, in turn")
     p.add_argument("--workers", type=int, default=0, help="data.workers (0: one per core)")
     p.add_argument("--doc-max-mb", type=float, default=4.0, help="longest document of the docs corpus")
     p.add_argument("--profile-mb", type=float, default=20, help="size of the corpora the breakdown stages")
-    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--no-profile", action="store_true", help="no breakdown")
+    p.add_argument("--profile-only", action="store_true", help="the breakdown alone")
     p.add_argument("--child", choices=["ours", "baseline", "profile"], help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -317,7 +317,7 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}, {os.cpu_count()} cores, tokenizer {args.tokenizer}\n")
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
         d = Path(tmp)
-        for corpus in corpora:
+        for corpus in corpora if not args.profile_only else []:
             throughput(d, corpus, args, tok)
         for corpus in corpora if not args.no_profile else []:
             breakdown(d, corpus, args, tok)

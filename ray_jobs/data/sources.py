@@ -202,14 +202,15 @@ def _line_range(f, start: int, stop: int | None) -> tuple[list[tuple[int, bytes]
         return [], at
     f.seek(at)
     data = f.read() if stop is None else f.read(stop - at)
-    while stop is not None and data and not data.endswith(b"\n"):  # the last line runs on past stop
-        block = f.read(_SCAN)
-        if not block:
-            break
-        cut = block.find(b"\n")
-        data += block if cut < 0 else block[: cut + 1]
-        if cut >= 0:
-            break
+    if stop is not None and data and not data.endswith(b"\n"):  # the last line runs on past stop
+        parts = [data]  # joined once: growing one bytes object block by block is quadratic in a long line
+        while True:
+            block = f.read(_SCAN)
+            cut = block.find(b"\n")
+            parts.append(block if cut < 0 else block[: cut + 1])
+            if not block or cut >= 0:
+                break
+        data = b"".join(parts)
     lines = data.split(b"\n")
     if lines[-1] == b"":  # after the final newline: no line
         lines.pop()

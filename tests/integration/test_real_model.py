@@ -133,22 +133,31 @@ def real_documents(path: Path) -> Path:
     return path
 
 
-def test_full_finetune_of_the_real_model_on_long_documents_end_to_end(cluster, smollm2, tmp_path) -> None:
-    """Continued pre-training on real documents longer than ``seq_len``: they are cut into pieces, none rejected,
-    and the model trains on them through ``unbroken run``."""
+def test_full_finetune_of_the_real_model_end_to_end(cluster, smollm2, tmp_path) -> None:
     storage = tmp_path / "storage"
-    docs = {"data.train": real_documents(tmp_path / "docs.jsonl"), "data.format": "text", "data.eval_fraction": 0.2,
-            "data.text_overlap_tokens": 16}  # fmt: skip
     full = {"model.lora": "null", "train.lr": 5e-5, "train.max_steps": 4, "train.eval_every_steps": 2,
             "checkpoint.every_steps": 0}  # fmt: skip
-    r = run_cli("run", str(RECIPE), *sets(overrides(storage, "full", smollm2, cluster, **docs, **full)))
+    r = run_cli("run", str(RECIPE), *sets(overrides(storage, "full", smollm2, cluster, **full)))
+    assert r.returncode == 0, r.explain()
+    assert_loads_and_answers(storage / "runs" / "full" / "final")
+    assert_eval_loss_fell(storage, "full")
+
+
+def test_lora_on_long_real_documents_end_to_end(cluster, smollm2, tmp_path) -> None:
+    """Continued pre-training on real documents longer than ``seq_len``: they are cut into pieces, none rejected,
+    and a LoRA fine-tune trains on them through ``unbroken run``."""
+    storage = tmp_path / "storage"
+    docs = {"data.train": real_documents(tmp_path / "docs.jsonl"), "data.format": "text", "data.eval_fraction": 0.2,
+            "data.text_overlap_tokens": 16, "train.max_steps": 3, "train.eval_every_steps": 3,
+            "checkpoint.every_steps": 0, "train.sample_generations": 0}  # fmt: skip
+    r = run_cli("run", str(RECIPE), *sets(overrides(storage, "docs", smollm2, cluster, **docs)))
     assert r.returncode == 0, r.explain()
     (manifest,) = storage.glob("datasets/ds-*/manifest.json")
     counts = json.loads(manifest.read_text())["counts"]
     assert counts["rejects"] == 0 and counts["cut_documents"] > counts["documents"] // 2, counts
     assert re.search(r"\d+ documents -> \d+ pieces \(\d+ cut", r.stdout + r.stderr), r.explain()
-    assert_loads_and_answers(storage / "runs" / "full" / "final")
-    assert_eval_loss_fell(storage, "full")
+    assert_loads_and_answers(storage / "runs" / "docs" / "final")
+    assert_eval_loss_fell(storage, "docs")
 
 
 def test_kill_9_of_a_worker_on_the_real_model_ends_bit_identical(cluster, smollm2, lora_run, tmp_path) -> None:
