@@ -63,10 +63,11 @@ def test_stage_command_prints_the_dataset_and_restaging_is_a_cache_hit(tmp_path:
     storage = tmp_path / "storage"
     first = run_cli("stage", DEMO, *sets(storage))
     assert first.returncode == 0, first.explain()
-    ds_line, manifest_line = first.stdout.strip().splitlines()[-2:]
+    ds_line, manifest_line, staged_line = first.stdout.strip().splitlines()[-3:]
     dataset_id = ds_line.removeprefix("dataset id: ")
     assert dataset_id.startswith("ds-") and "cache hit" not in ds_line
     assert manifest_line == f"manifest: {storage / 'datasets' / dataset_id / 'manifest.json'}"
+    assert staged_line.startswith("staged: ") and "records (0 rejected)" in staged_line, first.explain()
     again = run_cli("stage", DEMO, *sets(storage))
     assert again.returncode == 0 and f"dataset id: {dataset_id} (cache hit)" in again.stdout, again.explain()
 
