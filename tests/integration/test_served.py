@@ -162,8 +162,8 @@ def _emit_dataset(uri: str) -> None:
 
 def _triggered_run(before: set, uri: str):
     new = wait_for(
-        "a finetune run from the trigger", lambda: [r for r in _runs_of("finetune") if r.id not in before], 60, 1.0
-    )
+        "a finetune run from the trigger", lambda: [r for r in _runs_of("finetune") if r.id not in before], 180, 1.0
+    )  # an event reaches its automation in seconds; on a machine loaded to 10 it once took over 60
     assert new[0].parameters["dataset_uri"] == uri
     return new[0]
 
