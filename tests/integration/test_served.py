@@ -73,7 +73,9 @@ def served(server, tmp_path_factory):
     cmd = [sys.executable, "-m", "unbroken", "serve", "--config", str(config), "--storage", str(storage),
            "--watchdog-interval", "3600", "--sensor-interval", "3600"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    wait_for("the served deployments", lambda: len(_deployments()) >= 4, 120, 1.0)
+    # the deployments, and their triggers' automations (created after them: an event sent before would be lost)
+    wait_for("the served deployments and triggers", lambda: len(_deployments()) >= 5 and len(_automations()) >= 2,
+             120, 1.0)  # fmt: skip
     yield config, storage, root / "serve.log"
     proc.send_signal(signal.SIGINT)
     try:
@@ -96,6 +98,13 @@ def _client_call(fn):
 def _deployments() -> list:
     try:
         return _client_call(lambda c: c.read_deployments())
+    except Exception:
+        return []
+
+
+def _automations() -> list:
+    try:
+        return _client_call(lambda c: c.read_automations())
     except Exception:
         return []
 
