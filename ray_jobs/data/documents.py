@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ray_jobs.data.records import Record, RecordProblem
-from ray_jobs.data.tokenize import IGNORE_INDEX, Examples
+from ray_jobs.data.tokenize import IGNORE_INDEX, UNREPRESENTABLE, Examples
 
 WINDOW_CHARS = 256 * 1024  # a longer document is encoded a window at a time and its pieces streamed out
 BACKOFF_CHARS = 8 * 1024  # a window's cut is sought this far before its end (the tokens past it lack right context)
@@ -222,10 +222,11 @@ class DocCounts:
         self.cut += pieces > 1
 
 
-def document_pieces(tokenizer, rec: Record, seq_len: int, overlap: int, sink: DocSink | None):
+def document_pieces(tokenizer, rec: Record, seq_len: int, overlap: int, sink: DocSink | None, edges=None):
     """``(pieces as Examples, None)`` for a document up to ``WINDOW_CHARS``; ``(None, DocPieces)`` for a longer one,
-    its pieces in ``sink``. Raises RecordProblem for a document with characters the tokenizer cannot represent."""
-    prefix, suffix = special_edges(tokenizer)
+    its pieces in ``sink``. Raises RecordProblem for a document with characters the tokenizer cannot represent.
+    ``edges``: :func:`special_edges` of the tokenizer, when the caller has them (they are the same for every document)."""
+    prefix, suffix = edges or special_edges(tokenizer)
     cutter, unk = Cutter(seq_len, overlap, skip=len(prefix)), tokenizer.unk_token_id
     long = len(rec.text) > WINDOW_CHARS and sink is not None
     if long:
@@ -237,7 +238,7 @@ def document_pieces(tokenizer, rec: Record, seq_len: int, overlap: int, sink: Do
     try:
         for ids in _ended(tokenizer, chunks, prefix, suffix, rec.text):
             if unk is not None and bool((ids == unk).any()):
-                raise RecordProblem("contains characters the tokenizer cannot represent (would become <unk>)")
+                raise RecordProblem(UNREPRESENTABLE)
             done += cutter.feed(ids)
             if long and sum(len(i) for i, _ in done) >= SINK_TOKENS:
                 sink.put(_examples(done))
@@ -284,9 +285,10 @@ class Documents:
         self.long: list[tuple[int, DocPieces]] = []
         self.counts = DocCounts()
         inline: list[Examples] = []
+        edges = special_edges(tokenizer) if records else None  # once per batch, not two encodes per document
         for rec in records:
             try:
-                ex, doc = document_pieces(tokenizer, rec, seq_len, overlap, sink)
+                ex, doc = document_pieces(tokenizer, rec, seq_len, overlap, sink, edges)
             except RecordProblem as e:
                 self.rejects.append(Reject(rec.file, rec.line, str(e), rec.text[:200], position_unit(rec.file)))
                 continue

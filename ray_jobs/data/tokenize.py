@@ -18,6 +18,7 @@ from ray_jobs.data.records import Record, RecordProblem, Reject, Rendered
 from ray_jobs.data.sources import StagingError, position_unit
 
 IGNORE_INDEX = -100
+UNREPRESENTABLE = "contains characters the tokenizer cannot represent (would become <unk>)"
 
 
 class Examples(NamedTuple):
@@ -86,7 +87,7 @@ class Tokenized:
     def _fitted(self, rec: Record, ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The example as it is staged, or None when it became a reject (or a dropped record)."""
         if self.unk is not None and bool((ids == self.unk).any()):
-            return self._reject(rec, "contains characters the tokenizer cannot represent (would become <unk>)")
+            return self._reject(rec, UNREPRESENTABLE)
         if len(ids) <= self.seq_len:
             return ids, labels
         problem = f"record is {len(ids)} tokens, longer than data.seq_len ({self.seq_len})"
