@@ -161,12 +161,22 @@ def test_a_dataset_event_retrains_with_the_payloads_dataset(served, tmp_path_fac
 
 
 def _emit_dataset(uri: str) -> None:
-    from prefect.events import emit_event
-    from prefect.events.worker import EventsWorker
+    """Send the event through a client of this module's server. Not ``emit_event``: its process-wide events worker
+    keeps the server it first connected to, and an earlier test in this process (an in-process flow run) may have
+    started it against the session's server or a module server that has since stopped -- the event then never
+    arrives here (the cause of a CI run's 180 s wait for the first triggered run)."""
+    from prefect.events import Event
+    from prefect.events.clients import PrefectEventsClient
+    from prefect.settings import PREFECT_API_URL
 
-    emit_event(event="unbroken.dataset.updated", resource={"prefect.resource.id": "unbroken.dataset.test"},
-               payload={"dataset_uri": uri})  # fmt: skip
-    EventsWorker.drain_all()
+    event = Event(event="unbroken.dataset.updated", resource={"prefect.resource.id": "unbroken.dataset.test"},
+                  payload={"dataset_uri": uri})  # fmt: skip
+
+    async def send() -> None:
+        async with PrefectEventsClient(api_url=PREFECT_API_URL.value()) as client:
+            await client.emit(event)
+
+    asyncio.run(send())
 
 
 def _triggered_run(before: set, uri: str):
@@ -329,14 +339,9 @@ def cancel(flow_run, storage: Path, run: str, log: Path) -> dict:
 
 
 def test_an_event_naming_a_file_outside_the_allowed_sources_is_refused(served) -> None:
-    from prefect.events import emit_event
-    from prefect.events.worker import EventsWorker
-
     config, storage, log = served
     before = {r.id for r in _runs_of("finetune")}
-    emit_event(event="unbroken.dataset.updated", resource={"prefect.resource.id": "unbroken.dataset.test"},
-               payload={"dataset_uri": "file:///etc/passwd"})  # fmt: skip
-    EventsWorker.drain_all()
+    _emit_dataset("file:///etc/passwd")
     new = wait_for("the triggered run", lambda: [r for r in _runs_of("finetune") if r.id not in before], 60, 1.0)
     run = _final(new[0].id, 120, log)
     assert run.state.is_failed(), run.state
