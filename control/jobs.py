@@ -79,10 +79,12 @@ def write_job_spec(
     model_path: str,
     resume_from: str | None,
     score_manifest_url: str | None = None,
+    parent: str | None = None,
 ) -> str:
     """Everything a job needs, on shared storage where the cluster can read it; returns its URL.
     ``model_path``: the weights to start from (the base model, or a warm start's folder); ``score_manifest_url``:
-    the series' pinned eval set the finished model is scored on."""
+    the series' pinned eval set the finished model is scored on; ``parent``: the series run it warm-starts from
+    (its trackers tag the run with it)."""
     url = Layout(cfg.storage).job_spec(cfg.name, attempt)
     spec = {
         "config": json.loads(cfg.model_dump_json()),
@@ -91,6 +93,7 @@ def write_job_spec(
         "resume_from": resume_from,
         "attempt": attempt,
         "score_manifest_url": score_manifest_url,
+        "parent": parent,
     }
     write_json_atomic(url, spec)
     return url

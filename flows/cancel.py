@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from control import registry, series
 from control.backends.base import ClusterError
 from control.logs import run_logger
+from control.tracking import end_tracker_runs
 from flows.params import run_config
 from ray_jobs.config import ConfigError
 
@@ -94,6 +95,7 @@ def stop_on_cancel(flow, flow_run, state) -> None:
         if found := _current_attempt(flow_run):
             cfg, _, attempt = found
             registry.end_attempt(cfg, attempt.attempt, "STOPPED", f"flow run {flow_run.name} was cancelled")
+            end_tracker_runs(cfg, "KILLED", f"flow run {flow_run.name} was cancelled")
             if cfg.tune is not None:  # a search: its trials went with its driver
                 series.end_unfinished(cfg.storage, cfg.name, f"its search's flow run {flow_run.name} was cancelled")
 

@@ -18,7 +18,7 @@ from prefect.events import emit_event
 
 from control import registry
 from control.logs import run_logger
-from control.watchdog import Outcome, check_run, janitor
+from control.watchdog import Outcome, check_run, janitor, metrics
 from ray_jobs.config import absolute_url
 
 EVENTS = {"restarted": "unbroken.run.recovered", "gave-up": "unbroken.run.gave-up"}
@@ -85,6 +85,7 @@ def watchdog(storage: str = ".unbroken/storage") -> list[dict[str, Any]]:
         janitor(storage)  # clusters unbroken brought up on Kubernetes for runs that are over
     except Exception as e:  # never a reason to fail the pass: the next one tries again
         log.warning("janitor: %s: %s", type(e).__name__, e)
+    metrics.passed(len(active))  # served by `unbroken watchdog --metrics-port`
     rows = incidents_table(storage, active)
     if rows:
         create_table_artifact(rows, key="watchdog-incidents", description=f"incidents of active runs under {storage}")

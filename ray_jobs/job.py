@@ -31,17 +31,19 @@ def worker_config(
     resume_from: str | None = None,
     attempt: int = 0,
     score_manifest: dict | None = None,
+    parent: str | None = None,
 ) -> dict:
-    """What every rank's loop is given (``train.trainer.run_worker``), whoever starts it."""
+    """What every rank's loop is given (``train.worker.run_worker``), whoever starts it."""
     return {"config": cfg.model_dump_json(), "manifest": manifest, "model_path": model_path,
-            "resume_from": resume_from, "attempt": attempt, "score_manifest": score_manifest}  # fmt: skip
+            "resume_from": resume_from, "attempt": attempt, "score_manifest": score_manifest,
+            "parent": parent}  # fmt: skip
 
 
 def loop_config(spec: dict, cfg: Config) -> dict:
     """:func:`worker_config` from a job spec: the manifests are read once, here, not by every rank."""
     score = read_json(spec["score_manifest_url"]) if spec.get("score_manifest_url") else None
     return worker_config(cfg, read_json(spec["manifest_url"]), spec["model_path"], spec.get("resume_from"),
-                         spec.get("attempt", 0), score)  # fmt: skip
+                         spec.get("attempt", 0), score, spec.get("parent"))  # fmt: skip
 
 
 def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
@@ -51,7 +53,7 @@ def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
     from ray.train.torch import TorchTrainer
 
     from ray_jobs.train.preemption import torch_config
-    from ray_jobs.train.trainer import train_loop_per_worker
+    from ray_jobs.train.worker import train_loop_per_worker
 
     storage = Layout(cfg.storage).ray_storage()
     fs = pyarrow_filesystem(storage)

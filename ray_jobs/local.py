@@ -5,7 +5,7 @@
     python -m ray_jobs.local --spec <url of a job spec>                           # a spec the flow wrote
     torchrun --nproc-per-node 2 -m ray_jobs.local --spec <url of a job spec>
 
-The loop is the one Ray Train runs (``train.trainer.run_worker``), with the same job spec, storage layout,
+The loop is the one Ray Train runs (``train.worker.run_worker``), with the same job spec, storage layout,
 checkpoints, exact resume and final folder: a run stopped under one resumes under the other, bit-identical at the same
 world size. ``unbroken train`` prepares what the flow would (the base model, the staged dataset: cache hits when
 there already) without Prefect, on rank 0 while the other ranks wait, then every rank trains. Under torchrun the
@@ -122,7 +122,7 @@ def train(cfg: Config) -> str | None:
 
 def _run(loop: dict[str, Any], rt) -> str | None:
     from ray_jobs.storage import Layout
-    from ray_jobs.train.trainer import run_worker
+    from ray_jobs.train.worker import run_worker
 
     try:
         trainer = run_worker(loop, rt)

@@ -13,6 +13,7 @@ from control.backends.base import ClusterHandle
 from control.jobs import cancelled, stop_and_wait, write_job_spec
 from control.logs import run_logger
 from control.records.series import EvalPin
+from control.tracking import end_tracker_runs
 from control.watchdog import failed_job_incident
 from ray_jobs.config import Config
 
@@ -30,7 +31,7 @@ def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest
     (refused while another is in flight) and the run's place in its series (a search's trials too: each a run).
     Returns (attempt, job spec URL)."""
     attempt = registry.next_attempt(cfg)
-    spec_url = write_job_spec(cfg, attempt, manifest_url, start, None, pin.manifest_url)
+    spec_url = write_job_spec(cfg, attempt, manifest_url, start, None, pin.manifest_url, parent)
     _stop_superseded_job(cfg)
     extra = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
              "score_manifest_url": pin.manifest_url}  # fmt: skip
@@ -73,6 +74,7 @@ def record_flow_end(cfg: Config, attempt: int, e: BaseException) -> None:
     (not of the job) leaves the attempt to the watchdog, whose job may be training fine."""
     if cancelled(e):
         registry.end_attempt(cfg, attempt, "STOPPED", f"cancelled ({type(e).__name__})")
+        end_tracker_runs(cfg, "KILLED", "its flow run was cancelled")
         if cfg.tune is not None:  # the search's job was stopped, and every trial with its driver
             series.end_unfinished(cfg.storage, cfg.name, "its search was cancelled")
     else:

@@ -188,6 +188,30 @@ def summary_markdown(cfg: Config, s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tracking_markdown(links: dict[str, dict[str, str]]) -> str:
+    """Where the run's experiment trackers are (``runs/<run>/tracking.json``, written by rank 0 as each opened)."""
+    lines = ["# Experiment tracking", "", "| tracker | where | to look |", "|---|---|---|"]
+    for name, got in sorted(links.items()):
+        where = ", ".join(f"{k} `{v}`" for k, v in got.items() if k not in ("view", "url", "sync"))
+        look = got.get("url") or got.get("view") or got.get("sync") or ""
+        lines.append(f"| {name} | {_cell(where)} | `{_cell(look)}` |")
+    return "\n".join(lines)
+
+
+def publish_tracking(cfg: Config) -> None:
+    """The tracker links as an artifact, and a link artifact for a tracker with a web page (an MLflow server)."""
+    from ray_jobs.storage import exists, join, read_json
+
+    url = join(Layout(cfg.storage).run_dir(cfg.name), "tracking.json")
+    links = read_json(url) if cfg.tracking.enabled and exists(url) else {}
+    if not links:
+        return
+    create_markdown_artifact(tracking_markdown(links), key=f"{cfg.name}-tracking", description="experiment trackers")
+    for name, got in links.items():
+        if got.get("url"):
+            create_link_artifact(got["url"], link_text=f"{name} run", key=f"{cfg.name}-{name}")
+
+
 def _cell(text: str) -> str:
     """Text for one markdown table cell."""
     return text.replace("|", "\\|").replace("\n", " ").strip()
@@ -216,6 +240,7 @@ def summarize(cfg: Config, dataset_id: str, base_model: str) -> dict[str, Any]:
     create_markdown_artifact(loss_chart_markdown(cfg, rows), key=f"{cfg.name}-loss-curve", description="loss curve")
     create_markdown_artifact(summary_markdown(cfg, s), key=f"{cfg.name}-summary", description="run summary")
     create_link_artifact(final, link_text="final model folder", key=f"{cfg.name}-final-model")
+    publish_tracking(cfg)
     run_logger().info(
         "eval loss %.4f at step 0 -> %.4f at step %d; exact match %s",
         s["first_eval_loss"], s["final_eval_loss"], s["steps"], s["exact_match"],

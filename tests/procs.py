@@ -37,3 +37,18 @@ def train_worker_pids(head_port: int) -> list[int]:
 
     mine = set(head_pids(head_port))
     return sorted(pid for pid, cmdline in processes() if b"RayTrainWorker" in cmdline and pid in mine)
+
+
+def scrape(url: str, name: str, **labels: str) -> list[float]:
+    """The value of every series ``name`` whose labels include ``labels`` at a Prometheus endpoint (``[]`` when
+    there is none, or the endpoint does not answer)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+    except OSError:
+        return []
+    return [s.value for family in text_string_to_metric_families(body) for s in family.samples
+            if s.name == name and labels.items() <= s.labels.items()]  # fmt: skip

@@ -33,10 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             c.add_argument("--local", action="store_true", help="train here (the only mode `train` has: on Ray, "
                            "`unbroken run` trains); under torchrun --nproc-per-node N, N processes")  # fmt: skip
-    wd = sub.add_parser("watchdog", help="check every active run under a storage root and recover what broke")
-    wd.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
-    wd.add_argument("--once", action="store_true", help="one pass, then exit (a scheduled deployment does this)")
-    wd.add_argument("--interval", type=float, default=30.0, help="seconds between passes when looping (default 30)")
+    _watchdog_parser(sub)
     sv = sub.add_parser("serve", help="serve the deployments (finetune, stage-dataset, watchdog, dataset-sensor)")
     sv.add_argument("--config", default="configs/demo.yaml", help="config the finetune/stage deployments run")
     sv.add_argument("--storage", default=".unbroken/storage", help="storage root for runs and the watchdog")
@@ -54,6 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("--series", default=None, help="only this series")
     rs.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
     return p
+
+
+def _watchdog_parser(sub) -> None:
+    wd = sub.add_parser("watchdog", help="check every active run under a storage root and recover what broke")
+    wd.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
+    wd.add_argument("--once", action="store_true", help="one pass, then exit (a scheduled deployment does this)")
+    wd.add_argument("--interval", type=float, default=30.0, help="seconds between passes when looping (default 30)")
+    wd.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus counters (incidents "
+                    "and restarts per run) at http://HOST:P/metrics while it runs (0: a free port, printed)")  # fmt: skip
+    wd.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds (default "
+                    "127.0.0.1; 0.0.0.0 for a Prometheus on another machine)")  # fmt: skip
 
 
 def _quiet_defaults() -> None:
@@ -190,6 +198,11 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
 
     storage = absolute_url(args.storage)
     signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends the loop like Ctrl-C
+    if args.metrics_port is not None:
+        from control.watchdog import metrics
+
+        port = metrics.serve(args.metrics_port, args.metrics_host)
+        print(f"watchdog metrics: http://{args.metrics_host}:{port}/metrics", flush=True)
     while True:
         started = time.monotonic()
         try:

@@ -19,8 +19,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 PREFIX = "UNBROKEN_GPU "
-# Dense bf16 peak of the card, FLOP/s (NVIDIA's datasheets, SXM parts; H200 has H100's compute).
-SPEC_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12}
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B's shape: 1.24 B parameters, tied embeddings, GQA 32/8, a 128k vocabulary.
@@ -384,12 +382,10 @@ def leg_env() -> dict:
 
 # -- small helpers --------------------------------------------------------------------------------------------
 def spec_peak() -> float | None:
-    import torch
+    """The card's dense bf16 peak (the table the training job's MFU gauge reads too)."""
+    from ray_jobs.train.flops import gpu_peak_flops
 
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in SPEC_PEAK.items() if k in name), None)
+    return gpu_peak_flops()
 
 
 def n_params(model) -> int:

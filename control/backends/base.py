@@ -44,6 +44,7 @@ class ClusterHandle:
     local: bool = False  # a local head unbroken manages (stopped by its last user); False: any other cluster
     backend: str = "local"  # which backend made it (control/backends/__init__.py)
     spec: dict[str, Any] = field(default_factory=dict)  # what made it: the backend's own record (a YAML, a name)
+    metrics_url: str = ""  # the head node's Prometheus endpoint, when known (a local head's)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -34,6 +34,7 @@ BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR
             "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")  # fmt: skip
 BASE_PREFIXES = ("RAY_", "LC_", "NCCL_")
 KEPT = "kept"  # marker file: a run asked for cluster.keep_running
+METRICS_PORT = "metrics-port"  # the head's Prometheus port, as it was started (cluster.metrics_port, or a free one)
 USER_FRESH_S = 600.0  # a user file this young counts as live (its run may still be staging)
 
 
@@ -69,7 +70,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _head_command(cfg: Config, temp_dir: Path) -> list[str]:
+def _head_command(cfg: Config, temp_dir: Path, metrics_port: int) -> list[str]:
     c = cfg.cluster
     return [
         ray_cli(), "start", "--head",
@@ -80,6 +81,7 @@ def _head_command(cfg: Config, temp_dir: Path) -> list[str]:
         # fixed defaults (52365, 10001) would collide between two heads on one machine
         f"--dashboard-agent-listen-port={_free_port()}",
         f"--ray-client-server-port={_free_port()}",
+        f"--metrics-export-port={metrics_port}",  # Ray's metrics and the jobs' (ray_unbroken_*) for Prometheus
         f"--temp-dir={temp_dir}",
         "--disable-usage-stats",
     ]  # fmt: skip
@@ -100,6 +102,7 @@ def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) 
     with _head_lock(port):
         if reachable(address) is None:  # already up (kept from an earlier run, or another run's)
             _add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
+            handle.metrics_url = metrics_url(port)
             return handle
         env = _head_env(cfg)
         if env[AUTH_MODE_ENV] == "token":
@@ -108,13 +111,24 @@ def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) 
         shutil.rmtree(temp_dir / "users", ignore_errors=True)  # users of an earlier head on this port are gone
         with contextlib.suppress(OSError):
             (temp_dir / KEPT).unlink()
-        _run(_head_command(cfg, temp_dir), env, "start a local Ray head")
+        metrics_port = cfg.cluster.metrics_port or _free_port()
+        _run(_head_command(cfg, temp_dir, metrics_port), env, "start a local Ray head")
+        (temp_dir / METRICS_PORT).write_text(str(metrics_port))
+        handle.metrics_url = metrics_url(port)
         _add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
         handle.started_here = True
         if not poll_until(lambda: reachable(address) is None, wait_s):
             why = reachable(address)
             raise ClusterError(f"local Ray head started but its Jobs API at {address} never answered: {why}")
     return handle
+
+
+def metrics_url(dashboard_port: int) -> str:
+    """The Prometheus endpoint of the local head on ``dashboard_port`` ("" for a head started without one known)."""
+    try:
+        return f"http://127.0.0.1:{int((head_dir(dashboard_port) / METRICS_PORT).read_text())}/metrics"
+    except (OSError, ValueError):
+        return ""
 
 
 def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
@@ -285,7 +299,8 @@ class LocalHead(Backend):
 
     def announce(self, handle: ClusterHandle) -> str:
         verb = "started" if handle.started_here else "reusing already running"
-        return f"{verb} local Ray head; dashboard: {handle.dashboard_url}"
+        metrics = f"; metrics: {handle.metrics_url}" if handle.metrics_url else ""
+        return f"{verb} local Ray head; dashboard: {handle.dashboard_url}{metrics}"
 
     def address(self) -> str | None:
         address = f"http://127.0.0.1:{self.cfg.cluster.dashboard_port}"

@@ -15,6 +15,7 @@ import time
 from control import lease as leases
 from control import registry
 from control.records.run import Incident
+from control.watchdog import metrics
 from control.watchdog.act import act as carry_out
 from control.watchdog.decide import Outcome, decide, new_incident
 from control.watchdog.janitor import janitor
@@ -22,7 +23,7 @@ from control.watchdog.observe import Observations, current_heartbeat, job_failur
 from control.watchdog.verdict import Verdict
 from ray_jobs.config import Config
 
-__all__ = ["Outcome", "check_run", "failed_job_incident", "janitor"]
+__all__ = ["Outcome", "check_run", "failed_job_incident", "janitor", "metrics"]
 
 LEASE_TTL_S = 300.0
 
@@ -38,7 +39,11 @@ def check_run(storage: str, run: str, now: float | None = None) -> Outcome:
         if reg is None or not reg.active:
             return Outcome(run, "inactive", f"state {reg and reg.state}")
         cfg = reg.cfg()
-        return carry_out(decide(reg, observe(reg, cfg, now), cfg), cfg, lease)
+        decision = decide(reg, observe(reg, cfg, now), cfg)
+        metrics.decided(reg, decision.record)  # counted once decided: a restart that then fails was still seen
+        outcome = carry_out(decision, cfg, lease)
+        metrics.acted(run, outcome.action)
+        return outcome
 
 
 def failed_job_incident(cfg: Config, attempt: int, address: str, failure: Exception) -> Incident:

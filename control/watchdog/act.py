@@ -16,6 +16,7 @@ from control.cluster import provision, release
 from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
 from control.records.run import Incident, RunRecord
+from control.tracking import end_tracker_runs
 from control.watchdog.decide import (
     Decision,
     FinishSeries,
@@ -54,6 +55,7 @@ def act(decision: Decision, cfg: Config, lease: leases.Lease) -> Outcome:
             with contextlib.suppress(ClusterError):  # giving up must not hinge on reaching the cluster
                 stop_leftovers(cfg, reg, reg.current.submission_id)
             registry.save(cfg.storage, cfg.name, reg)
+            end_tracker_runs(cfg, "FAILED", "the watchdog gave up on it")
             if reg.kind == "search":
                 series.end_unfinished(cfg.storage, cfg.name, "the watchdog gave up on its search")
         elif isinstance(action, ReleaseCluster):
@@ -81,7 +83,8 @@ def restart(cfg: Config, reg: RunRecord, lease: leases.Lease) -> Outcome:
     lease.check()  # fencing: never submit on a lease another watchdog has taken over
     registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
     attempt = _begin(cfg, reg, handle, resume_from, lease)
-    spec = write_job_spec(cfg, attempt, reg.manifest_url, reg.model_path, resume_from, reg.score_manifest_url)
+    spec = write_job_spec(cfg, attempt, reg.manifest_url, reg.model_path, resume_from, reg.score_manifest_url,
+                          reg.parent)  # fmt: skip
     sid = submit(handle, registry.submission_id(cfg.name, attempt), entrypoint(cfg), spec)
     reg = registry.load(cfg.storage, cfg.name)
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())

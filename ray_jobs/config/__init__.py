@@ -33,13 +33,15 @@ from ray_jobs.config.series import (
     render_name,
     series_of,
 )  # fmt: skip
+from ray_jobs.config.tracking import MLflowConfig, TensorBoardConfig, TrackingConfig, WandbConfig
 from ray_jobs.config.train import TrainConfig
 from ray_jobs.config.tune import TuneConfig, fitting_trials, trial_name, trial_values
 
 __all__ = [
     "BACKENDS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "PLACEHOLDERS", "RUN_NAME", "RUN_NAME_RULE", "CheckpointConfig",
     "ClusterConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "KubeRayConfig", "LoraConfig",
-    "ModelConfig", "PhaseStallConfig", "RayUpConfig", "SeriesConfig", "TinyModelConfig", "TrainConfig", "TuneConfig",
+    "MLflowConfig", "ModelConfig", "PhaseStallConfig", "RayUpConfig", "SeriesConfig", "TensorBoardConfig",
+    "TinyModelConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "WandbConfig",
     "WorkerRange", "absolute_url", "batch_split_problem", "cluster_problems", "fitting_trials", "from_json",
     "job_spec", "load_config", "name_values", "parse_overrides", "render_name", "series_of", "trial_name",
     "trial_values", "validate",

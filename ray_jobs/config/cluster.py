@@ -117,6 +117,11 @@ class ClusterConfig(Section):
     """GCS port of a local head started by unbroken."""
     dashboard_port: int = Field(8265, ge=1, le=65535)
     """Dashboard / Jobs API port of a local head started by unbroken (bound to 127.0.0.1)."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Prometheus endpoint of a local head started by unbroken (``ray start --metrics-export-port``, bound to
+    127.0.0.1): Ray's metrics and the run's ``ray_unbroken_*`` gauges at ``http://127.0.0.1:<port>/metrics``.
+    0 = a free port picked when the head starts (logged with the dashboard's address, and listed in Ray's
+    ``prom_metrics_service_discovery.json`` under the head's temp dir); a fixed one for a static scrape config."""
     keep_running: bool = False
     """Leave a local head that unbroken started running after the flow ends."""
     env_passthrough: list[str] = [
@@ -181,6 +186,11 @@ def cluster_problems(c: ClusterConfig, storage: str) -> list[str]:
     name = c.backend_name
     if name != "address" and c.address:
         out.append(f"cluster.address: given, but cluster.backend is {name} (an address is for backend address)")
+    if name == "local" and c.metrics_port in (c.head_port, c.dashboard_port):
+        out.append(f"cluster.metrics_port: {c.metrics_port} is also the head's GCS or dashboard port")
+    elif name != "local" and c.metrics_port:
+        out.append(f"cluster.metrics_port: set, but cluster.backend is {name} (only a local head is started with "
+                   "it; give your cluster's `ray start` --metrics-export-port)")  # fmt: skip
     for section, owner in (("ray_up", "ray-up"), ("kuberay", "kuberay")):
         if name != owner and getattr(c, section) != type(getattr(c, section))():  # not its defaults
             out.append(f"cluster.{section}: set, but cluster.backend is {name} (set cluster.backend: {owner})")

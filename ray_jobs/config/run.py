@@ -20,6 +20,7 @@ from ray_jobs.config.series import (
     render_name,
     series_of,
 )
+from ray_jobs.config.tracking import TrackingConfig
 from ray_jobs.config.train import TrainConfig
 from ray_jobs.config.tune import TuneConfig, concurrency_problem, trial_name, tune_problems
 
@@ -41,6 +42,8 @@ class Config(Section):
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     tune: TuneConfig | None = None
     """A hyperparameter search (``unbroken tune``): trials of this config with values drawn from ``tune.space``."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Experiment trackers the run's metrics also go to: TensorBoard, MLflow, Weights & Biases."""
 
     @field_validator("name")
     @classmethod
@@ -89,6 +92,9 @@ class Config(Section):
         problem = batch_split_problem(self.cluster.min_workers, self.cluster.max_workers, self.train.grad_accum_steps)
         if problem:
             raise ValueError(f"cluster.num_workers: {problem}")
+        if self.tracking.mlflow is not None and not self.tracking.mlflow.tracking_uri and _object_store(self.storage):
+            raise ValueError("tracking.mlflow.tracking_uri: required when storage is an object store (MLflow's default "
+                             "store is a SQLite file under a local storage root)")  # fmt: skip
         builtin = self.model.name_or_path.startswith(BUILTIN_PREFIX)
         if builtin and self.data.seq_len > self.model.tiny.max_position_embeddings:
             raise ValueError(
@@ -133,6 +139,11 @@ def batch_split_problem(lo: int, hi: int, grad_accum_steps: int) -> str | None:
         f"{', '.join(map(str, bad))} worker(s) cannot share evenly; set train.grad_accum_steps to a multiple of "
         f"{need}, or narrow min..max"
     )
+
+
+def _object_store(url: str) -> bool:
+    """Storage that is not a file system path (as ``ray_jobs.storage.is_local`` tells it)."""
+    return "://" in url and not url.startswith("file://")
 
 
 def _check_url(v: str) -> str:

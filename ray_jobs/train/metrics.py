@@ -131,11 +131,14 @@ class MetricsLog:
         self.bytes_written = 0
         self._writer = SideWriter(self._write, "unbroken-metrics").start()
         self._writer.poke()
+        self.trackers = None  # the run's experiment trackers (``tracking.Trackers``), fed each row too
 
     def append(self, row: dict[str, Any]) -> None:
         with self._lock:
             self.rows.append(row)
         self._writer.poke()
+        if self.trackers is not None:
+            self.trackers.log(row)
 
     def flush(self, timeout_s: float = 120.0) -> bool:
         """Wait (bounded) until every row so far is on storage; False if the store did not take them in time."""

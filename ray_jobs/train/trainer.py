@@ -1,6 +1,6 @@
 """The per-worker training loop: resume or start, then train steps, eval, log, checkpoint; rank 0 exports.
 
-``train_loop_per_worker`` is what Ray Train runs on each worker; :class:`Trainer` holds everything and talks
+``worker.train_loop_per_worker`` is what Ray Train runs on each worker; :class:`Trainer` holds everything and talks
 to the cluster only through a :class:`~ray_jobs.train.runtime.Runtime`, so tests run the same loop in-process.
 When and how checkpoints are taken and committed is the :class:`~ray_jobs.checkpoint.checkpointer.Checkpointer`'s;
 choosing and loading one is :mod:`.resume`'s; eval, export and preemption have their own modules beside this one.
@@ -21,7 +21,7 @@ from typing import Any
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.checkpoint.checkpointer import Checkpointer
-from ray_jobs.config import Config, from_json
+from ray_jobs.config import Config
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import ShardRows, StepPlan, open_rows
 from ray_jobs.storage import Layout
@@ -34,6 +34,7 @@ from ray_jobs.train.metrics import MetricsLog, Throughput
 from ray_jobs.train.model import autocast_for, build_model, build_optimizer, clip_grads, grad_sync, to_device
 from ray_jobs.train.resume import load_checkpoint, resume_agreed
 from ray_jobs.train.runtime import Runtime
+from ray_jobs.train.tracking import open_trackers
 
 log = logging.getLogger("unbroken.train")
 
@@ -109,6 +110,7 @@ class Trainer:
         self.resumed_from: str | None = None
         self.bytes_resumed = 0  # checkpoint bytes this rank read to resume
         self.attempt = 0  # the job attempt (set from the job spec): tells a watcher whose heartbeat it reads
+        self.parent: str | None = None  # the series run this one warm-started from (set from the job spec)
         self.started_step = 0  # where this process's training began; with first_step_at: time to first new step
         self.first_step_at: float | None = None
         self.throughput = Throughput()  # tokens per second since the last logged row
@@ -127,7 +129,11 @@ class Trainer:
             log.info("rank %d: resumed from %s at step %d (%s; data at %s)", self.rt.rank, url, self.loop.step,
                      reason, self.cursors)  # fmt: skip
         if self.rt.rank == 0:
-            self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), self.loop.step if url else None)
+            resumed = self.loop.step if url else None
+            self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed)
+            self.metrics.trackers = open_trackers(self.cfg, self.attempt, self.manifest["dataset_id"], resumed,
+                                                  self.model, self.manifest["seq_len"], self.rt.world_size,
+                                                  self.parent)  # fmt: skip
 
     def _load_checkpoint(self, url: str, manifest: dict[str, Any]) -> bool:
         """Load a checkpoint every rank agreed on (:func:`~ray_jobs.train.resume.load_checkpoint`); False when a
@@ -363,33 +369,3 @@ class Trainer:
         if url is not None:
             self._phase("done")
         return url
-
-
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Entry point Ray Train runs on every worker (and re-runs after a worker-group restart)."""
-    from ray_jobs.train.runtime import RayRuntime
-
-    run_worker(loop_config, RayRuntime())
-
-
-def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
-    """One rank's whole job, whatever runs it (Ray Train, torchrun, this process): resume or start, train, score on
-    the series' eval set, export. ``loop_config``: what ``ray_jobs.job.loop_config`` makes of a job spec."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = from_json(loop_config["config"])
-    attempt = loop_config.get("attempt", 0)
-    heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 else None  # before the model loads
-    try:
-        trainer = Trainer(cfg, loop_config["manifest"], loop_config["model_path"], rt, heartbeat)
-        trainer.attempt = attempt
-        trainer.resume_or_start(loop_config.get("resume_from"))
-        trainer.fit()
-        trainer.score(loop_config.get("score_manifest"))
-        trainer.export_final()
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-    after = {k: v - trainer.warmup[k] for k, v in trainer.cache.counters().items()}  # what training itself read
-    log.info("rank %d shard cache after warm-up: %s; checkpoint stalls (s): %s", trainer.rt.rank, after,
-             [round(s, 4) for s in trainer.checkpointer.stalls_s])  # fmt: skip
-    return trainer

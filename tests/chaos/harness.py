@@ -23,6 +23,7 @@ from tasks.model import prepare_base_model
 from tasks.stage import stage_dataset
 from tests.conftest import ROOT, tiny_overrides
 from tests.procs import processes, train_worker_pids, wait_for  # noqa: F401 (the chaos tests import them from here)
+from tests.trackers import TRACKING
 
 DEMO = ROOT / "configs" / "demo.yaml"
 CHAOS_PORT, CHAOS_GCS_PORT = 8285, 6399  # the chaos suite's head (conftest): its dashboard and GCS ports
@@ -96,8 +97,9 @@ def uninterrupted_run(root: Path) -> tuple[str, Path]:
     -- on the chaos suite's head, the multinode hosts, a ``ray up`` cluster -- must match bit for bit (same seed, same
     world size). Trained by two gloo processes under ``torchrun`` (``ray_jobs.local``: the loop Ray Train runs,
     without Ray), with its row trace (which rows every step trained, ray_jobs/train/rowtrace.py) in ``root/rows``;
-    its checkpoints stay under ``root/storage/ray/baseline``. Returns (hash, row trace folder)."""
-    cfg = chaos_config(root / "storage", "baseline")
+    its checkpoints stay under ``root/storage/ray/baseline``, its TensorBoard and MLflow runs (both on) under
+    ``root/storage`` (:func:`baseline_metrics`). Returns (hash, row trace folder)."""
+    cfg = chaos_config(root / "storage", "baseline", **TRACKING)  # what a resumed run's trackers must show too
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
     spec = write_job_spec(cfg, 1, staged.manifest_url, model_path, None)
@@ -108,6 +110,13 @@ def uninterrupted_run(root: Path) -> tuple[str, Path]:
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"the uninterrupted run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-5000:]}"
     return final_weights_hash(cfg), rows
+
+
+def baseline_metrics(uninterrupted: tuple[str, Path]) -> dict[str, dict[int, float]]:
+    """The uninterrupted run's logged metrics (``tests.trackers.logged``): what a resumed run's trackers must hold."""
+    from tests.trackers import logged
+
+    return logged(uninterrupted[1].parent / "storage", "baseline")
 
 
 def job_logs(handle: ClusterHandle, sid: str) -> str:

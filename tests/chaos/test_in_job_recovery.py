@@ -6,6 +6,7 @@ weights are bit-identical to an uninterrupted run of the same config (same seed,
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -18,6 +19,7 @@ from ray_jobs.storage import Layout
 from tests.chaos.harness import (
     CHAOS_PORT,
     REPORT,
+    baseline_metrics,
     chaos_config,
     final_weights_hash,
     heartbeat,
@@ -30,12 +32,16 @@ from tests.chaos.harness import (
     wait_for,
     wait_job,
 )
+from tests.conftest import ROOT
+from tests.trackers import TRACKING, check_trackers, screenshot_tensorboard, tensorboard_points
 
 pytestmark = pytest.mark.chaos
 
 
-def test_kill_9_of_a_worker_after_the_first_checkpoint_ends_bit_identical(ray_cluster, baseline, tmp_path) -> None:
-    cfg = chaos_config(tmp_path / "storage", "kill9")
+def test_kill_9_of_a_worker_after_the_first_checkpoint_ends_bit_identical(
+    ray_cluster, baseline, uninterrupted, tmp_path
+) -> None:
+    cfg = chaos_config(tmp_path / "storage", "kill9", **TRACKING)
     ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
     sid = start_training(ray_cluster, cfg)
     wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(ckpts))  # its manifest written
@@ -53,6 +59,16 @@ def test_kill_9_of_a_worker_after_the_first_checkpoint_ends_bit_identical(ray_cl
     assert re.search(r"resumed from \S+checkpoint-step-\d{8} at step \d+", logs), logs[-5000:]
     assert victim not in train_worker_pids(CHAOS_PORT)
     assert final_weights_hash(cfg) == baseline
+    # TensorBoard and MLflow: one run each, each step once, the uninterrupted run's values (which it showed too).
+    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))
+    check_trackers(uninterrupted[1].parent / "storage", "baseline", "baseline")
+    # TensorBoard's own server gives its UI the curve once per step (the UI's picture: the README's screenshot)
+    event_dir = Path(Layout(cfg.storage).run_dir(cfg.name)) / "tensorboard"
+    shown = screenshot_tensorboard(event_dir, ROOT / ".unbroken" / "screenshots" / "tracking-tensorboard.png")
+    assert shown == tensorboard_points(event_dir, "train/loss") and len(shown) == len(set(s for s, _ in shown))
+    # The live metrics' restart count (ray_unbroken_restarts): the new rank 0 knew it was its attempt's second start.
+    starts = json.loads((Path(Layout(cfg.storage).run_dir(cfg.name)) / "train-starts.json").read_text())
+    assert (starts["attempt"], starts["starts"]) == (1, 2), starts
     # The first attempt's workers filled the node cache; the restarted ones read nothing remotely, warming or after.
     restarted = dict(re.findall(r"rank (\d) node cache warm-up: (\{[^}]*\})", logs))  # each rank's last warm-up
     counters = re.findall(r"rank (\d) shard cache after warm-up: (\{[^}]*\})", logs)

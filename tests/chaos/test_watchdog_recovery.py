@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from ray_jobs.storage import Layout
 from tests.chaos.harness import (
     CHAOS_PORT,
     REPORT,
+    baseline_metrics,
     chaos_config,
     driver_pid,
     final_weights_hash,
@@ -37,6 +39,8 @@ from tests.chaos.harness import (
     wait_for,
 )
 from tests.conftest import ROOT
+from tests.procs import scrape
+from tests.trackers import TRACKING, check_trackers
 
 pytestmark = pytest.mark.chaos
 
@@ -51,6 +55,14 @@ WATCHED = {
 }
 
 
+METRICS: list[str] = []  # the watchdogs' Prometheus endpoints (``--metrics-port 0``: each prints its own)
+
+
+def counted(name: str, **labels: str) -> float:
+    """``name`` summed over both watchdogs' endpoints (only the lease holder acts on a run)."""
+    return sum(sum(scrape(url, name, **labels)) for url in METRICS)
+
+
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("watched") / "storage"
@@ -58,14 +70,16 @@ def watched(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def watchdogs(ray_cluster, watched, tmp_path_factory):
-    """Two independent watchdog loops on the same storage (separate Prefect homes: separate servers)."""
+    """Two independent watchdog loops on the same storage (separate Prefect homes: separate servers), each serving
+    its counters (``METRICS``: their URLs)."""
     procs = []
     for i in range(2):
         home = tmp_path_factory.mktemp(f"watchdog-{i}")
         env = dict(os.environ, PREFECT_HOME=str(home / "prefect"), PYTHONUNBUFFERED="1")
         env.pop("PREFECT_API_URL", None)  # not the session's shared server: each boots its own, as two teams' would
         log = open(home / "watchdog.log", "w")  # noqa: SIM115 (closed with the process)
-        cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(watched), "--interval", "1"]
+        cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(watched), "--interval", "1",
+               "--metrics-port", "0"]  # fmt: skip
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, home))
     logs = [home / "watchdog.log" for _, _, home in procs]
     # Ready once each has finished a pass: booting two Prefect servers takes both cores for ~15 s, which would
@@ -73,6 +87,7 @@ def watchdogs(ray_cluster, watched, tmp_path_factory):
     for path in logs:
         wait_for(f"a first pass of {path.parent.name}", lambda p=path: "Finished in state Completed" in p.read_text(),
                  timeout_s=180, every_s=0.5)  # fmt: skip
+    METRICS[:] = [re.search(r"watchdog metrics: (\S+)", p.read_text()).group(1) for p in logs]
     yield logs
     for p, log, _ in procs:
         p.terminate()
@@ -83,8 +98,8 @@ def watchdogs(ray_cluster, watched, tmp_path_factory):
         log.close()
 
 
-def watched_config(storage: Path, name: str) -> Config:
-    return chaos_config(storage, name, **WATCHED)
+def watched_config(storage: Path, name: str, **extra: object) -> Config:
+    return chaos_config(storage, name, **WATCHED, **extra)
 
 
 def check_recovered(cfg: Config, reg: dict, baseline: str, kind: str, fault_at: float, scenario: str) -> dict:
@@ -124,6 +139,10 @@ def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, base
     incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 the job driver")
     # Ray SIGTERMs the orphaned workers: they save a just-in-time checkpoint, so little or nothing is lost.
     assert incident.resumed_step >= incident.failed_step - cfg.checkpoint.every_steps
+    # What the watchdogs' endpoints say of it: one incident, one restart, whichever watchdog did it.
+    assert counted("unbroken_watchdog_restarts_total", run=cfg.name) == 1
+    assert counted("unbroken_watchdog_incidents_total", run=cfg.name, kind="job-failed") == 1
+    assert counted("unbroken_watchdog_passes_total") > 0
 
 
 def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, watched, watchdogs) -> None:
@@ -149,9 +168,9 @@ def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, wat
 
 
 def test_worker_killed_while_a_checkpoint_is_written_resumes_from_the_previous_one(
-    ray_cluster, baseline, watched, watchdogs
+    ray_cluster, baseline, uninterrupted, watched, watchdogs
 ) -> None:
-    cfg = watched_config(watched, "ckpt-kill")
+    cfg = watched_config(watched, "ckpt-kill", **TRACKING)
     ckpts = Path(Layout(cfg.storage).checkpoints_dir(cfg.name))
     start_run(ray_cluster, cfg)
     wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(str(ckpts)), timeout_s=180)
@@ -173,10 +192,13 @@ def test_worker_killed_while_a_checkpoint_is_written_resumes_from_the_previous_o
     if caught_mid_write:
         assert incident.resumed_step < ckpt.checkpoint_step(partial.name), "a half-written checkpoint was loaded"
     assert caught_mid_write, f"the kill landed after {partial.name} was complete; nothing partial was tested"
+    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))  # resumed further back
 
 
-def test_whole_cluster_stopped_is_reprovisioned_and_resumed(ray_cluster, baseline, watched, watchdogs) -> None:
-    cfg = watched_config(watched, "cluster-down")
+def test_whole_cluster_stopped_is_reprovisioned_and_resumed(
+    ray_cluster, baseline, uninterrupted, watched, watchdogs
+) -> None:
+    cfg = watched_config(watched, "cluster-down", **TRACKING)
     start_run(ray_cluster, cfg)
     started_and_checkpointed(cfg)
     fault_at = time.time()
@@ -189,3 +211,4 @@ def test_whole_cluster_stopped_is_reprovisioned_and_resumed(ray_cluster, baselin
     reg = until_finished(cfg, watchdogs)
     incident = check_recovered(cfg, reg, baseline, "cluster-unreachable", fault_at, "kill -9 every process of the head")
     assert incident.reprovisioned, "the watchdog started the local head again"
+    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))

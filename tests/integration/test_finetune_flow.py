@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from control.backends.base import reachable
+from ray_jobs.config import load_config
 from tests.conftest import ROOT, tiny_overrides
 from tests.integration.conftest import read_metrics, read_registry, run_cli
+from tests.trackers import TRACKING, check_trackers
 
 pytestmark = pytest.mark.integration
 DEMO = str(ROOT / "configs" / "demo.yaml")
@@ -21,10 +23,11 @@ def sets(storage: Path, **extra: object) -> list[str]:
 
 
 def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> None:
+    from prefect.artifacts import Artifact
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     storage = tmp_path / "storage"
-    r = run_cli("run", DEMO, *sets(storage, name="e2e"))
+    r = run_cli("run", DEMO, *sets(storage, name="e2e", **TRACKING))  # TensorBoard and MLflow (SQLite) on
     assert r.returncode == 0, r.explain()
 
     final = storage / "runs" / "e2e" / "final"
@@ -57,6 +60,12 @@ def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> No
     beat = json.loads((storage / "runs" / "e2e" / "heartbeat.json").read_text())
     assert beat["step"] == beat["max_steps"] == 30
     assert reachable("http://127.0.0.1:8265") is not None, "the local head this flow started must be stopped"
+
+    # Each tracker: one run, each logged step once, the metrics log's values; the flow's artifacts link them.
+    check_trackers(storage, "e2e", load_config(DEMO, tiny_overrides(storage, name="e2e")).series_name)
+    links = Artifact.get("e2e-tracking")
+    assert links is not None and f"`{storage / 'runs' / 'e2e' / 'tensorboard'}`" in links.data, links
+    assert "mlflow ui --backend-store-uri sqlite:///" in links.data, links.data
 
 
 def test_stage_command_prints_the_dataset_and_restaging_is_a_cache_hit(tmp_path: Path) -> None:

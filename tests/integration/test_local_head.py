@@ -4,6 +4,7 @@ shared heads stopped by their last user, an allow-listed environment, every port
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -12,9 +13,10 @@ import pytest
 from control.backends.base import ClusterError, jobs_client, reachable
 from control.backends.local import _run, head_pids, start_local_head, stop_local_head
 from ray_jobs.config import load_config
+from ray_jobs.train.tracking.prometheus import REPORT_INTERVAL_ENV
 from tasks.cluster import stop_cluster
 from tests.conftest import ROOT, tiny_overrides
-from tests.procs import wait_for
+from tests.procs import scrape, wait_for
 
 pytestmark = pytest.mark.integration
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -32,6 +34,8 @@ def two_heads(tmp_path_factory):
     """Two local heads at once, started with a secret and a passed-through variable in the flow's environment."""
     tmp = tmp_path_factory.mktemp("heads")
     os.environ.update(UNBROKEN_TEST_SECRET=SECRET, UNBROKEN_TEST_SHARED="visible")
+    own_interval = REPORT_INTERVAL_ENV not in os.environ
+    os.environ.setdefault(REPORT_INTERVAL_ENV, "1000")  # Ray reports metrics every second (a RAY_* variable: passed)
     passthrough = "[AWS_ACCESS_KEY_ID, UNBROKEN_TEST_SHARED]"
     handles = []
     try:
@@ -43,7 +47,7 @@ def two_heads(tmp_path_factory):
     finally:
         for h in handles:
             stop_local_head(h)
-        for k in ("UNBROKEN_TEST_SECRET", "UNBROKEN_TEST_SHARED"):
+        for k in ("UNBROKEN_TEST_SECRET", "UNBROKEN_TEST_SHARED", *([REPORT_INTERVAL_ENV] if own_interval else [])):
             os.environ.pop(k, None)
 
 
@@ -91,6 +95,44 @@ def _address(hex_addr: str) -> str:
     if flat[:12] == b"\0" * 10 + b"\xff\xff":
         return f"{'.'.join(str(b) for b in flat[12:])}:{int(port, 16)}"  # v4-mapped
     return f"[{flat.hex()}]:{int(port, 16)}"
+
+
+def test_the_heads_metrics_endpoint_serves_a_running_jobs_step(two_heads, tmp_path) -> None:
+    """Scraped while a job trains: rank 0's gauges are on the head's metrics port, the step moving with the run.
+    Its MLflow server is down all along: the run trains on and succeeds, with one warning, and TensorBoard gets
+    every step."""
+    from tests.chaos.harness import heartbeat_step, job_logs, start_training, wait_job
+    from tests.trackers import logged, tensorboard_points
+
+    handle = two_heads[0]
+    assert handle.metrics_url.startswith("http://127.0.0.1:"), handle
+    cfg = config(tmp_path, "live", A, **{"train.max_steps": 300, "train.log_every_steps": 10,
+                                          "checkpoint.every_steps": 100, "cluster.num_workers": 1,
+                                          "fault_tolerance.heartbeat_every_s": 0.5, "tracking.tensorboard": "true",
+                                          "tracking.mlflow.tracking_uri": "http://127.0.0.1:9"})  # fmt: skip
+    env = {"UNBROKEN_INJECT_DELAY": "step:0.03", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}  # nothing answers on :9
+    sid = start_training(handle, cfg, env=env)  # >= 9 s of steps
+    seen: list[tuple[float, int]] = []  # (scraped step, heartbeat step right after)
+
+    def two_steps_seen() -> bool:
+        steps = scrape(handle.metrics_url, "ray_unbroken_train_step", run="live", series=cfg.series_name)
+        at = heartbeat_step(cfg)
+        if steps and 0 < at < 300:
+            seen.append((max(steps), at))
+        return len({s for s, _ in seen if s > 0}) >= 2
+
+    wait_for("two steps of the run on the head's metrics endpoint", two_steps_seen, timeout_s=180, every_s=0.5)
+    assert all(step <= at and step % 10 == 0 for step, at in seen), f"a logged step, not ahead of training: {seen}"
+    assert [s for s, _ in seen] == sorted(s for s, _ in seen), f"the step only moves forward: {seen}"
+    for gauge, want in (("ray_unbroken_restarts", 0.0), ("ray_unbroken_job_attempt", 1.0)):
+        assert scrape(handle.metrics_url, gauge, run="live") == [want], gauge
+    assert scrape(handle.metrics_url, "ray_unbroken_tokens_per_second", run="live")[0] > 0
+    assert scrape(handle.metrics_url, "ray_unbroken_mfu", run="live") == [], "a CPU run has no MFU"
+    assert wait_job(handle, sid) == "SUCCEEDED"
+    warned = re.findall(r"tracker (\w+) failed to (\w+)", job_logs(handle, sid))
+    assert warned == [("mlflow", "open")], warned
+    shown = tensorboard_points(Path(cfg.storage) / "runs" / "live" / "tensorboard", "train/loss")
+    assert [s for s, _ in shown] == sorted(logged(cfg.storage, "live")["loss"]), shown
 
 
 def test_every_port_of_a_local_head_listens_on_loopback_only(two_heads) -> None:

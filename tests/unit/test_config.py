@@ -102,6 +102,15 @@ def test_s3_storage_is_accepted_as_is() -> None:
     assert cfg.storage == "s3://bucket/prefix"
 
 
+def test_mlflow_on_an_object_store_needs_a_tracking_uri() -> None:
+    demo = ROOT / "configs" / "demo.yaml"
+    with pytest.raises(ConfigError, match=r"tracking\.mlflow\.tracking_uri: required when storage is an object store"):
+        load_config(demo, ["storage=s3://bucket/prefix", "tracking.mlflow=true"])
+    named = load_config(demo, ["storage=s3://bucket/prefix", "tracking.mlflow.tracking_uri=http://mlflow:5000"])
+    assert named.tracking.mlflow.tracking_uri == "http://mlflow:5000"
+    assert load_config(demo, ["tracking.mlflow=true"]).tracking.mlflow.tracking_uri is None  # local: SQLite default
+
+
 def test_cli_rejects_bad_config_before_touching_storage_or_prefect(tmp_path: Path) -> None:
     storage = tmp_path / "store"
     proc = subprocess.run(
