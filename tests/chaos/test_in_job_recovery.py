@@ -91,7 +91,9 @@ def test_sigterm_saves_the_current_step_and_the_restart_repeats_no_step(ray_clus
     step = int(jit.group(1))
     assert step % cfg.checkpoint.every_steps != 0, "the JIT checkpoint is for the current step, not a scheduled one"
     assert ckpt.read_verified(str(Path(Layout(cfg.storage).checkpoints_dir(cfg.name)) / ckpt.checkpoint_name(step)))
-    assert f"at step {step} " in logs.split("just-in-time")[1], "the restart resumed from the JIT checkpoint"
+    # (not "after the first 'just-in-time'": the controller's traceback quoting it may come before the worker's line)
+    resumed = rf"rank 0: resumed from \S+{ckpt.checkpoint_name(step)} at step {step} "
+    assert re.search(resumed, logs), f"the restart resumed from the JIT checkpoint: {logs[-5000:]}"
     attempts = [tuple(map(int, m)) for m in re.findall(r"this attempt trained steps (\d+)\.\.(\d+)", logs)]
     assert attempts == [(step + 1, cfg.train.max_steps)], "after the restart, training starts at the next step"
     assert final_weights_hash(cfg) == baseline
