@@ -266,3 +266,29 @@ def test_wandb_run_ids_are_what_wandb_takes_and_stable() -> None:
     ids = {run_id(name, "/s") for name in ("r1", "r1", long)} | {run_id("r1", "s3://b/p")}
     assert len(ids) == 3 and all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", i) for i in ids)
     assert run_id("r1", "/s").startswith("r1-")
+
+
+def test_ending_a_runs_trackers_never_holds_up_the_control_plane(store: str, monkeypatch, caplog) -> None:
+    """A tracking server that never answers (the watchdog giving up, a cancel): the caller waits ``wait_s``, not the
+    client's minutes of retries, and says the runs were not ended."""
+    from control.tracking import end_tracker_runs
+
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [f"storage={store}", "name=stuck", "tracking.mlflow=true"])
+    release, finished = threading.Event(), threading.Event()
+
+    def hangs(cfg, status):
+        release.wait(30)
+        finished.set()
+        return ["mlflow"]
+
+    monkeypatch.setattr("ray_jobs.train.tracking.end_runs", hangs)
+    caplog.set_level(logging.INFO)
+    try:
+        assert end_tracker_runs(cfg, "FAILED", "the watchdog gave up on it", wait_s=1.0) == []
+        assert not finished.is_set(), "returned while the tracker was still not answering"
+        assert "the tracker runs of stuck were not ended within 1 s" in caplog.text
+    finally:
+        release.set()
+    monkeypatch.setattr("ray_jobs.train.tracking.end_runs", lambda cfg, status: ["mlflow"])
+    assert end_tracker_runs(cfg, "FAILED", "the watchdog gave up on it") == ["mlflow"]
+    assert "ended the mlflow run(s) of stuck as FAILED: the watchdog gave up on it" in caplog.text
