@@ -239,6 +239,14 @@ class Layout:
     def heartbeat(self, run: str) -> str:
         return join(self.run_dir(run), "heartbeat.json")
 
+    def tracking(self, run: str) -> str:
+        """Where each of the run's experiment trackers keeps its run (ray_jobs/train/tracking)."""
+        return join(self.run_dir(run), "tracking.json")
+
+    def train_starts(self, run: str) -> str:
+        """How many times the current attempt's training started (its in-job restarts)."""
+        return join(self.run_dir(run), "train-starts.json")
+
     def lease_dir(self, run: str) -> str:
         """``lease-<generation>.json`` files: which watchdog may act on the run (see tasks/lease.py)."""
         return join(self.run_dir(run), "leases")

@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from control.logs import run_logger
 from ray_jobs.config import Config, DataConfig
-from ray_jobs.storage import Layout
+from ray_jobs.storage import Layout, exists, read_json
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
 CHART_POINTS = 60  # mermaid renders a few dozen points legibly
@@ -200,9 +200,7 @@ def tracking_markdown(links: dict[str, dict[str, str]]) -> str:
 
 def publish_tracking(cfg: Config) -> None:
     """The tracker links as an artifact, and a link artifact for a tracker with a web page (an MLflow server)."""
-    from ray_jobs.storage import exists, join, read_json
-
-    url = join(Layout(cfg.storage).run_dir(cfg.name), "tracking.json")
+    url = Layout(cfg.storage).tracking(cfg.name)
     links = read_json(url) if cfg.tracking.enabled and exists(url) else {}
     if not links:
         return

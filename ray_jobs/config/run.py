@@ -92,7 +92,9 @@ class Config(Section):
         problem = batch_split_problem(self.cluster.min_workers, self.cluster.max_workers, self.train.grad_accum_steps)
         if problem:
             raise ValueError(f"cluster.num_workers: {problem}")
-        if self.tracking.mlflow is not None and not self.tracking.mlflow.tracking_uri and _object_store(self.storage):
+        from ray_jobs.storage import is_local  # fsspec, which validating ``storage`` (_check_url) imported already
+
+        if self.tracking.mlflow is not None and not self.tracking.mlflow.tracking_uri and not is_local(self.storage):
             raise ValueError("tracking.mlflow.tracking_uri: required when storage is an object store (MLflow's default "
                              "store is a SQLite file under a local storage root)")  # fmt: skip
         builtin = self.model.name_or_path.startswith(BUILTIN_PREFIX)
@@ -139,11 +141,6 @@ def batch_split_problem(lo: int, hi: int, grad_accum_steps: int) -> str | None:
         f"{', '.join(map(str, bad))} worker(s) cannot share evenly; set train.grad_accum_steps to a multiple of "
         f"{need}, or narrow min..max"
     )
-
-
-def _object_store(url: str) -> bool:
-    """Storage that is not a file system path (as ``ray_jobs.storage.is_local`` tells it)."""
-    return "://" in url and not url.startswith("file://")
 
 
 def _check_url(v: str) -> str:

@@ -67,7 +67,7 @@ def test_kill_9_of_a_worker_after_the_first_checkpoint_ends_bit_identical(
     shown = screenshot_tensorboard(event_dir, ROOT / ".unbroken" / "screenshots" / "tracking-tensorboard.png")
     assert shown == tensorboard_points(event_dir, "train/loss") and len(shown) == len(set(s for s, _ in shown))
     # The live metrics' restart count (ray_unbroken_restarts): the new rank 0 knew it was its attempt's second start.
-    starts = json.loads((Path(Layout(cfg.storage).run_dir(cfg.name)) / "train-starts.json").read_text())
+    starts = json.loads(Path(Layout(cfg.storage).train_starts(cfg.name)).read_text())
     assert (starts["attempt"], starts["starts"]) == (1, 2), starts
     # The first attempt's workers filled the node cache; the restarted ones read nothing remotely, warming or after.
     restarted = dict(re.findall(r"rank (\d) node cache warm-up: (\{[^}]*\})", logs))  # each rank's last warm-up

@@ -16,6 +16,7 @@ import ray.util.metrics
 
 from control.watchdog import metrics as wd_metrics
 from ray_jobs.config import ConfigError, load_config
+from ray_jobs.storage import Layout
 from ray_jobs.train.tracking import open_trackers
 from ray_jobs.train.tracking.hub import RunInfo
 from ray_jobs.train.tracking.prometheus import GAUGES, PrometheusTracker, count_start, live_tracker, refresh_s
@@ -109,11 +110,11 @@ def test_mfu_is_tokens_per_second_times_flops_per_token_over_the_peak(tmp_path: 
 
 
 def test_in_job_restarts_are_counted_per_attempt_on_storage(tmp_path: Path, caplog) -> None:
-    run_dir = str(tmp_path / "runs" / "r")
-    assert [count_start(run_dir, 1) for _ in range(3)] == [0, 1, 2], "each new rank 0 of attempt 1: one more"
-    assert count_start(run_dir, 2) == 0, "a new attempt starts its own count"
+    starts = Layout(str(tmp_path)).train_starts("r")
+    assert [count_start(starts, 1) for _ in range(3)] == [0, 1, 2], "each new rank 0 of attempt 1: one more"
+    assert count_start(starts, 2) == 0, "a new attempt starts its own count"
     (tmp_path / "runs" / "r" / "train-starts.json").write_text("{torn")
-    assert count_start(run_dir, 2) == 0, "an unreadable count is not the run's problem"
+    assert count_start(starts, 2) == 0, "an unreadable count is not the run's problem"
     assert "in-job restarts counted from 0" in caplog.text
 
 

@@ -23,6 +23,7 @@ from ray_jobs.train.tracking.mlflow import MLflowTracker, client, tracking_uri
 from ray_jobs.train.tracking.tensorboard import TensorBoardTracker
 from ray_jobs.train.tracking.wandb import WandbTracker, folder, offline_history, offline_parts, run_id
 from tests.conftest import ROOT
+from tests.trackers import tensorboard_points
 
 SERIES = "series-a"
 PARAMS = {"train.lr": 1e-4, "model.lora.target_modules": ["q_proj", "v_proj"], "data.note": "x" * 7000,
@@ -108,11 +109,8 @@ def test_mlflow_keeps_one_run_and_each_step_once(store: str) -> None:
 
 
 def tensorboard_scalars(event_dir: str, tag: str) -> list[tuple[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(event_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    return [(e.step, round(e.value, 6)) for e in acc.Scalars(tag)]
+    """``tests.trackers.tensorboard_points`` to 6 places (the event files hold float32)."""
+    return [(step, round(value, 6)) for step, value in tensorboard_points(event_dir, tag)]
 
 
 def test_tensorboard_and_wandb_show_each_step_once_from_the_latest_attempt(store: str) -> None:

@@ -121,10 +121,10 @@ class _Lane:
 
     def record_links(self, name: str, links: dict[str, str]) -> None:
         """Add this tracker's links to ``runs/<run>/tracking.json`` (what the flow's report and a person follow)."""
-        from ray_jobs.storage import exists, join, read_json, write_json_atomic
+        from ray_jobs.storage import Layout, exists, read_json, write_json_atomic
 
         with _LINKS_LOCK:
-            url = join(self.info.run_dir, "tracking.json")
+            url = Layout(self.info.storage).tracking(self.info.run)
             known = read_json(url) if exists(url) else {}
             write_json_atomic(url, {**known, name: links})
 

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from ray_jobs.storage import join, read_bytes, write_json_atomic
+from ray_jobs.storage import Layout, read_bytes, write_json_atomic
 from ray_jobs.train.tracking.hub import RunInfo
 
 log = logging.getLogger("unbroken.tracking")
@@ -72,7 +72,7 @@ class PrometheusTracker:
         self.tags = {"run": info.run, "series": info.series}
         self._gauges = {name: Gauge(name, description, tag_keys=TAGS) for name, (_, description) in GAUGES.items()}
         attempt = max(info.attempt, 1)
-        in_job = count_start(info.run_dir, attempt)
+        in_job = count_start(Layout(info.storage).train_starts(info.run), attempt)
         self._set({"unbroken_restarts": attempt - 1 + in_job, "unbroken_job_attempt": attempt,
                    "unbroken_train_step": info.resumed_step or 0})  # fmt: skip
         self._keeper = threading.Thread(target=self._keep_alive, name="tracker-prometheus-refresh", daemon=True)
@@ -125,10 +125,10 @@ def live_tracker(cfg: Any, model: Any = None, seq_len: int = 0, world_size: int 
     return [PrometheusTracker(flops, peak)]
 
 
-def count_start(run_dir: str, attempt: int) -> int:
+def count_start(url: str, attempt: int) -> int:
     """This attempt's rank-0 processes that started before this one (its in-job restarts); counted on storage in
-    ``train-starts.json`` (a run's rank 0 is one process at a time). Storage out of reach: 0, and the run goes on."""
-    url = join(run_dir, "train-starts.json")
+    ``url``, the run's ``train-starts.json`` (a run's rank 0 is one process at a time). Storage out of reach: 0, and
+    the run goes on."""
     try:
         seen = json.loads(read_bytes(url))
     except FileNotFoundError:
