@@ -19,10 +19,11 @@ from ray_jobs.config import MLflowConfig, TensorBoardConfig, WandbConfig, load_c
 from ray_jobs.storage import Layout, join
 from ray_jobs.train.metrics import MetricsLog
 from ray_jobs.train.tracking import RunInfo, Trackers, end_runs, open_trackers, tracked
-from ray_jobs.train.tracking.mlflow import MLflowTracker, client, tracking_uri
+from ray_jobs.train.tracking.mlflow import MLflowTracker, client, tracking_uri, whole_store
 from ray_jobs.train.tracking.tensorboard import TensorBoardTracker
 from ray_jobs.train.tracking.wandb import WandbTracker, folder, offline_history, offline_parts, run_id
 from tests.conftest import ROOT
+from tests.procs import wait_for
 from tests.trackers import tensorboard_points
 
 SERIES = "series-a"
@@ -290,3 +291,25 @@ def test_ending_a_runs_trackers_never_holds_up_the_control_plane(store: str, mon
     monkeypatch.setattr("ray_jobs.train.tracking.end_runs", lambda cfg, status: ["mlflow"])
     assert end_tracker_runs(cfg, "FAILED", "the watchdog gave up on it") == ["mlflow"]
     assert "ended the mlflow run(s) of stuck as FAILED: the watchdog gave up on it" in caplog.text
+
+
+def test_an_mlflow_store_killed_while_it_is_made_is_made_again_whole(tmp_path) -> None:
+    """kill -9 of the process making the SQLite store, mid-migration: no half-made database is left where MLflow
+    looks (every later client would refuse it), and the next rank 0 makes the store and tracks the run."""
+    storage = str(tmp_path)
+    uri = tracking_uri(MLflowConfig(), storage)
+    making = subprocess.Popen([sys.executable, "-c", "import sys; from ray_jobs.train.tracking.mlflow import "
+                               "whole_store; whole_store(sys.argv[1])", uri], cwd=ROOT)  # fmt: skip
+    try:
+        wait_for("the store being made", lambda: list(tmp_path.glob("mlflow.db.*.making")), 120, 0.01)
+    finally:
+        making.kill()
+        making.wait(30)
+    assert making.returncode == -9, "killed while it made the store"
+    assert not (tmp_path / "mlflow.db").exists()
+    attempt([MLflowTracker(MLflowConfig())], info(storage, "after-kill"), range(1, 4), status="FINISHED")
+    mc = client(uri)
+    (found,) = mc.search_runs([mc.get_experiment_by_name(SERIES).experiment_id])
+    assert [m.step for m in mc.get_metric_history(found.info.run_id, "train/loss")] == [1, 2, 3]
+    whole_store(uri)  # there already: kept as it is
+    assert len(mc.search_runs([mc.get_experiment_by_name(SERIES).experiment_id])) == 1

@@ -26,10 +26,12 @@ local/NFS storage; on an object store ``tracking.mlflow.tracking_uri`` must be s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
 import re
+import uuid
 from typing import Any
 
 from ray_jobs.config import MLflowConfig
@@ -57,6 +59,35 @@ def tracking_uri(cfg: MLflowConfig, storage: str) -> str:
         return "sqlite:///" + os.path.join(local_path(storage), "mlflow.db")
     raise ValueError(f"tracking.mlflow.tracking_uri is not set and storage {storage!r} is an object store, where "
                      "MLflow's default (a SQLite file under the storage root) cannot live; set it")  # fmt: skip
+
+
+def whole_store(uri: str) -> None:
+    """Make a SQLite store that does not exist yet whole or not at all. MLflow makes a new SQLite database in place,
+    running its schema migrations one by one for seconds; a process killed meanwhile (Ray kills rank 0 with its worker
+    group: the chaos test's kill -9 right after the first checkpoint did) leaves a half-migrated file that every later
+    client refuses (``table _alembic_tmp_experiments already exists``), and the run's MLflow tracking is gone for
+    good. So the database is made under a name of its own beside it and linked into place once complete; a link
+    fails where another process's got there first, whose store is then the one."""
+    path = uri.removeprefix("sqlite:///")
+    if not uri.startswith("sqlite:///") or os.path.exists(path):
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    made = f"{path}.{uuid.uuid4().hex}.making"
+    try:
+        SqlAlchemyStore("sqlite:///" + made, folder).engine.dispose()  # every table, the default experiment
+        try:
+            os.link(made, path)
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links: a rename, which only another first making can race
+            if not os.path.exists(path):
+                os.replace(made, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(made)
 
 
 def artifact_location(uri: str, storage: str, experiment: str) -> str | None:
@@ -135,6 +166,7 @@ class MLflowTracker:
         from mlflow.entities import Param, RunTag
 
         uri = tracking_uri(self.cfg, info.storage)
+        whole_store(uri)
         self.mc = mc = client(uri)
         experiment = self.cfg.experiment or info.series
         exp_id = experiment_id(mc, experiment, artifact_location(uri, info.storage, experiment))
