@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from ray_jobs.storage import download_dir, is_local, join, read_json
+from ray_jobs.model.cache import cached_folder
+from ray_jobs.storage import is_local, join, read_json
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def local_folder(name_or_path: str, cache_root: str | Path) -> str:
-    """Return something ``from_pretrained`` can open: a local folder, a hub id, or a storage folder copied locally."""
+    """Return something ``from_pretrained`` can open: a local folder, a hub id, or a storage folder's verified copy in
+    the node's model cache (``<cache_root>/models/``, downloaded once per node: ray_jobs/model/cache.py)."""
     if is_local(name_or_path) or not _looks_like_url(name_or_path):
         return name_or_path.removeprefix("file://")
-    digest = hashlib.sha256(name_or_path.encode()).hexdigest()[:16]
-    return str(download_dir(name_or_path, Path(cache_root) / "models" / digest))
+    return str(cached_folder(name_or_path, cache_root))
 
 
 def _looks_like_url(s: str) -> bool:
