@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ray_jobs.model.cache import MODELS_DIR
 from ray_jobs.progress import Reporter, every_s
 from ray_jobs.storage import Layout, join, read_bytes
 
@@ -25,7 +26,8 @@ class ShardCache:
     """Verified node-local copies of one dataset's shards; a miss reads shared storage once and fills the cache.
 
     The cache folder holds one subfolder per dataset. When a new shard would push it past ``max_bytes``, whole
-    folders of *other* datasets are evicted, least recently used first; the dataset in use is never evicted.
+    folders of *other* datasets are evicted, least recently used first; the dataset in use is never evicted, nor the
+    node's model cache (``models/``: a rank may be loading from it; its bytes count against ``max_bytes``).
     """
 
     def __init__(self, storage: str, dataset_id: str, cache_dir: str, max_bytes: float = float("inf")):
@@ -94,8 +96,9 @@ class ShardCache:
     def _make_room(self, incoming: int) -> None:
         import shutil
 
-        others = [d for d in self.root.iterdir() if d.is_dir() and d != self.local_dir] if self.root.exists() else []
-        used = sum(_tree_bytes(d) for d in [*others, self.local_dir] if d.exists())
+        folders = [d for d in self.root.iterdir() if d.is_dir()] if self.root.exists() else []
+        used = sum(_tree_bytes(d) for d in folders)  # the node's model cache counts against the cap too
+        others = [d for d in folders if d != self.local_dir and d.name != MODELS_DIR]  # models: in use, never evicted
         for victim in sorted(others, key=lambda d: d.stat().st_mtime):
             if used + incoming <= self.max_bytes:
                 break

@@ -1,6 +1,6 @@
 """The node's model cache is a cache, not a gamble: a model folder on storage is downloaded once per node under a
 lock, verified, renamed into place whole; a copy that is not intact is never loaded but fetched again; a download
-killed mid-way leaves nothing anyone loads.
+killed mid-way leaves nothing anyone loads; the shard cache never evicts it.
 
 Storage here is ``slowtest://``: the local disk behind a protocol ``is_local`` does not know (so it is downloaded,
 as from s3://), whose copies are counted and can be made slow, short, or to hang until killed."""
@@ -21,8 +21,10 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
+from ray_jobs.data.cache import ShardCache
 from ray_jobs.model.cache import MARKER, MODELS_DIR, SOURCE_MANIFEST, ModelCacheError, cached_folder, problem
 from ray_jobs.model.loading import local_folder
+from ray_jobs.storage import Layout
 
 GETS = "UNBROKEN_TEST_MODEL_GETS"  # a file each copy from storage appends its source path to
 MODE = "UNBROKEN_TEST_MODEL_MODE"  # "slow": each copy takes a while; "short": copies stop short; "hang": until killed
@@ -240,3 +242,22 @@ def test_a_copy_unlike_its_listing_or_manifest_is_refused_and_nothing_is_left(mo
 def test_local_paths_and_hub_ids_are_not_copied(tmp_path: Path, name_or_path: str, expected: str) -> None:
     assert local_folder(name_or_path, tmp_path / "node-cache") == expected
     assert not (tmp_path / "node-cache").exists()
+
+
+def test_the_shard_cache_never_evicts_the_nodes_model_cache(model, tmp_path) -> None:
+    url, cache_root = model
+    folder = local_folder(url, cache_root)
+    old_dataset = cache_root / "ds-old" / "train-0.parquet"
+    old_dataset.parent.mkdir()
+    old_dataset.write_bytes(b"x" * 10_000)
+    os.utime(cache_root / MODELS_DIR, (1, 1))  # both long unused, the model cache the least recently
+    os.utime(cache_root / "ds-old", (2, 2))
+    shard = b"s" * 5_000
+    storage = tmp_path / "storage"
+    Path(Layout(str(storage)).dataset_dir("ds-new")).mkdir(parents=True)
+    (Path(Layout(str(storage)).dataset_dir("ds-new")) / "train-0.parquet").write_bytes(shard)
+    cache = ShardCache(str(storage), "ds-new", str(cache_root), max_bytes=1_000)  # less than the model alone
+    entry = {"file": "train-0.parquet", "bytes": len(shard), "sha256": hashlib.sha256(shard).hexdigest()}
+    assert cache.local_path(entry).read_bytes() == shard
+    assert cache.evicted == ["ds-old"]
+    assert problem(Path(folder), url) is None
