@@ -4,7 +4,9 @@ A served finetune deployment trains on whatever ``dataset_uri`` an ``unbroken.da
 Without a check, anyone who can emit an event could have the flow's machine read any file it can (``/etc/passwd``
 into ``rejects.jsonl``) or any URL it can reach (an internal http endpoint). So the URI must fall under one of the
 served config's prefixes, compared after normalising: local paths resolved (``..`` and symlinks), other protocols
-compared as protocol + posix path with no ``..`` at all, and a prefix matching only at a path boundary.
+compared as protocol + posix path with no ``..`` at all, and a prefix matching only at a path boundary. The flow
+checks the URI as the event sent it, then ``data.train`` as the loaded config holds it (``flows/params.run_config``):
+what is judged is what staging will read.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ cancellation hooks (which find the run's registry from the flow run's parameters
 
 from __future__ import annotations
 
-from control.config import Config, load_config
+from control.config import Config, load_config, validate
 from control.sources import check_allowed_source
+from ray_jobs.config.loading import raw_config
 
 
 def run_config(config_path: str | None, overrides: list[str] | None = None, dataset_uri: str | None = None) -> Config:
@@ -15,4 +16,10 @@ def run_config(config_path: str | None, overrides: list[str] | None = None, data
     if not dataset_uri:
         return cfg
     uri = check_allowed_source(cfg, dataset_uri)
-    return load_config(config_path, [*(overrides or []), f"data.train={uri}"])
+    # Set as the string it is, never as a ``data.train=...`` override: an override's value is YAML, so the URI
+    # "'/etc/passwd'" (a relative path under the allowed working folder) would become /etc/passwd.
+    raw = raw_config(config_path, overrides)
+    raw["data"] = {**(raw.get("data") or {}), "train": uri}
+    run = validate(raw, str(config_path or "config"))
+    check_allowed_source(cfg, run.data.train)  # what staging will read, as validation resolved it
+    return run
