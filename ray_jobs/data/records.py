@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
+from ray_jobs.data.lines import LongLine, capped, parse_line
 from ray_jobs.data.shapes import RecordProblem, shape, string_field  # RecordProblem: imported from here too
 from ray_jobs.data.sources import SourceBatch, SourceFile, StagingError, position_unit
 
@@ -85,8 +86,19 @@ def parse_records(
 
     ``render`` renders chat messages with the tokenizer's chat template; only ``chat`` needs it.
     """
-    objects = _rows(src) if src.unit == "row" else line_objects(enumerate(src.data.split(b"\n"), start=1))
+    if src.unit == "row":
+        objects = _rows(src)
+    else:
+        limit = record_char_limit(data)
+        objects = line_objects((n, capped(raw, limit)) for n, raw in enumerate(src.data.split(b"\n"), start=1))
     return check_objects(objects, src.url, data, split, render)
+
+
+def record_char_limit(data: DataConfig) -> int | None:
+    """``data.max_record_chars``; unset, its default for records that are not text documents (those have none)."""
+    if data.max_record_chars is None and data.format != "text":
+        return DEFAULT_MAX_RECORD_CHARS
+    return data.max_record_chars
 
 
 def check_objects(
@@ -114,21 +126,16 @@ def batch_records(
     return check_objects(objects, batch.url, data, split, render)
 
 
-def line_objects(lines: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, Any, str | None, str]]:
+def line_objects(lines: Iterable[tuple[int, bytes | LongLine]]) -> Iterator[tuple[int, Any, str | None, str]]:
     """(line number, object, problem, preview) of JSONL lines; blank lines are not records."""
     for lineno, raw in lines:
+        if isinstance(raw, LongLine):  # over the cap: never read whole, so not parsed either
+            yield lineno, None, raw.reason, raw.head[:200].decode("utf-8", errors="replace")
+            continue
         if not raw.strip():
             continue
-        preview = raw[:200].decode("utf-8", errors="replace")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield lineno, None, f"invalid UTF-8 at byte {e.start}", preview
-            continue
-        try:
-            yield lineno, json.loads(text), None, preview
-        except json.JSONDecodeError as e:
-            yield lineno, None, f"invalid JSON: {e.msg} (column {e.colno})", preview
+        obj, problem = parse_line(raw)
+        yield lineno, obj, problem, raw[:200].decode("utf-8", errors="replace")
 
 
 def row_objects(rows: Iterable[tuple[int, dict]]) -> Iterator[tuple[int, Any, None, str]]:
@@ -168,9 +175,7 @@ def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos:
         else:
             end = len(s.prompt) + len(s.target)
             rec = Record(file, pos, s.prompt, s.target, s.prompt + s.target, [(len(s.prompt), end)], split, s.shown)
-    limit = data.max_record_chars
-    if limit is None and data.format != "text":
-        limit = DEFAULT_MAX_RECORD_CHARS
+    limit = record_char_limit(data)
     if limit is not None and len(rec.text) > limit:
         raise RecordProblem(f"record is {len(rec.text)} characters, over data.max_record_chars ({limit})")
     return rec

@@ -13,9 +13,9 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from ray_jobs.config import DataConfig
+from ray_jobs.data.lines import parse_line
 from ray_jobs.data.sources import SourceUnreadable, StagingError, list_sources, position_unit
 from ray_jobs.storage import fs_and_path
 
@@ -270,11 +270,8 @@ def _line_keys(url: str) -> list[tuple[str, list[str]]]:
             if not out and keys is not None:
                 out.append((f"line {lineno}, its first {SNIFF_BYTES} bytes", keys))
             break
-        try:
-            obj: Any = json.loads(raw)
-        except ValueError:
-            continue  # not a record: staging rejects it, naming its line
-        if isinstance(obj, dict):
+        obj, problem = parse_line(raw)
+        if problem is None and isinstance(obj, dict):  # else not a record: staging rejects it, naming its line
             out.append((f"line {lineno}", list(obj)))
     return out
 

@@ -5,16 +5,20 @@ ranges of a JSONL file (a range owns the lines that begin in it), row ranges of 
 footer), or batches the planner reads itself where a file cannot be entered mid-way (an Arrow stream). Each piece
 ends at a :class:`Position` staging can be restarted from, so memory is one piece whatever the file's size and a
 killed staging resumes where it was.
+
+How a JSONL byte range becomes lines, and a line an object or a reason it is none, is :mod:`ray_jobs.data.lines`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_jobs.data.lines import line_range
 from ray_jobs.storage import as_url, fs_and_path
 
 _SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -60,13 +64,29 @@ def list_sources(url: str, field_name: str = "data.train") -> list[str]:
     if "dataset_dict.json" in names:
         raise StagingError(f"{field_name}: {url} holds several splits (a DatasetDict); point at one, e.g. {url}/train")
     if "state.json" in names:  # a datasets.Dataset.save_to_disk folder: its Arrow files, in order
-        with fs.open(f"{path.rstrip('/')}/state.json") as f:
-            files = [d["filename"] for d in json.load(f)["_data_files"]]
-        return [f"{url.rstrip('/')}/{name}" for name in files]
+        return [f"{url.rstrip('/')}/{name}" for name in _state_files(fs, path, url)]
     found = sorted(p for p in fs.find(path) if p.endswith(_SOURCE_SUFFIXES))
     if not found:
         raise StagingError(f"{field_name}: folder {url} has no {'/'.join(_SOURCE_SUFFIXES)} files")
     return [as_url(url, p) for p in found]
+
+
+def _state_files(fs, path: str, url: str) -> list[str]:
+    """The file names a ``save_to_disk`` folder's ``state.json`` lists, each a plain name inside the folder: one
+    that climbs out (``..``), is absolute or names a protocol (``s3://``, ``C:``) is refused, never read."""
+    where = f"{url.rstrip('/')}/state.json"
+    try:
+        with fs.open(f"{path.rstrip('/')}/state.json") as f:
+            names = [d["filename"] for d in json.load(f)["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, or not datasets' shape of it
+        raise StagingError(f"{where}: not a datasets state.json (expected _data_files[].filename): {e!r}") from e
+    for name in names:
+        if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or {".", ".."} & set(name.split("/")):
+            raise StagingError(f"{where}: _data_files entry {name!r} is not a file inside the folder; refused")
+    return names
+
+
+_PLAIN_NAME = re.compile(r"[^/\\:]+(?:/[^/\\:]+)*")  # relative, no empty part, no backslash, no protocol or drive
 
 
 def read_sources(url: str, field_name: str) -> list[SourceFile]:
@@ -99,38 +119,30 @@ class SourceBatch:
     end: Position
 
 
-def read_batches(url: str, start: Position = Position(), batch_bytes: int = 4 << 20) -> Iterator[SourceBatch]:
-    """The records of one file from ``start`` on: about ``batch_bytes`` of JSONL, or one record batch of rows."""
+def read_batches(url: str, start: Position = Position(), batch_bytes: int = 4 << 20,
+                 max_chars: int | None = None) -> Iterator[SourceBatch]:  # fmt: skip
+    """The records of one file from ``start`` on: about ``batch_bytes`` of JSONL, or one record batch of rows. A
+    JSONL line over ``line_byte_cap(max_chars)`` is a LongLine."""
     fs, path = fs_and_path(url)
     try:
         with fs.open(path, "rb") as f:
             if position_unit(url) == "line":
-                yield from _line_batches(url, f, start, batch_bytes)
+                yield from _line_batches(url, f, start, batch_bytes, max_chars)
             else:
                 yield from _row_batches(url, f, start)
     except OSError as e:
         raise SourceUnreadable(f"{url}: cannot read: {e}") from e
 
 
-def _line_batches(url: str, f, start: Position, batch_bytes: int) -> Iterator[SourceBatch]:
-    """Whole lines only: a batch ends at its last newline and the bytes after it open the next batch."""
-    f.seek(start.offset)
-    offset, lineno, rest = start.offset, start.next, b""
+def _line_batches(url: str, f, start: Position, batch_bytes: int, max_chars: int | None) -> Iterator[SourceBatch]:
+    """Whole lines only: a batch is the lines that begin in the next ``batch_bytes`` (``start`` begins a line)."""
+    at, lineno = start.offset, start.next
     while True:
-        block = f.read(batch_bytes)
-        if not block:
-            if rest:  # a last line with no newline after it
-                yield SourceBatch(url, [(lineno, rest)], Position(offset + len(rest), lineno + 1))
+        items, end = line_range(f, at, at + batch_bytes, max_chars)
+        if not items:
             return
-        buf = rest + block
-        cut = buf.rfind(b"\n")
-        if cut < 0:
-            rest = buf
-            continue
-        lines, rest = buf[:cut].split(b"\n"), buf[cut + 1 :]
-        offset += cut + 1
-        yield SourceBatch(url, list(enumerate(lines, start=lineno)), Position(offset, lineno + len(lines)))
-        lineno += len(lines)
+        yield SourceBatch(url, [(lineno + n - 1, x) for n, x in items], Position(end, lineno + len(items)))
+        at, lineno = end, lineno + len(items)
 
 
 def _row_batches(url: str, f, start: Position) -> Iterator[SourceBatch]:
@@ -164,57 +176,20 @@ class SourceRange:
     stop: int | None
 
 
-_SCAN = 1 << 16
-
-
-def read_range(r: SourceRange) -> SourceBatch:
+def read_range(r: SourceRange, max_chars: int | None = None) -> SourceBatch:
     """The records of a range, numbered from 1; ``end`` is where the next range begins (a byte offset that starts
-    a line, or a row) with ``end.next`` one past the last number used."""
+    a line, or a row) with ``end.next`` one past the last number used. A JSONL line over
+    ``line_byte_cap(max_chars)`` is a LongLine, read past without being held."""
     fs, path = fs_and_path(r.url)
     try:
         with fs.open(path, "rb") as f:
             if position_unit(r.url) == "line":
-                items, end = _line_range(f, r.start, r.stop)
+                items, end = line_range(f, r.start, r.stop, max_chars)
             else:
                 items, end = _parquet_range(r.url, f, r.start, r.stop)
     except OSError as e:
         raise SourceUnreadable(f"{r.url}: cannot read: {e}") from e
     return SourceBatch(r.url, items, Position(end, len(items) + 1))
-
-
-def _line_range(f, start: int, stop: int | None) -> tuple[list[tuple[int, bytes]], int]:
-    """Lines that begin in [start, stop), the last one read past ``stop`` to its newline (Hadoop's rule for
-    splitting text: every line belongs to exactly one range, whoever reads the neighbours)."""
-    at = start
-    if start > 0:
-        f.seek(start - 1)
-        if f.read(1) != b"\n":  # mid-line: that line belongs to the range before
-            while True:
-                block = f.read(_SCAN)
-                cut = block.find(b"\n")
-                if cut >= 0:
-                    at += cut + 1
-                    break
-                at += len(block)
-                if not block:
-                    return [], at
-    if stop is not None and at >= stop:
-        return [], at
-    f.seek(at)
-    data = f.read() if stop is None else f.read(stop - at)
-    if stop is not None and data and not data.endswith(b"\n"):  # the last line runs on past stop
-        parts = [data]  # joined once: growing one bytes object block by block is quadratic in a long line
-        while True:
-            block = f.read(_SCAN)
-            cut = block.find(b"\n")
-            parts.append(block if cut < 0 else block[: cut + 1])
-            if not block or cut >= 0:
-                break
-        data = b"".join(parts)
-    lines = data.split(b"\n")
-    if lines[-1] == b"":  # after the final newline: no line
-        lines.pop()
-    return list(enumerate(lines, start=1)), at + len(data)
 
 
 def _parquet_range(url: str, f, start: int, stop: int | None) -> tuple[list[tuple[int, dict]], int]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ray_jobs.config import DataConfig
 from ray_jobs.data.documents import DocPieces, DocSink, Documents
-from ray_jobs.data.records import Record, Reject, batch_records, record_in_eval
+from ray_jobs.data.records import Record, Reject, batch_records, record_char_limit, record_in_eval
 from ray_jobs.data.sources import Position, SourceBatch, SourceRange, read_range
 from ray_jobs.data.tokenize import Examples, Tokenized, chat_renderer
 
@@ -88,7 +88,7 @@ class BatchWork:
         return self._render
 
     def __call__(self, piece: SourceBatch | SourceRange, split: str) -> BatchResult:
-        batch = read_range(piece) if isinstance(piece, SourceRange) else piece
+        batch = read_range(piece, record_char_limit(self.data)) if isinstance(piece, SourceRange) else piece
         records, invalid = batch_records(batch, self.data, split, self.render())
         out = BatchResult(len(records) + len(invalid), invalid, {}, end=batch.end)
         out.relative = isinstance(piece, SourceRange)
