@@ -9,7 +9,7 @@ from control.backends.base import ClusterError, ClusterHandle
 from control.logs import run_logger
 from ray_jobs.config import Config
 
-__all__ = ["ClusterError", "ClusterHandle", "begin", "check_fits", "provision", "release"]
+__all__ = ["ClusterError", "ClusterHandle", "begin", "check_fits", "preflight", "provision", "release"]
 
 
 def provision(cfg: Config) -> ClusterHandle:
@@ -26,6 +26,12 @@ def provision(cfg: Config) -> ClusterHandle:
         gpus = sum(n.gpus for n in h.alive)
         log.info("cluster health: %d node(s) alive, %g CPUs, %g GPUs", len(h.alive), sum(n.cpus for n in h.alive), gpus)
     return handle
+
+
+def preflight(cfg: Config) -> None:
+    """Before any work: a ConfigError naming the fields when the run's backend refuses the cluster it would get (a
+    local head on the run's ports started from another checkout, interpreter or environment)."""
+    backend_for(cfg).preflight()
 
 
 def begin(cfg: Config):

@@ -10,13 +10,14 @@ import json
 import re
 import shlex
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
 from control import jobsapi
-from control.backends.base import ClusterError, ClusterHandle, StopUnverified, jobs_client
+from control.backends.base import JOB_ENV, ClusterError, ClusterHandle, StopUnverified, jobs_client
 from control.confirm import Suspicion
 from control.logs import run_logger
 from ray_jobs.config import Config
@@ -116,10 +117,12 @@ def submit(
     job = {
         "entrypoint": f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
         "submission_id": submission_id,
-        "runtime_env": {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES}
-        | ({"env_vars": dict(env)} if env else {}),
+        # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
+        # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
+        "runtime_env": {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES,
+                        "env_vars": {**(env or {}), JOB_ENV: submission_id}},
         "entrypoint_num_cpus": 0,
-    }
+    }  # fmt: skip
     last: list[Exception] = []
 
     def submitted() -> bool:
@@ -263,6 +266,19 @@ class _Watch:
                 f"the Ray cluster at {self.address} {what} job {self.sid} for {j.held_s:.0f}s: {view.why}"
             )
 
+    async def judged(self, view: jobsapi.JobView, alive: Callable[[], str | None] | None) -> None:
+        """``observe``, with a confirmed silence put to the other channel first: while ``alive()`` says the job
+        trains on, the cluster is not taken for lost (the silence is judged afresh)."""
+        try:
+            self.observe(view)
+        except ClusterLost:
+            why = await asyncio.to_thread(alive) if alive is not None else None
+            if why is None:
+                raise
+            self.warn("veto", f"Ray job {self.sid}: the Jobs API at {self.address} does not answer, but {why}: not "
+                      "taken for lost; still watching")  # fmt: skip
+            self.unanswered = None
+
     def warn(self, key: str, message: str) -> None:
         now = time.monotonic()
         if now - self.warned_at.get(key, -WARN_EVERY_S) >= WARN_EVERY_S:
@@ -270,13 +286,13 @@ class _Watch:
             self.log.warning(message)
 
 
-async def watch(
-    handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, on_poll=None, confirm_s: float = 30.0
-) -> str:
+async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, on_poll=None, confirm_s: float = 30.0,
+                alive: Callable[[], str | None] | None = None) -> str:  # fmt: skip
     """Poll the job until it ends, forwarding its log. Errors of the watch's own plumbing (``on_poll``: progress
     artifacts, the registry) are logged and retried, never fatal to the job; an unanswered poll is a blip until it
-    held for ``confirm_s``. Only a cancel of the flow run stops the job: if the flow itself fails, the job trains
-    on and the watchdog adopts it."""
+    held for ``confirm_s`` -- and even then the cluster is not taken for lost while ``alive()`` (the job's heartbeat
+    on storage, another channel) says the job trains on: the watch keeps waiting. Only a cancel of the flow run stops
+    the job: if the flow itself fails, the job trains on and the watchdog adopts it."""
     log = run_logger()
     state = _Watch(handle.address, submission_id, confirm_s, log)
     logs = _LogForwarder(handle.address, submission_id, log)
@@ -285,7 +301,7 @@ async def watch(
     try:
         while True:
             view = await asyncio.to_thread(jobsapi.read_job, handle.address, submission_id)
-            state.observe(view)
+            await state.judged(view, alive)
             polls += 1
             if view.api == "ok" and on_poll is not None and (view.terminal or (polls - 1) % every == 0):
                 try:

@@ -9,13 +9,16 @@ run's lease (control/lease.py), so two writers never interleave a read-modify-wr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from control import lease as leases
 from control.backends import backend_class
 from control.backends import record as cluster_record
+from control.records.base import RecordError
 from control.records.run import ACTIVE, STATES, Attempt, ClusterRecord, Incident, RunRecord
 from ray_jobs.config import Config
 from ray_jobs.storage import (
@@ -31,9 +34,15 @@ from ray_jobs.storage import (
 __all__ = ["ACTIVE", "STATES", "RunBusy", "RunConflict", "RunRecord", "begin_attempt", "end_attempt", "load", "save"]
 
 
-def submission_id(run: str, attempt: int, kind: str = "train") -> str:
-    """Ray job submission id: derived from run name + attempt, so a retried submit is idempotent."""
-    return f"unbroken-{run}-{kind}-{attempt:03d}"
+def submission_id(storage: str, run: str, attempt: int, kind: str = "train") -> str:
+    """Ray job submission id: derived from the storage, the run name and the attempt, so a retried submit is
+    idempotent, and two runs of one name in two storages on one cluster (a team's shared cluster, two projects on
+    one laptop's head) never take each other's job for their own. ``storage_tag``: which storage, in six hex digits."""
+    return f"unbroken-{run}-{storage_tag(storage)}-{kind}-{attempt:03d}"
+
+
+def storage_tag(storage: str) -> str:
+    return hashlib.sha256(storage.rstrip("/").encode()).hexdigest()[:6]
 
 
 def load(storage: str, run: str) -> RunRecord | None:
@@ -100,10 +109,14 @@ def runs(storage: str) -> list[str]:
     return [n for n in names if exists(Layout(storage).run_registry(n))]
 
 
-def active_runs(storage: str) -> list[str]:
-    """Runs the watchdog must look after: submitted, running or recovering. Read from the active-run index (one
-    listing and a registry per active run, however many runs ever finished); a storage without one yet (written
-    before the index existed) is scanned once to build it."""
+def active_runs(storage: str, unreadable: list[tuple[str, str]] | None = None) -> list[str]:
+    """Runs the watchdog must look after: submitted, running, recovering, or succeeded and still to be closed. Read
+    from the active-run index (one listing and a registry per active run, however many runs ever finished); a
+    storage without one yet (written before the index existed) is scanned once to build it.
+
+    A record this release cannot read (written by a newer one, hand-edited, torn by a host crash) never hides the
+    others: it is left out, and ``(run, why)`` goes into ``unreadable`` (when given) for the caller to name and count.
+    """
     names = _marked(Layout(storage).active_index())
     indexed = set(names)
     built = ".built" in indexed
@@ -111,7 +124,12 @@ def active_runs(storage: str) -> list[str]:
         names = runs(storage)
     active = []
     for run in (n for n in names if n != ".built"):
-        reg = load(storage, run)
+        try:
+            reg = load(storage, run)
+        except (RecordError, ValueError) as e:  # its marker stays: the next pass names it again
+            if unreadable is not None:
+                unreadable.append((run, str(e)))
+            continue
         is_active = reg is not None and reg.watched
         if is_active != (run in indexed):  # heals a crash between run.json and the index, and builds it
             _index(storage, run, is_active)
@@ -173,12 +191,6 @@ def check_compatible(cfg: Config, dataset_id: str) -> None:
         )
 
 
-def next_attempt(cfg: Config) -> int:
-    """The number the run's next attempt will get (what its preflight job and job spec are named by)."""
-    reg = load(cfg.storage, cfg.name)
-    return len(reg.attempts) + 1 if reg else 1
-
-
 def begin_attempt(
     cfg: Config,
     cluster: dict[str, Any],
@@ -187,20 +199,25 @@ def begin_attempt(
     resume_from: str | None = None,
     started_by: str = "finetune-flow",
     extra: dict[str, Any] | None = None,
-    expect: int | None = None,
     lease: leases.Lease | None = None,
+    flow_run_id: str | None = None,
+    job_spec: Callable[[int], Any] | None = None,
 ) -> int:
     """Record a new attempt (state ``submitted``) and return its number (1-based).
 
     ``extra`` is what the watchdog needs to resubmit without the flow: manifest URL and base-model path. A flow
     (``lease`` None) takes the run's lease for this write and is refused with RunBusy while another attempt is in
-    flight; ``expect`` is the number it prepared (job spec, preflight) and must still be next. A watchdog passes
-    the lease it holds.
+    flight; a watchdog passes the lease it holds. ``job_spec(attempt)`` writes what the attempt's job is given: called
+    under the lease, after the busy check and before the attempt is recorded, so a flow that is refused never
+    overwrites the job spec of the attempt that won. ``flow_run_id``: the flow run that starts it (its cancel and
+    crash hooks act on this attempt alone).
     """
+    args = (cfg, cluster, dataset_id, resume_from, started_by, extra, flow_run_id, job_spec)
     if lease is not None:
-        return _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect)
+        lease.check()  # fenced: a watchdog that lost its lease records nothing
+        return _begin(*args)
     with leases.acquire_wait(cfg.storage, cfg.name):
-        return _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect)
+        return _begin(*args)
 
 
 def _cluster_record(cfg, cluster: dict[str, Any]) -> dict[str, Any]:
@@ -209,7 +226,7 @@ def _cluster_record(cfg, cluster: dict[str, Any]) -> dict[str, Any]:
     return cluster_record(cfg, cluster)
 
 
-def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> int:
+def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, flow_run_id, job_spec) -> int:
     if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
         raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")
     reg = load(cfg.storage, cfg.name) or RunRecord(name=cfg.name, created_at=time.time(), attempts=[], incidents=[],
@@ -217,18 +234,18 @@ def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, expect) -> 
     if started_by != "watchdog":
         _refuse_if_busy(cfg, reg)
     attempt = len(reg.attempts) + 1
-    if expect is not None and attempt != expect:
-        raise RunBusy(
-            f"run {cfg.name!r}: attempt {expect} was prepared but attempt {attempt - 1} was started meanwhile"
-        )
+    if job_spec is not None:
+        job_spec(attempt)
     superseded = reg.open_incident() if started_by != "watchdog" else None
     if superseded is not None:  # a new flow run takes over a run the watchdog was about to restart
         superseded.set(action="superseded", reason=f"a new flow run started attempt {attempt}")
     reg.unset("suspect")
+    reg.unset("closing_since")
     reg.set(state="submitted", config=json.loads(cfg.model_dump_json()), dataset_id=dataset_id,
             cluster=ClusterRecord(**_cluster_record(cfg, cluster)), **(extra or {}))  # fmt: skip
-    reg.attempts.append(Attempt(attempt=attempt, submission_id=submission_id(cfg.name, attempt), started_at=time.time(),
-                                started_by=started_by, resume_from=resume_from, status="SUBMITTED"))  # fmt: skip
+    reg.attempts.append(Attempt(attempt=attempt, submission_id=submission_id(cfg.storage, cfg.name, attempt),
+                                started_at=time.time(), started_by=started_by, resume_from=resume_from,
+                                status="SUBMITTED", **({"flow_run_id": flow_run_id} if flow_run_id else {})))  # fmt: skip
     # a run whose backend leaves something behind if it ends without its ``down``: the janitor's, once it is over
     if index := backend_class(reg.cluster.backend).janitor_index(cfg.storage):
         _mark(index, cfg.name, True)
@@ -250,7 +267,8 @@ def _refuse_if_busy(cfg: Config, reg: RunRecord) -> None:
 
 def adopt(cfg: Config, attempt: int, message: str) -> RunRecord | None:
     """The flow that watched ``attempt`` is gone while its job may still train: the watchdog looks after it from
-    now on (and closes what the flow would have, like a local head)."""
+    now on (and closes what the flow would have, like a local head). Nothing changes unless ``attempt`` is still the
+    run's current attempt in flight: a hook never adopts another flow run's attempt."""
     with leases.acquire_wait(cfg.storage, cfg.name):
         reg = load(cfg.storage, cfg.name)
         if reg is None or len(reg.attempts) != attempt or not reg.current.in_flight:
@@ -258,6 +276,12 @@ def adopt(cfg: Config, attempt: int, message: str) -> RunRecord | None:
         reg.current.set(adopted_by="watchdog", adopted_at=time.time(), adopted_because=message)
         save(cfg.storage, cfg.name, reg)
         return reg
+
+
+def attempt_of_flow_run(reg: RunRecord, flow_run_id: str) -> Attempt | None:
+    """The attempt this flow run started (its cancel and crash hooks act on it and on nothing else), or None when
+    it started none -- a queued duplicate of the run, waiting on the series' slot, never touches the run's job."""
+    return next((a for a in reversed(reg.attempts) if a.flow_run_id == flow_run_id), None)
 
 
 def mark_running(storage: str, run: str, attempt: int) -> bool:
@@ -308,6 +332,8 @@ def _end(cfg, attempt, status, message, state, incident, extra) -> RunRecord | N
             return None
         entry.set(status=status, ended_at=time.time(), message=message)
         reg.state = state or ("succeeded" if status == "SUCCEEDED" else "failed")
+        if reg.state == "succeeded" and reg.closing_since is None:  # to be closed: scored, its cluster released
+            reg.closing_since = time.time()
         if reg.state == "failed" and not reg.reason:
             reg.reason = message
         if incident is not None:
@@ -315,3 +341,12 @@ def _end(cfg, attempt, status, message, state, incident, extra) -> RunRecord | N
         reg.set(**extra)
         save(cfg.storage, cfg.name, reg)
         return reg
+
+
+def closed(storage: str, run: str) -> None:
+    """The succeeded run is closed (scored in its series, its cluster released): the watchdog no longer looks at it."""
+    with leases.acquire_wait(storage, run):
+        reg = load(storage, run)
+        if reg is not None and reg.closing_since is not None:
+            reg.unset("closing_since")
+            save(storage, run, reg)

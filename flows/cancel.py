@@ -51,8 +51,9 @@ async def one_run_per_series(series: str) -> AsyncIterator[None]:
 
 
 def _current_attempt(flow_run):
-    """(config, registry record, current attempt) of this flow run's training run, or None when it never got
-    as far as an attempt."""
+    """(config, registry record, attempt) of the attempt this flow run started, or None when it never got as far as
+    one -- a second flow run of the same run name (a queued duplicate waiting on the series' slot) has none, and its
+    cancel or crash must never touch the first one's job or record."""
     try:
         cfg = run_config(**(flow_run.parameters or {}))
     except (ConfigError, OSError):
@@ -63,9 +64,8 @@ def _current_attempt(flow_run):
             return None
         cfg = cfg.named(run)
     reg = registry.load(cfg.storage, cfg.name)
-    if not reg or not reg.attempts:
-        return None
-    return cfg, reg, reg.current
+    attempt = registry.attempt_of_flow_run(reg, str(flow_run.id)) if reg else None
+    return None if attempt is None else (cfg, reg, attempt)
 
 
 def stop_ray_job(flow_run, why: str) -> str | None:
@@ -94,7 +94,8 @@ def stop_on_cancel(flow, flow_run, state) -> None:
     with contextlib.suppress(Exception):
         if found := _current_attempt(flow_run):
             cfg, _, attempt = found
-            registry.end_attempt(cfg, attempt.attempt, "STOPPED", f"flow run {flow_run.name} was cancelled")
+            if registry.end_attempt(cfg, attempt.attempt, "STOPPED", f"flow run {flow_run.name} was cancelled") is None:
+                return  # its attempt was already over (the watchdog restarted the run): nothing of it to end
             end_tracker_runs(cfg, "KILLED", f"flow run {flow_run.name} was cancelled")
             if cfg.tune is not None:  # a search: its trials went with its driver
                 series.end_unfinished(cfg.storage, cfg.name, f"its search's flow run {flow_run.name} was cancelled")

@@ -181,7 +181,7 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
 async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage, attempt: int,
                    spec_url: str) -> dict[str, Any]:  # fmt: skip
     """Submit the attempt's job, watch it to its end, summarize; a failed job is handed over to the watchdog."""
-    submission = submit_job(handle, registry.submission_id(cfg.name, attempt), spec_url, cfg)
+    submission = submit_job(handle, registry.submission_id(cfg.storage, cfg.name, attempt), spec_url, cfg)
     await acreate_link_artifact(
         f"{handle.dashboard_url}/#/jobs/{submission}", link_text=f"Ray job {submission}",
         key=f"{cfg.name}-ray-job", description="the training job in the Ray dashboard",

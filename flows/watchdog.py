@@ -42,6 +42,15 @@ def emit(outcome: Outcome) -> None:
     )
 
 
+def skip_unreadable(run: str, why: str) -> Outcome:
+    """A run whose record this release cannot read (a newer release's, hand-edited, torn): named -- which file, which
+    field or version -- counted, and left alone; the pass goes on with the others."""
+    outcome = Outcome(run, "unreadable", f"skipped: {why}")
+    run_logger().error("run %s: %s", run, outcome.detail)
+    metrics.acted(run, outcome.action)
+    return outcome
+
+
 def incidents_table(storage: str, runs: list[str]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
@@ -69,9 +78,10 @@ def watchdog(storage: str = ".unbroken/storage") -> list[dict[str, Any]]:
     """Check every active run under ``storage`` once; returns what was done for each."""
     log = run_logger()
     storage = absolute_url(storage)
-    active = registry.active_runs(storage)
+    unreadable: list[tuple[str, str]] = []
+    active = registry.active_runs(storage, unreadable)
     log.info("%d active run(s) under %s: %s", len(active), storage, ", ".join(active) or "-")
-    outcomes = []
+    outcomes = [skip_unreadable(run, why).to_dict() for run, why in unreadable]
     for run in active:
         try:
             outcome = check_run_task(storage, run)

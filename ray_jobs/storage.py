@@ -6,6 +6,7 @@ Every path that tests and tools read is built here, so the layout has exactly on
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import uuid
@@ -89,50 +90,74 @@ def file_sha256(url: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+class StorageFull(OSError):
+    """The storage has no room left (ENOSPC, a quota): what was being written is not there, whole or torn, and its
+    temporary file is gone. Its message names the file."""
+
+
+@contextlib.contextmanager
+def storage_errors(url: str):
+    """Name the file in a full disk's error (:class:`StorageFull`); any other error passes through as it was."""
+    try:
+        yield
+    except StorageFull:
+        raise
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFull(e.errno, f"storage full: cannot write {url}: {os.strerror(e.errno)}") from e
+        raise
+
+
+def _write_local(path: str, data: bytes) -> str:
+    """``data`` in a new temporary sibling of ``path``, flushed to the disk (fsync); its path. A failed write leaves
+    no temporary file behind."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _sync_dir(path: str) -> None:
+    """Make a rename or link in the folder of ``path`` durable (a host crash must not lose a record just written);
+    a filesystem that cannot sync a folder is left to its own guarantees."""
+    with contextlib.suppress(OSError):
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def write_bytes_atomic(url: str, data: bytes) -> None:
     """Write to a temporary sibling, then move it into place: readers never see half a file.
 
-    On a local/NFS path the move is an atomic rename. Object stores have no rename, but a PUT is itself
-    atomic there, so the object is written directly.
+    On a local/NFS path the move is an atomic rename, after the data reached the disk (fsync: a host crash leaves
+    the old file or the new one, never a torn one); a write that fails (a full disk: StorageFull) leaves the old file
+    and no temporary one. Object stores have no rename, but a PUT is itself atomic there, so the object is written
+    directly.
     """
     fs, path = fs_and_path(url)
-    parent = path.rsplit("/", 1)[0]
-    if is_local(url):
-        fs.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    else:
-        with fs.open(path, "wb") as f:
-            f.write(data)
-
-
-def create_exclusive(url: str, data: bytes) -> bool:
-    """Create ``url`` with ``data`` only if nothing is there yet; False when it already exists.
-
-    The one compare-and-set primitive shared storage offers everywhere: ``O_CREAT | O_EXCL`` on a local/NFS path,
-    a conditional PUT (``If-None-Match: *``) on S3. Two writers racing for the same name: exactly one wins.
-    """
-    fs, path = fs_and_path(url)
-    if is_local(url):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
-    try:
-        fs.pipe_file(path, data, mode="create")
-    except FileExistsError:
-        return False
-    except Exception as e:  # S3 answers 412 Precondition Failed when the object exists
-        if "PreconditionFailed" in repr(e) or "412" in str(e):
-            return False
-        raise
-    return True
+    with storage_errors(url):
+        if is_local(url):
+            tmp = _write_local(path, data)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            _sync_dir(path)
+        else:
+            with fs.open(path, "wb") as f:
+                f.write(data)
 
 
 def write_json_atomic(url: str, obj: Any) -> None:
@@ -153,41 +178,58 @@ def download_dir(url: str, local_dir: str | os.PathLike) -> Path:
 
 
 def upload_file(local: str | os.PathLike, url: str) -> None:
-    """Copy a local file to ``url`` without holding it in memory; readers see all of it or nothing (as above)."""
+    """Copy a local file to ``url`` without holding it in memory; readers see all of it or nothing (as above), and a
+    failed copy (a full disk: StorageFull) leaves no temporary file."""
     fs, path = fs_and_path(url)
-    if is_local(url):
-        import shutil
+    with storage_errors(url):
+        if is_local(url):
+            import shutil
 
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        shutil.copyfile(local, tmp)
-        os.replace(tmp, path)
-    else:
-        fs.put_file(str(local), path)
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                shutil.copyfile(local, tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        else:
+            fs.put_file(str(local), path)
 
 
 def upload_dir(local_dir: str | os.PathLike, url: str) -> None:
     """Publish a local folder at ``url`` so that it appears complete or not at all.
 
-    Locally it is copied beside the target and renamed into place; on object stores the files are
-    uploaded with the folder's ``README.md`` (the completion marker readers check) last.
+    Locally it is copied beside the target and renamed into place (a copy that fails -- a full disk -- is removed,
+    the target left as it was); on object stores the files are uploaded with the folder's ``README.md`` (the
+    completion marker readers check) last.
     """
     fs, path = fs_and_path(url)
     local = Path(local_dir)
-    if is_local(url):
-        import shutil
+    with storage_errors(url):
+        if is_local(url):
+            _replace_dir(local, path)
+            return
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        marker = [p for p in files if p.name == "README.md"]
+        for batch in ([p for p in files if p not in marker], marker):  # in parallel on async stores; the marker after
+            if batch:
+                fs.put([str(p) for p in batch], [join(path, str(p.relative_to(local))) for p in batch])
 
-        staging = Path(f"{path}.partial-{uuid.uuid4().hex[:8]}")
+
+def _replace_dir(local: Path, path: str) -> None:
+    import shutil
+
+    staging = Path(f"{path}.partial-{uuid.uuid4().hex[:8]}")
+    try:
         shutil.copytree(local, staging)
         if Path(path).exists():
             shutil.rmtree(path)
         os.replace(staging, path)
-        return
-    files = sorted(p for p in local.rglob("*") if p.is_file())
-    marker = [p for p in files if p.name == "README.md"]
-    for batch in ([p for p in files if p not in marker], marker):  # in parallel on async stores; the marker after
-        if batch:
-            fs.put([str(p) for p in batch], [join(path, str(p.relative_to(local))) for p in batch])
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 class Layout:

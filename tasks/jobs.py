@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from control import registry, series
 from control.backends.base import ClusterHandle
 from control.jobs import entrypoint, submit, watch
+from control.watchdog.observe import live_heartbeat
 from ray_jobs.config import Config
 from ray_jobs.search.trials import DONE
 from ray_jobs.storage import Layout
@@ -47,7 +48,11 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
         else:
             await aupdate_progress_artifact(progress_id, progress=progress)
 
-    return await watch(handle, submission_id, poll_s, on_poll=update_progress, confirm_s=cfg.fault_tolerance.confirm_s)
+    def alive() -> str | None:  # the other channel: while the job's heartbeat is fresh, a silent API is no loss
+        return live_heartbeat(cfg, attempt)
+
+    return await watch(handle, submission_id, poll_s, on_poll=update_progress, confirm_s=cfg.fault_tolerance.confirm_s,
+                       alive=alive)  # fmt: skip
 
 
 def _steps_of(cfg: Config):

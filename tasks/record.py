@@ -27,20 +27,26 @@ def check_run_compatible(cfg: Config, dataset_id: str) -> None:
 @task(name="record-attempt", cache_policy=NO_CACHE)
 def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest_url: str, start: str,
                    pin: EvalPin, parent: str | None) -> tuple[int, str]:  # fmt: skip
-    """Write the attempt's job spec, make sure a recovering attempt's job no longer runs, then record the attempt
-    (refused while another is in flight) and the run's place in its series (a search's trials too: each a run).
-    Returns (attempt, job spec URL)."""
-    attempt = registry.next_attempt(cfg)
-    spec_url = write_job_spec(cfg, attempt, manifest_url, start, None, pin.manifest_url, parent)
+    """Make sure a recovering attempt's job no longer runs, then record the attempt (refused while another is in
+    flight) with its job spec -- written under the run's lease once the attempt is known to be this flow's, so a
+    flow that is refused never overwrites the winner's -- and the run's place in its series (a search's trials too:
+    each a run). Returns (attempt, job spec URL)."""
     _stop_superseded_job(cfg)
     extra = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
              "score_manifest_url": pin.manifest_url}  # fmt: skip
     if cfg.tune is not None:  # a search: its trials are runs of their own, recorded before it starts
         trials = series.record_trials(cfg, dataset_id, extra)
         extra |= {"kind": "search", "trials": [t.name for t in trials]}
-    registry.begin_attempt(cfg, handle.to_dict(), dataset_id, extra=extra, expect=attempt)
+    specs: dict[int, str] = {}
+
+    def job_spec(attempt: int) -> None:
+        specs[attempt] = write_job_spec(cfg, attempt, manifest_url, start, None, pin.manifest_url, parent)
+
+    run_id = str(flow_run.id) if flow_run.id else None
+    attempt = registry.begin_attempt(cfg, handle.to_dict(), dataset_id, extra=extra, flow_run_id=run_id,
+                                     job_spec=job_spec)  # fmt: skip
     series.begin_run(cfg, dataset_id, pin, parent, flow_run.id)
-    return attempt, spec_url
+    return attempt, specs[attempt]
 
 
 def _stop_superseded_job(cfg: Config) -> None:
@@ -94,3 +100,5 @@ def release_cluster(cfg: Config, handle: ClusterHandle) -> None:
         run_logger().info("leaving the Ray cluster running for the watchdog (run %s is %s)", cfg.name, reg.state)
     else:
         release(cfg, handle, cfg.name)
+    if reg is not None and reg.closing_since is not None and series.scored(cfg.storage, cfg.name):
+        registry.closed(cfg.storage, cfg.name)  # scored and released: nothing is left for the watchdog to close

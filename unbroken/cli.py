@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)  # before Prefect is imported
             if args.command in ("run", "tune"):
                 check_flow(cfg, search=args.command == "tune", source=args.config)
+                from control.cluster import preflight
+
+                preflight(cfg)  # a head on the run's ports it must not use: one line, before Prefect
         _quiet_defaults()
         return COMMANDS[args.command](args)
     except ConfigError as e:

@@ -27,6 +27,9 @@ __all__ = [
 ]
 
 
+JOB_ENV = "UNBROKEN_SUBMISSION"  # in the environment of every process of a job unbroken submits: its submission id
+
+
 class ClusterError(RuntimeError):
     """The cluster could not be started or reached."""
 
@@ -61,7 +64,12 @@ class Backend:
     - ``address()``: its Jobs API URL if it can be found now, else None (nothing is created).
     - ``health(handle)``: its shape and headroom (control/backends/health.py).
     - ``replace_nodes(run)``: a node was lost while the job runs: ask for it back; None when the backend does not.
-    - ``stop_unreachable(handle, run)``: the cluster stopped answering and its job must be known stopped.
+    - ``elsewhere(cluster)``: why this process cannot act on the recorded cluster at all (a local head on another
+      host), or None.
+    - ``stop_unreachable(handle, run, sid)``: the cluster stopped answering, every other channel agrees its job is
+      gone or stuck, and the job must be known stopped; destructive only on the backend's own evidence.
+    - ``stop_job(handle, sid)``: the Jobs API says the job ended but its processes still write its heartbeat: end
+      them where the backend can reach them (None where it cannot).
     - ``down(handle, run)``: this run is done with it; the backend removes what it created, unless kept.
     - ``record(cluster)`` / ``handle_from_record(record)``: the run record's ``cluster`` and back.
     - ``janitor_index(storage)`` / ``janitor(is_over)``: what is left of runs that ended without their ``down``.
@@ -88,6 +96,10 @@ class Backend:
     def up(self, run: str | None = None) -> ClusterHandle:
         raise NotImplementedError
 
+    def preflight(self) -> None:
+        """Refuse, before any other work, a cluster this run must not use (a ConfigError naming the fields); nothing
+        by default. The CLI asks this first, so a refusal is one line, not a failed flow run."""
+
     def begin_up(self, run: str | None = None):
         """Start bringing the cluster up in the background, in this process, for a later ``up`` to take over; an
         object whose ``release()`` undoes it if no ``up`` did, or None when the backend starts nothing ahead."""
@@ -111,13 +123,27 @@ class Backend:
         has no such repair (the default: the cluster is not unbroken's to change, or repairs itself)."""
         return None
 
-    def stop_unreachable(self, handle: ClusterHandle, run: str) -> str:
-        """The cluster does not answer, and its job must be known stopped before another is submitted: take down
-        what ends it for certain, and say what was done. By default nothing can be: StopUnverified."""
+    @classmethod
+    def elsewhere(cls, cluster: Any) -> str | None:
+        """Why this process cannot act on the cluster the run record names (``cluster``: its ClusterRecord) -- it can
+        neither see it nor stop anything of it from here -- or None (the default: a cluster reached by its URL)."""
+        return None
+
+    def stop_unreachable(self, handle: ClusterHandle, run: str, submission_id: str) -> str:
+        """The cluster does not answer and the job's heartbeat agrees it is gone or stuck; before another job is
+        submitted it must be known stopped: take down what ends it for certain -- destructively only when the
+        backend's own view (the processes on this host, the launcher's head, the Kubernetes API) confirms the
+        cluster dead, never on the Jobs API's silence alone -- and say what was done. By default nothing can be:
+        StopUnverified (a failed restart, counted and backed off)."""
         raise StopUnverified(
             f"the Ray cluster at {handle.address} does not answer, and is not unbroken's to take "
             "down: its job may still run"
         )
+
+    def stop_job(self, handle: ClusterHandle, submission_id: str) -> str | None:
+        """The Jobs API says the job ended, yet its processes still write its heartbeat (a driver orphaned by its
+        wrapper's death): end them where this backend can reach them; what was done, or None where it cannot."""
+        return None
 
     @classmethod
     def leave_up(cls, cfg: Config, handle: ClusterHandle) -> str | None:

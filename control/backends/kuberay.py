@@ -24,7 +24,7 @@ import os
 import re
 from typing import Any
 
-from control.backends.base import Backend, ClusterError, ClusterHandle, reachable
+from control.backends.base import Backend, ClusterError, ClusterHandle, StopUnverified, reachable
 from control.rayapi import headers
 from ray_jobs.config import ClusterConfig, Config
 from ray_jobs.poll import poll_until
@@ -292,8 +292,19 @@ class KubeRay(Backend):
                            f"cluster.kuberay.ready_timeout_s={k.ready_timeout_s:g}s: {_status_line(obj)}"
                            f"{where}")  # fmt: skip
 
-    def stop_unreachable(self, handle: ClusterHandle, run: str) -> str:
-        """A RayCluster unbroken made that does not answer: deleting it ends its job for certain."""
+    def stop_unreachable(self, handle: ClusterHandle, run: str, submission_id: str) -> str:
+        """A RayCluster unbroken made whose Jobs API does not answer and whose job's heartbeat went quiet: deleting
+        it ends its job for certain -- but only when the Kubernetes API agrees it is not healthy (gone, or not
+        ready). One the operator reports ready may only be out of this watchdog's reach (a port-forward, an
+        ingress): StopUnverified, nothing deleted."""
+        try:
+            obj = self._get()
+        except ClusterError as e:  # the Kubernetes API cannot say either
+            raise StopUnverified(str(e)) from e
+        if obj is not None and ready(obj):
+            raise StopUnverified(f"RayCluster {self.cfg.cluster.kuberay.namespace}/{cluster_name(self.cfg)} is ready "
+                                 f"by the Kubernetes API though its Jobs API at {handle.address} does not answer here: "
+                                 "not deleting it")  # fmt: skip
         return self.down(handle, run)
 
     def down(self, handle: ClusterHandle, run: str | None = None) -> str:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -17,16 +16,35 @@ from pathlib import Path
 
 import psutil
 
-from control.backends.base import AUTH_MODE_ENV, Backend, ClusterError, ClusterHandle, ray_cli, reachable, redact
+from control.backends.base import (
+    AUTH_MODE_ENV,
+    Backend,
+    ClusterError,
+    ClusterHandle,
+    StopUnverified,
+    ray_cli,
+    reachable,
+    redact,
+)
+from control.backends.localhost import (
+    check_identity,
+    elsewhere,
+    head_dir,
+    head_pids,
+    head_processes,
+    host_identity,
+    job_processes,
+    record_identity,
+    terminate,
+)
+from control.rayapi import get as api_get
 from ray_jobs.config import Config
 from ray_jobs.poll import poll_until
 from ray_jobs.storage import exclusive_lock
 
+__all__ = ["LocalHead", "head_dir", "head_pids", "head_processes", "start_local_head", "stop_local_head"]
+
 # -- a local head of our own ----------------------------------------------------------------------------------
-# Each local head unbroken starts has its own Ray temp dir, named by its dashboard port (a short path: Ray's unix
-# sockets live under it, and a socket path must stay under 107 bytes). Its processes are found through it, so
-# stopping the head stops exactly those -- never ``ray stop``, which kills every Ray process on the machine.
-HEADS_DIR = Path(os.environ.get("UNBROKEN_HEADS_DIR", "/tmp/unbroken-ray"))
 # What any process needs to run; everything else in the flow's environment reaches a head only when listed in
 # cluster.env_passthrough.
 BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
@@ -36,10 +54,7 @@ BASE_PREFIXES = ("RAY_", "LC_", "NCCL_")
 KEPT = "kept"  # marker file: a run asked for cluster.keep_running
 METRICS_PORT = "metrics-port"  # the head's Prometheus port, as it was started (cluster.metrics_port, or a free one)
 USER_FRESH_S = 600.0  # a user file this young counts as live (its run may still be staging)
-
-
-def head_dir(dashboard_port: int) -> Path:
-    return HEADS_DIR / str(dashboard_port)
+JOB_STOP_GRACE_S = 10.0  # a job's processes get this long after SIGTERM (a worker checkpoints on it)
 
 
 def _port_of(address: str) -> int:
@@ -89,18 +104,20 @@ def _head_command(cfg: Config, temp_dir: Path, metrics_port: int) -> list[str]:
 
 def _head_lock(port: int):
     """Two runs provisioning the same local head at once: one starts it, the other then finds it up."""
-    return exclusive_lock(HEADS_DIR / f"{port}.lock")
+    return exclusive_lock(head_dir(port).with_name(f"{port}.lock"))
 
 
 def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) -> ClusterHandle:
     """``ray start --head`` on 127.0.0.1 with token auth, its own temp dir and an allow-listed environment; a head
-    already answering on these ports is used instead (``started_here`` False). Either way ``run`` (the config's
-    name by default) is registered as one of the head's users."""
+    already answering on these ports is used instead (``started_here`` False) -- if unbroken started it with what
+    this run would (its interpreter, checkout and environment allow-list: HeadMismatch, a config error naming the
+    ports, otherwise). Either way ``run`` (the config's name by default) is registered as one of the head's users."""
     port = cfg.cluster.dashboard_port
     address = f"http://127.0.0.1:{port}"
     handle = ClusterHandle(address, address, False, sys.executable, local=True)
     with _head_lock(port):
-        if reachable(address) is None:  # already up (kept from an earlier run, or another run's)
+        if reachable(address) is None:  # already up (kept from an earlier run, or another run's): ours to share?
+            check_identity(cfg, session_name(address))
             _add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
             handle.metrics_url = metrics_url(port)
             return handle
@@ -109,8 +126,9 @@ def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) 
             _run([ray_cli(), "get-auth-token", "--generate"], env, "generate the Ray auth token")
         temp_dir = head_dir(port)
         shutil.rmtree(temp_dir / "users", ignore_errors=True)  # users of an earlier head on this port are gone
-        with contextlib.suppress(OSError):
-            (temp_dir / KEPT).unlink()
+        for stale in (KEPT, "identity.json"):
+            with contextlib.suppress(OSError):
+                (temp_dir / stale).unlink()
         metrics_port = cfg.cluster.metrics_port or _free_port()
         _run(_head_command(cfg, temp_dir, metrics_port), env, "start a local Ray head")
         (temp_dir / METRICS_PORT).write_text(str(metrics_port))
@@ -120,7 +138,26 @@ def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) 
         if not poll_until(lambda: reachable(address) is None, wait_s):
             why = reachable(address)
             raise ClusterError(f"local Ray head started but its Jobs API at {address} never answered: {why}")
+        record_identity(cfg, session_name(address))
     return handle
+
+
+def session_name(address: str) -> str | None:
+    """The Ray session of the head answering at ``address`` (its ``/api/version``), or None when it does not say."""
+    r, _ = api_get(address, "/api/version", 10.0)
+    if r is None or r.status_code != 200:
+        return None
+    with contextlib.suppress(ValueError, AttributeError):
+        return r.json().get("session_name")
+    return None
+
+
+def check_head(cfg: Config) -> None:
+    """Before a run starts a cluster: HeadMismatch when a head it did not start for runs like this answers on its
+    ports (``unbroken run`` asks this first, so the refusal is one line before any other work)."""
+    address = f"http://127.0.0.1:{cfg.cluster.dashboard_port}"
+    if reachable(address) is None:
+        check_identity(cfg, session_name(address))
 
 
 def metrics_url(dashboard_port: int) -> str:
@@ -171,28 +208,6 @@ def _alive(pid: int) -> bool:
 
 
 # -- stopping it ----------------------------------------------------------------------------------------------
-def head_processes(port: int) -> list[psutil.Process]:
-    """Every process of the local head on ``port``: those whose command line or open files are under its temp dir
-    (Ray's daemons, agents, workers and job drivers all log there), and their descendants. psutil's handles refuse to
-    signal a PID the kernel has since given to another process."""
-    root = str(head_dir(port))
-    mine: dict[int, psutil.Process] = {}
-    for p in psutil.process_iter(["cmdline"]):
-        if p.pid == os.getpid():
-            continue
-        with contextlib.suppress(psutil.Error):
-            if root in " ".join(p.info["cmdline"] or ()) or any(f.path.startswith(root) for f in p.open_files()):
-                mine[p.pid] = p
-    for p in list(mine.values()):  # descendants (multiprocessing helpers have no file of the head open)
-        with contextlib.suppress(psutil.Error):
-            mine |= {c.pid: c for c in p.children(recursive=True) if c.pid != os.getpid()}
-    return sorted(mine.values(), key=lambda p: p.pid)
-
-
-def head_pids(port: int) -> list[int]:
-    return [p.pid for p in head_processes(port)]
-
-
 def _is_raylet(p: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         return p.name() == "raylet"
@@ -209,34 +224,13 @@ def stop_local_head(handle_or_port: ClusterHandle | int, grace_s: float = 10.0) 
     process at once, the raylet waited its whole timeout for a GCS already gone: ~10 s a stop)."""
     port = handle_or_port if isinstance(handle_or_port, int) else _port_of(handle_or_port.address)
     procs = head_processes(port)
-    _terminate([p for p in procs if _is_raylet(p)], grace_s)
-    _terminate(procs, 0.0)
+    terminate([p for p in procs if _is_raylet(p)], grace_s)
+    terminate(procs, 0.0)
     with contextlib.suppress(OSError):
         shutil.rmtree(head_dir(port) / "users")
     with contextlib.suppress(OSError):
         (head_dir(port) / KEPT).unlink()
     return [p.pid for p in procs]
-
-
-def _terminate(procs: list[psutil.Process], wait_s: float) -> None:
-    """SIGTERM and up to ``wait_s`` to exit (SIGKILL at once when 0), then SIGKILL what is left; returns once every
-    one has exited (a zombie has: psutil's own wait would wait for its parent to reap it)."""
-    for sig, deadline in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 5.0)):
-        alive = [p for p in procs if _running(p)]
-        if not deadline or not alive:
-            continue
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
-        poll_until(lambda procs=alive: not any(_running(p) for p in procs), deadline, every_s=0.05)
-
-
-def _running(p: psutil.Process) -> bool:
-    """Alive and not a zombie (an exited child of ours waits for its parent to reap it)."""
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 # -- started ahead of need ------------------------------------------------------------------------------------
@@ -270,7 +264,15 @@ class LocalHead(Backend):
 
     def spec(self) -> dict:
         c = self.cfg.cluster
-        return {"head_port": c.head_port, "dashboard_port": c.dashboard_port}
+        return {"head_port": c.head_port, "dashboard_port": c.dashboard_port, "host": host_identity()}
+
+    @classmethod
+    def elsewhere(cls, cluster) -> str | None:
+        return elsewhere(cluster.spec or {})
+
+    def preflight(self) -> None:
+        """HeadMismatch when a head this run would not have started answers on its ports."""
+        check_head(self.cfg)
 
     def begin_up(self, run: str | None = None) -> EarlyStart | None:
         """Start the head in a background thread of this process, for ``up`` to take over (None if one is already
@@ -306,11 +308,34 @@ class LocalHead(Backend):
         address = f"http://127.0.0.1:{self.cfg.cluster.dashboard_port}"
         return address if reachable(address) is None else None
 
-    def stop_unreachable(self, handle: ClusterHandle, run: str) -> str:
-        """A head of ours that does not answer: its own processes are stopped (nothing else on the machine), which
-        ends its job for certain."""
-        stop_local_head(handle)
-        return "stopped the local Ray head's processes"
+    def stop_unreachable(self, handle: ClusterHandle, run: str, submission_id: str) -> str:
+        """A head of ours that does not answer, on this host: gone already (none of its processes left), or its
+        processes are stopped -- all of them when no other run uses it (a head wedged for good cannot come back
+        otherwise), only this job's when other runs (or a ``keep_running``) still count on it."""
+        if why := elsewhere(handle.spec):
+            raise StopUnverified(why)
+        port = _port_of(handle.address)
+        if not head_processes(port):
+            return "the local Ray head is gone: none of its processes is left on this host"
+        others = head_users(port, ignore=run)
+        if not others and not (head_dir(port) / KEPT).exists():
+            stop_local_head(port)
+            return "stopped the local Ray head's processes (no other run uses it)"
+        procs = job_processes(submission_id)
+        terminate(procs, JOB_STOP_GRACE_S)
+        users = ", ".join(others) or "cluster.keep_running"
+        return f"stopped the {len(procs)} process(es) of Ray job {submission_id}; the head itself is left up ({users})"
+
+    def stop_job(self, handle: ClusterHandle, submission_id: str) -> str | None:
+        """The job's processes on this host, by their mark (never the head, never another job): SIGTERM (a worker
+        checkpoints on it), then SIGKILL what is left."""
+        if elsewhere(handle.spec):
+            return None
+        procs = job_processes(submission_id)
+        if not procs:
+            return None
+        terminate(procs, JOB_STOP_GRACE_S)
+        return f"stopped the {len(procs)} process(es) of Ray job {submission_id} left running after it ended"
 
     @classmethod
     def leave_up(cls, cfg: Config, handle: ClusterHandle) -> str | None:

@@ -13,17 +13,28 @@ Token auth: the YAML's start commands set ``RAY_AUTH_MODE=token`` and ship this 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from control.backends.base import Backend, ClusterError, ClusterHandle, enable_token_auth, reachable, redact
+from control.backends.base import (
+    Backend,
+    ClusterError,
+    ClusterHandle,
+    StopUnverified,
+    enable_token_auth,
+    reachable,
+    redact,
+)
 from ray_jobs.config import ClusterConfig
 from ray_jobs.poll import poll_until
 
 DASHBOARD_PORT = 8265
+GCS_PORT = 6379
 HEAD_TRIES, HEAD_RETRY_S = 3, 2.0  # asking a head the launcher knows before taking it for dead
 UP_POLL_S = 2.0  # between two looks for the Jobs API once the launcher is done
 
@@ -135,9 +146,28 @@ class RayUp(Backend):
         self.up(run)
         return f"{self.name} up: replacement nodes requested"
 
-    def stop_unreachable(self, handle: ClusterHandle, run: str) -> str:
-        """A cluster unbroken brought up that does not answer: ``ray down`` ends its job for certain."""
+    def stop_unreachable(self, handle: ClusterHandle, run: str, submission_id: str) -> str:
+        """A cluster unbroken brought up whose Jobs API does not answer and whose job's heartbeat went quiet:
+        ``ray down`` ends its job for certain -- but only once a second channel agrees the head is dead: the launcher
+        knows no head, or the head's GCS port (``head_port``) refuses connections too. A head that still accepts them
+        may be behind a port-forward that died: StopUnverified, nothing torn down."""
+        ip = self._head_ip()
+        if ip is not None and _accepts(ip, self._gcs_port()):
+            raise StopUnverified(f"the Ray head at {ip} still accepts connections on its GCS port {self._gcs_port()} "
+                                 f"though its Jobs API at {handle.address} does not answer: not tearing it down")  # fmt: skip
         return self.down(handle, run)
+
+    def _head_ip(self) -> str | None:
+        try:
+            return self._sdk().get_head_node_ip(self.cfg.cluster.ray_up.config)
+        except Exception:  # the launcher raises RuntimeError (no head) or a provider's own error
+            return None
+
+    def _gcs_port(self) -> int:
+        """The head's GCS port as the YAML starts it (``--port=N`` in head_start_ray_commands), else Ray's 6379."""
+        commands = " ".join(str(c) for c in self._yaml().get("head_start_ray_commands") or [])
+        found = re.search(r"--port[= ](\d+)", commands)
+        return int(found.group(1)) if found else GCS_PORT
 
     def down(self, handle: ClusterHandle, run: str | None = None) -> str:
         path = self.cfg.cluster.ray_up.config
@@ -146,3 +176,12 @@ class RayUp(Backend):
         except Exception as e:
             raise ClusterError(redact(f"ray down {path} failed: {type(e).__name__}: {e}")) from e
         return f"tore the Ray cluster down (ray down {path})"
+
+
+def _accepts(host: str, port: int, timeout_s: float = 5.0) -> bool:
+    """Whether ``host:port`` accepts a TCP connection (a live process listens there)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False

@@ -54,6 +54,10 @@ class Record(Part):
             tree = read_json(url)
         except FileNotFoundError:
             return None
+        except ValueError as e:  # torn by a host crash, hand-edited: named, never a traceback
+            raise RecordError(f"{url}: not a JSON record ({e})") from None
+        if not isinstance(tree, dict):
+            raise RecordError(f"{url}: not a record (a JSON {type(tree).__name__}, not an object)")
         return cls.parse(tree, url)
 
     @classmethod

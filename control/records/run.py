@@ -52,6 +52,7 @@ class Attempt(Part):
     adopted_by: str | None = None  # the watchdog, once the flow that watched the attempt was gone
     adopted_at: float | None = None
     adopted_because: str | None = None
+    flow_run_id: str | None = None  # the Prefect flow run that started it (its cancel and crash hooks act on it alone)
 
     @property
     def in_flight(self) -> bool:
@@ -60,8 +61,9 @@ class Attempt(Part):
 
 class Incident(Part):
     """Trouble with an attempt, and what was done about it. ``action``: None/``waiting`` (open: to be restarted),
-    ``restarted``, ``gave-up``, ``observed`` (an ambiguous sign that did not hold), ``noted`` (a health finding),
-    ``superseded`` (a new flow run took the run over)."""
+    ``restarted``, ``gave-up``, ``observed`` (an ambiguous sign that did not hold, or channels that disagree: the
+    Jobs API silent while the job's heartbeat is fresh -- ``cleared_at`` unset while it lasts), ``noted`` (a health
+    finding), ``superseded`` (a new flow run took the run over)."""
 
     kind: str
     detected_by: str
@@ -75,6 +77,7 @@ class Incident(Part):
     progress_steps: int = 0  # what the failed attempt trained: enough of it resets the restart budget
     last_progress_at: float | None = None
     silent_s: float | None = None
+    beat_time: float | None = None  # the heartbeat's own ``time`` when the incident opened (did it move since?)
     # confirmation of an ambiguous sign
     confirmed_at: float | None = None
     observations: int | None = None
@@ -94,6 +97,12 @@ class Incident(Part):
     downtime_s: float | None = None
     reason: str | None = None
     gave_up_at: float | None = None
+    # restarts tried that could not complete (the old job's end unverifiable, the cluster not provisioned): each
+    # counts against the budget and backs off like a restart
+    failed_tries: int | None = None
+    last_try_at: float | None = None
+    last_try_error: str | None = None
+    last_seen_at: float | None = None  # an observed disagreement: the last look that still showed it
     repair: str | None = None  # a health finding's repair: what the backend was asked for
 
     @property
@@ -116,6 +125,8 @@ class Suspect(Part):
     observations: int = 0
     last_at: float | None = None
     detail: str = ""
+    beat_time: float | None = None  # the heartbeat's own ``time`` at the first look: a job whose heartbeat moves
+    # since is alive, whatever the other channel says
 
 
 class Shape(Part):
@@ -126,9 +137,11 @@ class Shape(Part):
 
 
 class RunRecord(Record):
-    """``runs/<run>/run.json``. Version 1: the untyped files of earlier releases (same fields, no version)."""
+    """``runs/<run>/run.json``. Version 1: the untyped files of earlier releases (same fields, no version); 2: typed;
+    3: what this release adds (an attempt's flow run, incidents' heartbeat stamp and failed restarts, a succeeded
+    run's closing) -- a version-2 release refuses it by its version, not by a field it does not know."""
 
-    SCHEMA: ClassVar[int] = 2
+    SCHEMA: ClassVar[int] = 3
 
     name: str = ""  # the run folder's name when a record (a test's, a hand-written one) leaves it out
     created_at: float | None = None
@@ -155,11 +168,16 @@ class RunRecord(Record):
     trials: list[str] = Field(default_factory=list)
     search: str | None = None
     params: dict[str, Any] | None = None  # a trial's drawn values, field -> value
+    # A succeeded run still to be closed (scored in its series, its cluster released): the flow closes it, or the
+    # watchdog once the flow has not for a while (a closing that raised, a flow killed meanwhile)
+    closing_since: float | None = None
 
     @classmethod
     def migrate(cls, tree: dict[str, Any]) -> dict[str, Any]:
         if tree.get("schema_version", 1) == 1:  # v1 -> v2: the same fields; a version from now on
             tree["schema_version"] = 2
+        if tree["schema_version"] == 2:  # v2 -> v3: new optional fields only
+            tree["schema_version"] = 3
         return tree
 
     @property
@@ -168,8 +186,9 @@ class RunRecord(Record):
 
     @property
     def watched(self) -> bool:
-        """Whether the watchdog looks after this run (active, and not a trial: its search is looked after)."""
-        return self.active and self.search is None
+        """Whether the watchdog looks after this run (active or still to be closed, and not a trial: its search is
+        looked after)."""
+        return (self.active or self.closing_since is not None) and self.search is None
 
     @property
     def current(self) -> Attempt:

@@ -25,7 +25,7 @@ from control.series.lineage import (
     trained_this_recipe,
     warm_start,
 )
-from control.series.promotion import champion, decide, folder_manifest, score_of
+from control.series.promotion import champion, decide, folder_manifest, score_of, scored
 from control.series.retention import trim_checkpoints
 from control.series.search import (
     end_unfinished,
@@ -58,6 +58,7 @@ __all__ = [
     "record_trials",
     "run_of_flow_run",
     "score_of",
+    "scored",
     "state_of",
     "sync_trials",
     "table",

@@ -64,6 +64,15 @@ def finish_run(storage: str, run: str) -> Verdict | None:
     return verdict
 
 
+def scored(storage: str, run: str) -> bool:
+    """Whether the run's place in its series is settled: judged by the promotion gate, or it has no entry to judge."""
+    reg = registry.load(storage, run)
+    if reg is None:
+        return True
+    e = _entry(storage, reg.cfg().series_name, run)
+    return e is None or e.verdict is not None
+
+
 def _entry(storage: str, series: str, run: str) -> SeriesRun | None:
     rec = load(storage, series)
     return rec.entry(run) if rec else None

@@ -14,29 +14,55 @@ import time
 
 from control import lease as leases
 from control import registry
+from control.backends import backend_class
+from control.records.base import RecordError
 from control.records.run import Incident
 from control.watchdog import metrics
 from control.watchdog.act import act as carry_out
 from control.watchdog.decide import Outcome, decide, new_incident
 from control.watchdog.janitor import janitor
-from control.watchdog.observe import Observations, current_heartbeat, job_failure, last_step, observe
+from control.watchdog.observe import Observations, heartbeat_seen, job_failure, last_step, observe
 from control.watchdog.verdict import Verdict
-from ray_jobs.config import Config
+from ray_jobs.config import Config, ConfigError
+from ray_jobs.storage import StorageFull
 
-__all__ = ["Outcome", "check_run", "failed_job_incident", "janitor", "metrics"]
+__all__ = ["Outcome", "check_run", "failed_job_incident", "janitor", "metrics", "storage_error"]
 
 LEASE_TTL_S = 300.0
+_SAID: set[tuple[str, str]] = set()  # (run, why) already logged by this process: said once, not every pass
 
 
 def check_run(storage: str, run: str, now: float | None = None) -> Outcome:
-    """One look at one run, and whatever it calls for; a run another watchdog holds is skipped."""
+    """One look at one run, and whatever it calls for. A run another watchdog holds is skipped; one whose record
+    this release cannot read, whose storage does not answer, or whose local head runs on another host is left alone
+    with an outcome that says why -- never an exception that would keep the pass from the other runs."""
+    try:
+        return _check(storage, run, now)
+    except (RecordError, ConfigError) as e:
+        return _said(Outcome(run, "unreadable", f"skipped: {e}"), "error")
+    except leases.LeaseLost as e:
+        outcome = Outcome(run, "lease-lost", str(e))
+    except Exception as e:
+        if (kind := storage_error(e)) is None:
+            raise
+        outcome = Outcome(run, kind, f"{type(e).__name__}: {e}")
+    metrics.acted(run, outcome.action)
+    return outcome
+
+
+def _check(storage: str, run: str, now: float | None) -> Outcome:
+    reg = registry.load(storage, run)  # a first look without the lease: is it ours to act on at all?
+    if reg is None or not reg.watched:
+        return Outcome(run, "inactive", f"state {reg and reg.state}")
+    if reg.cluster is not None and (where := backend_class(reg.cluster.backend or "address").elsewhere(reg.cluster)):
+        return _said(Outcome(run, "elsewhere", where), "warning")
     lease = leases.acquire(storage, run, ttl_s=LEASE_TTL_S)
     if lease is None:
         holder = leases.holder(storage, run) or {}
         return Outcome(run, "skipped", f"another watchdog holds its lease ({holder.get('owner', 'just taken')})")
     with lease:
         reg = registry.load(storage, run)
-        if reg is None or not reg.active:
+        if reg is None or not reg.watched:
             return Outcome(run, "inactive", f"state {reg and reg.state}")
         cfg = reg.cfg()
         decision = decide(reg, observe(reg, cfg, now), cfg)
@@ -44,6 +70,32 @@ def check_run(storage: str, run: str, now: float | None = None) -> Outcome:
         outcome = carry_out(decision, cfg, lease)
         metrics.acted(run, outcome.action)
         return outcome
+
+
+def _said(outcome: Outcome, level: str) -> Outcome:
+    """Log why a run is left alone once per process (a watchdog loop would repeat it every pass), count it."""
+    from control.logs import run_logger
+
+    key = (outcome.run, outcome.detail)
+    if key not in _SAID:
+        _SAID.add(key)
+        getattr(run_logger(), level)("run %s: %s", outcome.run, outcome.detail)
+    metrics.acted(outcome.run, outcome.action)
+    return outcome
+
+
+def storage_error(e: BaseException) -> str | None:
+    """``storage-full`` or ``storage-unreachable`` when ``e`` is the storage failing (a full disk; a path, bucket or
+    endpoint that does not answer), else None. Named as such, it is never taken for the run's trouble: a job whose
+    heartbeat the storage could not keep fresh is confirmed stalled only once the storage is back."""
+    if isinstance(e, StorageFull):
+        return "storage-full"
+    module = type(e).__module__.split(".")[0]
+    if module in ("requests", "urllib3"):  # the Jobs API's transport (an OSError too): never the storage
+        return None
+    if isinstance(e, (OSError, TimeoutError)) or module in ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec"):
+        return "storage-unreachable"
+    return None
 
 
 def failed_job_incident(cfg: Config, attempt: int, address: str, failure: Exception) -> Incident:
@@ -55,7 +107,8 @@ def failed_job_incident(cfg: Config, attempt: int, address: str, failure: Except
     reg.attempts = reg.attempts[:attempt]  # the attempt the flow watched is the one the incident is about
     lost = isinstance(failure, ClusterLost)
     error = None if lost else job_failure(address, reg.current.submission_id)
-    beat = current_heartbeat(cfg.storage, cfg.name, attempt)
+    beat, age = heartbeat_seen(cfg.storage, cfg.name, attempt)
     verdict = Verdict("cluster-unreachable" if lost else "job-failed", str(failure), error, beat)
-    obs = Observations(time.time(), heartbeat=beat, error=error, metrics_step=last_step(cfg.storage, cfg.name))
+    obs = Observations(time.time(), heartbeat=beat, error=error, metrics_step=last_step(cfg.storage, cfg.name),
+                       beat_age_s=age)  # fmt: skip
     return new_incident(cfg, reg, verdict, obs, "finetune-flow")

@@ -3,8 +3,10 @@ be after this pass, the side effects to carry out, and what to report. Pure: no 
 the record it is given is left as it was. Unit-tested with tables of cases (tests/unit/test_decide.py).
 
 Like a Kubernetes controller's reconcile: trouble that is a fact (the Jobs API says the job failed, its heartbeat
-says it is stuck) is acted on at once; an ambiguous sign (no answer from the cluster, a job it does not know) only
-once it held (control/confirm.py); a restart waits out a backoff and is re-checked right before it happens (act)."""
+says it is stuck) is acted on at once; an ambiguous sign (no answer from the cluster, a job it does not know, a
+heartbeat gone quiet) only once it held (control/confirm.py) and the heartbeat did not move meanwhile; channels that
+disagree (the API silent, the heartbeat fresh) are observed and never acted on; a restart waits out a backoff and is
+re-checked right before it happens (act)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ from control.rayapi import first_line
 from control.records.run import Incident, RunRecord, Shape, Suspect
 from control.watchdog.observe import Observations
 from control.watchdog.policy import backoff_s, budget_used, give_up_reason
-from control.watchdog.verdict import Verdict, classify
+from control.watchdog.verdict import Verdict, classify, heartbeat_age
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 
 CONFIRM_OBSERVATIONS = 2  # looks an ambiguous sign must be seen in (besides holding for confirm_s)
+CLOSE_GRACE_S = 120.0  # a succeeded run's flow closes it within this; after it, the watchdog does
 
 
 # -- what to do -------------------------------------------------------------------------------------------------
@@ -67,7 +70,9 @@ class Log:
 @dataclass
 class Outcome:
     run: str
-    action: str  # ok | observing | succeeded | restarted | waiting | gave-up | skipped | inactive
+    # ok | observing | succeeded | closed | restarted | restart-failed | waiting | gave-up | skipped | inactive |
+    # elsewhere (a local head on another host) | unreadable (a record this release cannot read) | storage-unreachable
+    action: str
     detail: str = ""
     incident: Incident | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -86,12 +91,14 @@ class Decision:
 
 # -- the decision -----------------------------------------------------------------------------------------------
 def decide(reg: RunRecord, obs: Observations, cfg: Config) -> Decision:
-    """The whole judgement of one pass over an active run."""
+    """The whole judgement of one pass over an active run (or a succeeded one still to be closed)."""
     reg, now = reg.copy(), obs.now
+    if reg.state == "succeeded":
+        return close(reg, now, cfg)
     incident = reg.open_incident()
     if incident is not None:
         return handle_incident(reg, incident, cfg, now, [])
-    verdict = classify(obs.job, reg.current, obs.heartbeat, cfg, now, reg.cluster.address, obs.error)
+    verdict = classify(obs.job, reg.current, obs.heartbeat, cfg, now, reg.cluster.address, obs.error, obs.beat_age_s)
     seen = confirm(reg, verdict, cfg, now)
     if seen == "healthy":
         return healthy(reg, verdict, obs, cfg)
@@ -113,7 +120,7 @@ def handle_incident(reg: RunRecord, incident: Incident, cfg: Config, now: float,
         reg.set(state="failed", reason=reason)
         steps = [GiveUp(), Log("error", f"run {reg.name}: giving up: {reason}")]
         return Decision(reg, actions + steps + _release(cfg), Outcome(reg.name, "gave-up", reason, incident))
-    due = incident.detected_at + backoff_s(cfg, budget_used(reg, cfg, incident))
+    due = (incident.last_try_at or incident.detected_at) + backoff_s(cfg, budget_used(reg, cfg, incident))
     if now < due:
         incident.set(action="waiting", next_restart_at=due)
         return Decision(reg, [Save(), *actions], Outcome(reg.name, "waiting", f"restart in {due - now:.0f}s (backoff)",
@@ -123,15 +130,19 @@ def handle_incident(reg: RunRecord, incident: Incident, cfg: Config, now: float,
 
 def confirm(reg: RunRecord, verdict: Verdict, cfg: Config, now: float) -> str:
     """What this look means given the earlier ones: ``healthy``, ``suspect`` (an ambiguous sign, not confirmed yet)
-    or ``trouble`` (act). Keeps the open suspicion in ``reg.suspect``."""
+    or ``trouble`` (act). Keeps the open suspicion in ``reg.suspect``: confirmed once it held for ``confirm_s`` over
+    several looks with the job's heartbeat unmoved all along (a heartbeat that moved says the job lives: the
+    suspicion starts over)."""
     if not verdict.trouble:
         return "healthy"
     if verdict.definitive:
         return "trouble"
-    attempt = reg.current.attempt
+    attempt, beat_time = reg.current.attempt, (verdict.heartbeat or {}).get("time")
     s = reg.suspect
-    if s is None or s.kind != verdict.kind or s.attempt != attempt:
+    if s is None or s.kind != verdict.kind or s.attempt != attempt or s.beat_time != beat_time:
         s = reg.suspect = Suspect(kind=verdict.kind, attempt=attempt, first_at=now, observations=0)
+        if beat_time is not None:
+            s.beat_time = beat_time
     s.set(last_at=now, observations=s.observations + 1, detail=first_line(verdict.detail))
     confirm_s = cfg.fault_tolerance.confirm_s
     looks = CONFIRM_OBSERVATIONS if confirm_s else 1  # confirm_s 0: no confirmation asked for, the first look acts
@@ -153,34 +164,77 @@ def cleared(reg: RunRecord, now: float, why: str) -> Incident | None:
 
 # -- healthy ----------------------------------------------------------------------------------------------------
 def healthy(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) -> Decision:
-    """Nothing to do but keep the record current (a healthy run costs no write per pass)."""
-    changed = cleared(reg, obs.now, f"healthy again ({verdict.status or verdict.kind})") is not None
+    """Nothing to do but keep the record current (a healthy run costs no write per pass). The Jobs API silent while
+    the heartbeat is fresh is noted as an incident of its own (observed: logged, counted, shown by status)."""
+    why = "the job's heartbeat is fresh" if verdict.kind == "api-unreachable" else "healthy again"
+    changed = cleared(reg, obs.now, f"{why} ({verdict.status or verdict.kind})") is not None
     if verdict.kind == "succeeded":
         return finish(reg, verdict, obs, cfg)
     changed |= note_progress(reg, verdict.heartbeat)
-    findings, actions = [], []
+    noted, actions = note_api(reg, verdict, obs.now)
+    changed |= noted
+    findings = []
     if verdict.status == "RUNNING":
         changed |= reg.mark_running(reg.current.attempt)
-        noted, findings, actions = note_health(reg, cfg, obs)
-        changed |= noted
+        noted, findings, more = note_health(reg, cfg, obs)
+        changed, actions = changed | noted, actions + more
     step = verdict.heartbeat["step"] if verdict.heartbeat else "-"
-    detail = f"{verdict.status}, step {step}, phase {verdict.phase or '-'}" + "".join(f"; {f}" for f in findings)
+    status = verdict.status or ("Jobs API silent" if verdict.kind == "api-unreachable" else "")
+    detail = f"{status}, step {step}, phase {verdict.phase or '-'}" + "".join(f"; {f}" for f in findings)
     return Decision(reg, actions + ([Save()] if changed else []), Outcome(reg.name, "ok", detail))
 
 
+def note_api(reg: RunRecord, verdict: Verdict, now: float) -> tuple[bool, list[Any]]:
+    """Keep the ``api-unreachable`` incident of the current attempt up to date: opened (and logged) when the API
+    first fails while the heartbeat is fresh, its looks counted while it lasts, cleared once the API answers again.
+    Returns (record changed, actions)."""
+    attempt = reg.current.attempt
+    ongoing = next((i for i in reg.incidents if i.kind == "api-unreachable" and i.cleared_at is None
+                    and i.attempt == attempt), None)  # fmt: skip
+    if verdict.kind != "api-unreachable":
+        if ongoing is None:
+            return False, []
+        ongoing.set(cleared_at=now, held_s=round(now - ongoing.detected_at, 3))
+        return True, [Log("info", f"run {reg.name}: the Jobs API answers again after {now - ongoing.detected_at:.0f}s")]
+    if ongoing is not None:
+        ongoing.set(observations=(ongoing.observations or 0) + 1, last_seen_at=now)
+        return True, []
+    reg.incidents.append(Incident(kind="api-unreachable", detected_by="watchdog", detected_at=now, attempt=attempt,
+                                  action="observed", observations=1, last_seen_at=now,
+                                  detail=first_line(verdict.detail)))  # fmt: skip
+    message = f"run {reg.name}: {verdict.detail} -- observed, nothing stopped or restarted while it trains"
+    return True, [Log("warning", message)]
+
+
 def finish(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) -> Decision:
-    """The job succeeded: close the run. An attempt the watchdog started or adopted has no flow left to release
-    its cluster or score it in its series: that is done here."""
+    """The job succeeded: record it, and close the run (score it in its series, release its cluster) -- at once for
+    an attempt the watchdog started or adopted (no flow is left to), otherwise once its flow has not for
+    CLOSE_GRACE_S (:func:`close`)."""
     note_progress(reg, verdict.heartbeat)
     attempt = reg.current
     attempt.set(status="SUCCEEDED", ended_at=attempt.ended_at or obs.now)
     reg.state = "succeeded"
+    reg.closing_since = reg.closing_since or obs.now
     if obs.final_model:
         reg.final_model = obs.final_model
-    actions: list[Any] = [Save()]
-    if "watchdog" in (attempt.started_by, attempt.adopted_by):
-        actions += [*_release(cfg), FinishSeries()]
-    return Decision(reg, actions, Outcome(reg.name, "succeeded", f"final model: {reg.final_model or '-'}"))
+    closing = close(reg, obs.now, cfg)  # its Save comes after the closing's side effects: a closing that raises
+    # leaves the record as it was, and the next pass closes again
+    return Decision(reg, closing.actions or [Save()],
+                    Outcome(reg.name, "succeeded", f"final model: {reg.final_model or '-'}"))  # fmt: skip
+
+
+def close(reg: RunRecord, now: float, cfg: Config) -> Decision:
+    """A succeeded run still to be closed: the watchdog closes it -- score, promotion gate, cluster release, whoever
+    started the attempt -- when no flow is left to (the watchdog started or adopted it), or when its flow has not
+    for CLOSE_GRACE_S (its closing raised, or it was killed meanwhile). Closing twice is harmless: the gate keeps
+    its first verdict, a release of what is gone does nothing."""
+    attempt = reg.current
+    waited = now - (reg.closing_since or now)
+    if "watchdog" not in (attempt.started_by, attempt.adopted_by) and waited < CLOSE_GRACE_S:
+        return Decision(reg, [], Outcome(reg.name, "ok", f"succeeded; closing left to its flow ({waited:.0f}s)"))
+    reg.unset("closing_since")
+    return Decision(reg, [*_release(cfg), FinishSeries(), Save()],
+                    Outcome(reg.name, "closed", f"final model: {reg.final_model or '-'}"))  # fmt: skip
 
 
 def _release(cfg: Config) -> list[Any]:
@@ -242,11 +296,15 @@ def new_incident(cfg: Config, reg: RunRecord, verdict: Verdict, obs: Observation
     started_step = resumed_step(attempt.resume_from) if started_step is None else started_step
     failed_step = max(beat["step"] if beat else started_step, obs.metrics_step)
     last_progress = beat["last_step_at"] if beat else attempt.started_at
-    return Incident(kind=verdict.kind, detected_by=by, detected_at=obs.now, attempt=attempt.attempt,
-                    failed_step=failed_step, progress_steps=max(0, failed_step - started_step),
-                    phase=verdict.phase or None, last_progress_at=last_progress,
-                    silent_s=round(obs.now - last_progress, 3), detail=first_line(verdict.detail),
-                    error=verdict.error)  # fmt: skip
+    age = heartbeat_age(beat, obs.now, obs.beat_age_s)
+    silent = obs.now - last_progress if beat is None else beat.get("time", last_progress) - last_progress + age
+    incident = Incident(kind=verdict.kind, detected_by=by, detected_at=obs.now, attempt=attempt.attempt,
+                        failed_step=failed_step, progress_steps=max(0, failed_step - started_step),
+                        phase=verdict.phase or None, last_progress_at=last_progress, silent_s=round(silent, 3),
+                        detail=first_line(verdict.detail), error=verdict.error)  # fmt: skip
+    if beat and beat.get("time") is not None:
+        incident.beat_time = beat["time"]
+    return incident
 
 
 def open_incident(reg: RunRecord, verdict: Verdict, cfg: Config, obs: Observations) -> Incident:

@@ -22,6 +22,12 @@ RESTARTS = Counter("unbroken_watchdog_restarts", "restarts the watchdog performe
                    registry=REGISTRY)  # fmt: skip
 GAVE_UP = Counter("unbroken_watchdog_gave_up", "runs the watchdog gave up on (marked failed)", ["run"],
                   registry=REGISTRY)  # fmt: skip
+RESTART_FAILURES = Counter("unbroken_watchdog_restart_failures", "restarts tried that could not complete (the old "
+                           "job's end unverifiable, the cluster not provisioned)", ["run"], registry=REGISTRY)  # fmt: skip
+LEFT_ALONE = Counter("unbroken_watchdog_left_alone", "passes that left a run alone, by why: unreadable (a record this "
+                     "release cannot read), elsewhere (a local head on another host), storage-unreachable, "
+                     "storage-full, lease-lost", ["run", "reason"], registry=REGISTRY)  # fmt: skip
+LEFT_ALONE_REASONS = ("unreadable", "elsewhere", "storage-unreachable", "storage-full", "lease-lost")
 RUNS = Gauge("unbroken_watchdog_runs_watched", "active runs at the last pass", registry=REGISTRY)
 PASSES = Counter("unbroken_watchdog_passes", "watchdog passes over the storage", registry=REGISTRY)
 LAST_PASS = Gauge("unbroken_watchdog_last_pass_timestamp_seconds", "when the last pass ended (Unix time)",
@@ -41,6 +47,10 @@ def acted(run: str, action: str) -> None:
         RESTARTS.labels(run=run).inc()
     elif action == "gave-up":
         GAVE_UP.labels(run=run).inc()
+    elif action == "restart-failed":
+        RESTART_FAILURES.labels(run=run).inc()
+    elif action in LEFT_ALONE_REASONS:
+        LEFT_ALONE.labels(run=run, reason=action).inc()
 
 
 def passed(active: int) -> None:

@@ -15,8 +15,9 @@ from control.backends.base import ClusterHandle
 from control.backends.health import Health, disk_usage
 from control.records.run import RunRecord
 from control.series.search import final_model
-from control.watchdog.verdict import classify
+from control.watchdog.verdict import classify, fresh_s
 from ray_jobs.config import Config
+from ray_jobs.coordination import modified_at, storage_now
 from ray_jobs.storage import Layout, read_json
 from ray_jobs.train.metrics import MetricsTail
 
@@ -33,22 +34,50 @@ class Observations:
     health: Health | None = None  # the cluster's nodes (read only while the job runs)
     disk: tuple[int, int] | None = None  # free/total bytes of a local storage path
     final_model: str | None = None  # the run's final model folder (a search's: its winner's), once the job succeeded
+    beat_age_s: float | None = None  # the heartbeat's age by the storage's clock (None: judged by its own ``time``)
 
 
 def current_heartbeat(storage: str, run: str, attempt: int) -> dict[str, Any] | None:
     """The heartbeat file if the given attempt wrote it (an older attempt's says nothing about this one)."""
+    return heartbeat_seen(storage, run, attempt)[0]
+
+
+def heartbeat_seen(storage: str, run: str, attempt: int) -> tuple[dict[str, Any] | None, float | None]:
+    """(the given attempt's heartbeat, its age in seconds by the storage's clock), or (None, None) when the attempt
+    wrote none (or it cannot be read as one). The age compares the storage's stamp on the file with the storage's
+    now: the watchdog's clock is never set against the cluster's."""
+    url = Layout(storage).heartbeat(run)
     try:
-        beat = read_json(Layout(storage).heartbeat(run))
+        stamped = modified_at(url)
+        beat = read_json(url)
     except (FileNotFoundError, ValueError):
+        return None, None
+    if not isinstance(beat, dict) or beat.get("attempt") != attempt:
+        return None, None
+    return beat, max(0.0, storage_now(Layout(storage).active_index()) - stamped)
+
+
+def live_heartbeat(cfg: Config, attempt: int) -> str | None:
+    """For the flow's watch: what says the attempt's job still trains (its heartbeat is fresh), or None -- the
+    channel that vetoes "the cluster is lost" while only the Jobs API is silent."""
+    beat, age = heartbeat_seen(cfg.storage, cfg.name, attempt)
+    if beat is None or age > fresh_s(cfg):
         return None
-    return beat if beat.get("attempt") == attempt else None
+    return f"its heartbeat is fresh (step {beat.get('step')}, written {age:.0f}s ago)"
 
 
 def job_failure(address: str, sid: str) -> dict[str, Any] | None:
-    """The root cause ``ray_jobs.job`` printed when training raised (None when the driver died without a word)."""
+    """The root cause ``ray_jobs.job`` printed when training raised (None when the driver died without a word, or
+    its last failure line cannot be read: no root cause, never a pass that raises)."""
     logs = jobsapi.job_logs(address, sid) or ""
     lines = [ln for ln in logs.splitlines() if ln.startswith("UNBROKEN_FAILURE ")]
-    return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+    if not lines:
+        return None
+    try:
+        cause = json.loads(lines[-1].split(" ", 1)[1])
+    except ValueError:
+        return None
+    return cause if isinstance(cause, dict) and isinstance(cause.get("type"), str) else None
 
 
 def last_step(storage: str, run: str) -> int:
@@ -68,11 +97,11 @@ def observe(reg: RunRecord, cfg: Config, now: float | None = None) -> Observatio
 def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
     """One look at the current attempt's job: its status and heartbeat, then what that status makes worth reading."""
     address, attempt = reg.cluster.address, reg.current
-    beat = current_heartbeat(cfg.storage, cfg.name, attempt.attempt)  # storage outlives the cluster
+    beat, age = heartbeat_seen(cfg.storage, cfg.name, attempt.attempt)  # storage outlives the cluster
     view = jobsapi.read_job(address, attempt.submission_id)
     ended = view.api == "ok" and view.status in ("FAILED", "STOPPED")
     error = job_failure(address, attempt.submission_id) if ended else None
-    verdict = classify(view, attempt, beat, cfg, now, address, error)
+    verdict = classify(view, attempt, beat, cfg, now, address, error, age)
     extra: dict[str, Any] = {}
     if verdict.trouble:
         extra["metrics_step"] = last_step(cfg.storage, cfg.name)
@@ -80,7 +109,7 @@ def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
         extra["final_model"] = final_model(cfg.storage, cfg.name)
     elif view.status == "RUNNING":
         extra["health"], extra["disk"] = backend_for(cfg).health(recorded_handle(reg)), disk_usage(cfg.storage)
-    return Observations(now, view, beat, error, **extra)
+    return Observations(now, view, beat, error, beat_age_s=age, **extra)
 
 
 def recorded_handle(reg: RunRecord) -> ClusterHandle:

@@ -25,25 +25,29 @@ def backoff_s(cfg: Config, restarts_done: int) -> float:
 
 
 def budget_used(reg: RunRecord, cfg: Config, current: Incident) -> int:
-    """Restarts counted against ``max_restarts``: those since the last attempt that trained at least
-    ``progress_resets_budget_steps`` new steps before it failed, preemptions left out."""
+    """Restarts counted against their budget: for a preemption, the preemptions restarted since the last attempt that
+    trained ``progress_resets_budget_steps`` new steps (``max_preemptions``); otherwise the other restarts since then
+    (``max_restarts``). A restart tried that could not complete (its old job's end unverifiable, its cluster not
+    provisioned) counts as one: a run whose cluster is gone for good ends, it is not retried forever."""
     window = cfg.fault_tolerance.progress_resets_budget_steps
+    tries = current.failed_tries or 0
     if window and current.progress_steps >= window:
-        return 0
+        return tries
     used = 0
     for inc in reg.incidents:
         if inc is current or inc.action != "restarted":
             continue
         if window and inc.progress_steps >= window:
             used = 0
-        used += not inc.preempted
-    return used
+        used += (inc.preempted == current.preempted) + (inc.failed_tries or 0)
+    return used + tries
 
 
 def give_up_reason(reg: RunRecord, cfg: Config, incident: Incident) -> str | None:
-    """Why restarting again would be pointless or not allowed (naming the rule); None when a restart is in order."""
+    """Why restarting again would be pointless or not allowed (naming the rule); None when a restart is in order. A
+    preemption is the platform's doing, never the run's: only its own budget (``max_preemptions``) bounds it."""
     if incident.preempted:
-        return None
+        return _preemptions_spent(reg, cfg, incident)
     return _user_error(incident) or _deterministic(reg, incident) or _budget_spent(reg, cfg, incident)
 
 
@@ -58,13 +62,17 @@ def _user_error(incident: Incident) -> str | None:
 
 
 def _deterministic(reg: RunRecord, incident: Incident) -> str | None:
+    """The same job error (a root cause the job printed) at the same step, twice in a row. Trouble without a root
+    cause -- a head reclaimed twice while loading, two waits for GPUs that stalled -- is the platform's, and only the
+    budget bounds it."""
+    if not (incident.error or {}).get("type"):
+        return None
     past = [i for i in reg.incidents if i is not incident and i.action == "restarted"]
     same = [i for i in past[-(SAME_FAILURE_LIMIT - 1) :] if _same_failure(i, incident)]
     if incident.failed_step is not None and len(same) == SAME_FAILURE_LIMIT - 1:
-        error = incident.error
         return (
             f"deterministic failure: {SAME_FAILURE_LIMIT} attempts in a row failed at step {incident.failed_step} "
-            f"({incident.kind}{': ' + error['type'] if error else ''}); a restart would fail the same way"
+            f"({incident.kind}: {incident.error['type']}); a restart would fail the same way"
         )
     return None
 
@@ -77,8 +85,23 @@ def _budget_spent(reg: RunRecord, cfg: Config, incident: Incident) -> str | None
     since = f" since the last attempt that trained {window}+ steps" if window else ""
     return (
         f"restart budget exhausted: {used} of fault_tolerance.max_restarts={budget} restarts used{since} "
-        "(preemptions not counted; fault_tolerance.progress_resets_budget_steps resets the count)"
+        f"(preemptions not counted; fault_tolerance.progress_resets_budget_steps resets the count){_tried(incident)}"
     )
+
+
+def _preemptions_spent(reg: RunRecord, cfg: Config, incident: Incident) -> str | None:
+    used, budget = budget_used(reg, cfg, incident), cfg.fault_tolerance.max_preemptions
+    if budget < 0 or used < budget:
+        return None
+    return (f"preemption budget exhausted: {used} of fault_tolerance.max_preemptions={budget} restarts after "
+            f"preemptions{_tried(incident)}")  # fmt: skip
+
+
+def _tried(incident: Incident) -> str:
+    """What the last restart that could not complete ran into, for a give-up's reason."""
+    if not incident.failed_tries:
+        return ""
+    return f"; {incident.failed_tries} restart(s) could not complete, the last: {incident.last_try_error}"
 
 
 def _same_failure(a: Incident, b: Incident) -> bool:

@@ -1,6 +1,15 @@
 """What one look at a run's current attempt means: a :class:`Verdict` from the Jobs API's answer and the job's
 heartbeat. Pure functions of what was observed (no I/O), shared by ``observe`` (to know what else to read) and
-``decide``."""
+``decide``.
+
+Two channels see a job, and either can fail on its own: the Jobs API (a port-forward, a VPN, a dashboard, a token on
+this host) and the heartbeat rank 0 writes to storage. Neither is taken alone as proof that a job is gone: a fresh
+heartbeat vetoes "unreachable" and "lost" (the API is what fails then: ``api-unreachable``, observed, never acted
+on), and a heartbeat that went silent is itself only a sign to confirm (its process may be frozen or dead, or the
+storage away for everyone). Freshness is the heartbeat's age by the storage's own clock (``beat_age_s``: when the
+storage stamped the file, against the storage's now), and how long training has been quiet is measured on the job's
+own clock plus that age -- never the cluster's clock against the watchdog's.
+"""
 
 from __future__ import annotations
 
@@ -16,26 +25,42 @@ DEFINITIVE = ("job-failed", "stalled")
 # Kinds that may be a blip of the observer's path (a proxy's 502, a restarting dashboard, an auth hiccup): acted on
 # only once they held for fault_tolerance.confirm_s (control/confirm.py).
 AMBIGUOUS = ("cluster-unreachable", "job-lost")
+# Looks that are no trouble at all: the job runs, or its API fails while its heartbeat says it trains on.
+FINE = ("running", "succeeded", "api-unreachable")
 
 
 @dataclass
 class Verdict:
     """What the watchdog sees for the current attempt."""
 
-    kind: str  # running | succeeded | job-failed | stalled | cluster-unreachable | job-lost
+    kind: str  # running | succeeded | job-failed | stalled | cluster-unreachable | job-lost | api-unreachable
     detail: str = ""
     error: dict[str, Any] | None = None  # root cause the job printed (type, message)
     heartbeat: dict[str, Any] | None = None  # the current attempt's heartbeat, if it wrote one
     status: str = ""
     phase: str = ""  # the job's phase as its heartbeat reports it (``starting`` before the first one)
+    silent: bool = False  # a stall seen only as a heartbeat gone quiet: to be confirmed like an ambiguous sign
 
     @property
     def definitive(self) -> bool:
-        return self.kind in DEFINITIVE
+        return self.kind in DEFINITIVE and not self.silent
 
     @property
     def trouble(self) -> bool:
-        return self.kind not in ("running", "succeeded")
+        return self.kind not in FINE
+
+
+def fresh_s(cfg: Config) -> float:
+    """How old a heartbeat may be and still prove its job alive: three of its beats, and some slack for storage."""
+    return 3 * cfg.fault_tolerance.heartbeat_every_s + 10.0
+
+
+def heartbeat_age(beat: dict[str, Any] | None, now: float, beat_age_s: float | None) -> float | None:
+    """The heartbeat's age by the storage's clock; without one observed (a caller that has only the file's content),
+    its own ``time`` against ``now``."""
+    if beat is None:
+        return None
+    return beat_age_s if beat_age_s is not None else max(0.0, now - beat.get("time", now))
 
 
 def classify(
@@ -46,34 +71,58 @@ def classify(
     now: float,
     address: str = "",
     error: dict[str, Any] | None = None,
+    beat_age_s: float | None = None,
 ) -> Verdict:
     """One observation -> a verdict."""
     sid = attempt.submission_id
+    age = heartbeat_age(beat, now, beat_age_s)
+    alive = age is not None and age <= fresh_s(cfg)
     if view.api == "unknown":
+        if alive:
+            return _api_fails(f"the Jobs API at {address} gave no answer ({view.why})", beat, age)
         return Verdict("cluster-unreachable", f"the Jobs API at {address} gave no answer: {view.why}", heartbeat=beat)
     if view.api == "missing":
         if still_submitting(attempt, cfg, now):
             return Verdict("running", status="SUBMITTING", heartbeat=beat)
+        if alive:
+            return _api_fails(view.why, beat, age)
         return Verdict("job-lost", view.why, heartbeat=beat)
     if view.status == "SUCCEEDED":
         return Verdict("succeeded", status=view.status, heartbeat=beat)
     if view.status in ("FAILED", "STOPPED"):
+        if beat is not None and beat.get("phase") == "done":  # its rank 0 exported the final model, then it ended
+            return Verdict("succeeded", f"Ray job {sid} ended {view.status} after its final model was exported",
+                           status=view.status, heartbeat=beat)  # fmt: skip
         detail = f"Ray job {sid} ended {view.status}: {view.message or ''}".strip()
         if error:
             detail += f" [{error['type']}: {error['message']}]"
         return Verdict("job-failed", detail, error=error, heartbeat=beat, status=view.status)
-    return stall_verdict(view.status, attempt, beat, cfg, now)
+    return stall_verdict(view.status, attempt, beat, cfg, now, age)
 
 
-def stall_verdict(status: str, attempt: Attempt, beat: dict[str, Any] | None, cfg: Config, now: float) -> Verdict:
+def _api_fails(why: str, beat: dict[str, Any], age: float) -> Verdict:
+    """The Jobs API cannot tell, but the job's heartbeat is fresh: the job trains on; the API is what failed."""
+    return Verdict("api-unreachable", f"{why}; the job's heartbeat is fresh (step {beat.get('step')}, written "
+                   f"{age:.0f}s ago): it trains on", heartbeat=beat, phase=beat.get("phase", "training"))  # fmt: skip
+
+
+def stall_verdict(
+    status: str, attempt: Attempt, beat: dict[str, Any] | None, cfg: Config, now: float, age: float | None = None
+) -> Verdict:
     """PENDING or RUNNING: moving, or hung in its phase? Each phase has its own limit (a multi-GB export is not a
-    training step); a heartbeat that stopped refreshing means a frozen or dead process whatever the phase."""
+    training step). With a heartbeat, time is the job's own: how long it has been quiet is its ``time`` minus when the
+    phase or the last step began (one clock), plus the file's age (the storage's clock). A heartbeat that stopped
+    being written means a frozen or dead process -- or storage away for everyone: silent, confirmed before it is acted
+    on (the job catches its heartbeat up once storage is back)."""
+    age = heartbeat_age(beat, now, age)
     phase, since, limit, field = phase_clock(attempt, beat, cfg)
-    quiet = now - since
-    if beat is not None and phase != "training":
-        silent = now - beat.get("time", since)
-        if silent > cfg.fault_tolerance.stall_timeout_s:  # frozen (SIGSTOP, a dead host) in a long phase
-            phase, quiet, limit, field = phase, silent, cfg.fault_tolerance.stall_timeout_s, "stall_timeout_s"
+    quiet = now - since if beat is None else beat.get("time", since) - since + age
+    stall_s = cfg.fault_tolerance.stall_timeout_s
+    if age is not None and age > stall_s:  # frozen (SIGSTOP, a dead host), dead, or storage away
+        at = f"at step {beat['step']}"
+        return Verdict("stalled", f"Ray job {attempt.submission_id} is {status} but its heartbeat was last written "
+                       f"{age:.0f}s ago, {at} in phase {phase!r} (fault_tolerance.stall_timeout_s={stall_s:g})",
+                       heartbeat=beat, status=status, phase=phase, silent=True)  # fmt: skip
     if quiet <= limit:
         return Verdict("running", status=status, heartbeat=beat, phase=phase)
     at = f"at step {beat['step']}" if beat else "before its first heartbeat"

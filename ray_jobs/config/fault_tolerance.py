@@ -48,8 +48,10 @@ class FaultToleranceConfig(Section):
     """After SIGTERM, a worker waits at most this long for its just-in-time checkpoint before exiting."""
     max_preemptions: int = Field(-1, ge=-1)
     """Node preemptions (a drain notice with a deadline: a spot reclaim, ``ray drain-node``) Ray Train absorbs
-    inside one job, counted apart from ``max_failures`` (``FailureConfig.max_preemption_failures``); -1 = unlimited.
-    Each one costs no step: every rank checkpoints at once and waits for the restart."""
+    inside one job, counted apart from ``max_failures`` (``FailureConfig.max_preemption_failures``), and the
+    watchdog's resubmissions of a job that ended preempted, counted apart from ``max_restarts`` (since the last
+    attempt that trained ``progress_resets_budget_steps``), each after a backoff that doubles like a restart's;
+    -1 = unlimited. Each one costs no step: every rank checkpoints at once and waits for the restart."""
     preemption_poll_s: float = Field(2.0, gt=0)
     """How often the ranks ask Ray Train whether a node of theirs is being drained (one barrier across ranks, at a
     step boundary). Ray's own watcher polls the cluster every 5 s; a notice is acted on within both."""

@@ -82,7 +82,7 @@ def test_a_whole_run_with_data_and_storage_on_s3(bucket, tmp_path) -> None:
 def test_watchdog_lease_on_s3_is_exclusive(bucket) -> None:
     """The lease's exclusive create is a conditional PUT (If-None-Match: *) on S3: one winner, fencing works."""
     from control import lease as leases
-    from ray_jobs.storage import create_exclusive
+    from ray_jobs.coordination import create_exclusive
 
     storage = f"{bucket}/lease-test"
     assert create_exclusive(f"{storage}/claim", b"a") is True

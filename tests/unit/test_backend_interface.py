@@ -82,17 +82,52 @@ def test_only_ray_up_asks_for_a_lost_node_back(monkeypatch) -> None:
     assert ups == ["r"], "ray up again: Ray not restarted, the autoscaler starts the missing hosts"
 
 
-def test_what_each_backend_stops_when_its_cluster_stops_answering(monkeypatch) -> None:
+OTHER_HOST = {"hostname": "elsewhere", "boot_id": "another-boot", "net_ns": "net:[1]", "pid_ns": "pid:[1]"}
+# (backend, what its own view says, what it does): a destructive stop only on the backend's own evidence that the
+# cluster is dead -- never on the Jobs API's silence alone -- and never another run's job on a shared head.
+STOPS = [
+    ("local", {"host": OTHER_HOST}, StopUnverified("runs on host elsewhere")),
+    ("local", {"head": []}, "the local Ray head is gone"),
+    ("local", {"head": [1, 2], "users": []}, "stopped the local Ray head's processes (no other run uses it)"),
+    ("local", {"head": [1, 2], "users": ["other-run"], "job": [7]},
+     "stopped the 1 process(es) of Ray job sid; the head itself is left up (other-run)"),
+    ("ray-up", {"head_ip": None}, "down"),  # the launcher knows no head
+    ("ray-up", {"head_ip": "10.0.0.1", "gcs": False}, "down"),  # the head refuses its GCS port too
+    ("ray-up", {"head_ip": "10.0.0.1", "gcs": True}, StopUnverified("still accepts connections on its GCS port")),
+    ("kuberay", {"obj": None}, "down"),
+    ("kuberay", {"obj": {"status": {"state": "failed"}}}, "down"),
+    ("kuberay", {"obj": {"status": {"state": "ready"}}}, StopUnverified("is ready by the Kubernetes API")),
+    ("address", {}, StopUnverified("not unbroken's to take down")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,view,expected", STOPS)
+def test_what_each_backend_stops_when_its_cluster_stops_answering(monkeypatch, name, view, expected) -> None:
+    from control.backends import localhost, rayup
+
     stopped = []
-    monkeypatch.setattr(local, "stop_local_head", lambda handle: stopped.append(("head", handle.address)))
+    monkeypatch.setattr(local, "stop_local_head", lambda port: stopped.append(("head", port)))
+    monkeypatch.setattr(local, "head_processes", lambda port: view.get("head", []))
+    monkeypatch.setattr(local, "head_users", lambda port, ignore=None: view.get("users", []))
+    monkeypatch.setattr(local, "job_processes", lambda sid: view.get("job", []))
+    monkeypatch.setattr(local, "terminate", lambda procs, wait_s: stopped.append(("job", procs)))
+    monkeypatch.setattr(localhost, "host_identity", lambda: {"hostname": "here", "boot_id": "b", "net_ns": "n",
+                                                             "pid_ns": "p"})  # fmt: skip
+    monkeypatch.setattr(rayup.RayUp, "_head_ip", lambda self: view.get("head_ip"))
+    monkeypatch.setattr(rayup, "_accepts", lambda host, port: view.get("gcs", False))
+    monkeypatch.setattr(kuberay.KubeRay, "_get", lambda self: view.get("obj"))
+    monkeypatch.setattr(kuberay, "ready", lambda obj: obj["status"]["state"] == "ready")
     for cls in (backend_class("ray-up"), kuberay.KubeRay):
         monkeypatch.setattr(cls, "down", lambda self, handle, run=None: stopped.append((self.name, run)) or "down")
-    assert backend_for(cfg("local")).stop_unreachable(HANDLE, "r") == "stopped the local Ray head's processes"
-    assert backend_for(cfg("ray-up")).stop_unreachable(HANDLE, "r") == "down"
-    assert backend_for(cfg("kuberay")).stop_unreachable(HANDLE, "r") == "down"
-    assert stopped == [("head", "http://h:8265"), ("ray-up", "r"), ("kuberay", "r")]
-    with pytest.raises(StopUnverified, match="not unbroken's to take down"):
-        backend_for(cfg("address")).stop_unreachable(HANDLE, "r")  # someone else's: the job may still run
+    handle = ClusterHandle("http://h:8265", "http://h:8265", True, "python", spec={"host": view.get("host", {})})
+    if isinstance(expected, StopUnverified):
+        with pytest.raises(StopUnverified, match=str(expected)):
+            backend_for(cfg(name)).stop_unreachable(handle, "r", "sid")
+        assert stopped == [], "nothing is stopped on the Jobs API's silence alone"
+        return
+    assert backend_for(cfg(name)).stop_unreachable(handle, "r", "sid").startswith(expected)
+    killed_head = ("head", 8265) in stopped
+    assert killed_head == (view.get("users") == [] and name == "local"), "the head only when no other run uses it"
 
 
 @pytest.mark.parametrize("name", ["address", "ray-up", "kuberay"])

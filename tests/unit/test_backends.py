@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from control import registry
+from control.backends.localhost import host_identity
 from control.backends import backend_for
 from control.config import ConfigError, load_config
 from tests.conftest import ROOT
@@ -124,7 +125,7 @@ def test_a_managed_cluster_is_taken_down_only_by_the_run_that_brought_it_up(monk
 def test_a_local_head_begun_early_is_taken_over_by_up_or_let_go_if_no_up_came(tmp_path: Path, monkeypatch) -> None:
     """``unbroken run`` begins the head while Prefect boots: the flow's ``up`` takes that start over (no second
     ``ray start``); a run that ended without needing a cluster (nothing new to train) has it released."""
-    from control.backends import local
+    from control.backends import local, localhost
     from control.backends.base import ClusterHandle
 
     starts, downs = [], []
@@ -135,14 +136,14 @@ def test_a_local_head_begun_early_is_taken_over_by_up_or_let_go_if_no_up_came(tm
 
     monkeypatch.setattr(local, "start_local_head", fake_start)
     monkeypatch.setattr(local.LocalHead, "down", lambda self, handle, run=None: downs.append(run) or "stopped")
-    monkeypatch.setattr(local, "HEADS_DIR", tmp_path)
+    monkeypatch.setattr(localhost, "HEADS_DIR", tmp_path)
     monkeypatch.setattr(local, "_EARLY", {})
     cfg = load_config(DEMO, [f"storage={tmp_path}", "name=r", "cluster.dashboard_port=8266"])
 
     taken = backend_for(cfg).begin_up("r")
     assert backend_for(cfg).begin_up("r") is None, "one early start per head"
     handle = backend_for(cfg).up("r")
-    assert handle.started_here and handle.spec == {"head_port": 6379, "dashboard_port": 8266}
+    assert handle.started_here and handle.spec == {"head_port": 6379, "dashboard_port": 8266, "host": host_identity()}
     assert taken.release() is None and downs == [], "taken over: the run releases it, not the early start"
     assert starts == ["r"]
 

@@ -182,13 +182,30 @@ def test_a_second_attempt_is_refused_while_one_is_in_flight(tmp_path: Path) -> N
     assert registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1") == 2
 
 
-def test_a_prepared_attempt_number_taken_meanwhile_is_refused(tmp_path: Path) -> None:
+def test_the_job_spec_is_written_under_the_lease_only_by_the_attempt_that_wins(tmp_path: Path) -> None:
+    """A second flow refused as busy never writes a job spec (it would overwrite the running attempt's); the spec of
+    the attempt that is recorded exists before the record says it was submitted."""
     c = cfg(tmp_path / "storage")
-    prepared = registry.next_attempt(c)
-    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")  # someone else got there first
-    registry.end_attempt(c, 1, "FAILED", "boom")
-    with pytest.raises(registry.RunBusy, match="attempt 1 was prepared"):
-        registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", expect=prepared)
+    written = []
+
+    def spec(attempt: int) -> None:
+        assert registry.load(c.storage, c.name) is None or len(registry.load(c.storage, c.name).attempts) < attempt
+        written.append(attempt)
+
+    assert registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", job_spec=spec) == 1
+    with pytest.raises(registry.RunBusy):
+        registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", job_spec=spec)
+    assert written == [1], "the refused flow wrote no job spec"
+
+
+def test_hooks_act_only_on_the_attempt_their_flow_run_started(tmp_path: Path) -> None:
+    """A queued duplicate of a run (same name, waiting on the series' slot) started no attempt: its cancel or crash
+    finds nothing of its own, never the first flow run's attempt."""
+    c = cfg(tmp_path / "storage")
+    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", flow_run_id="first")
+    reg = registry.load(c.storage, c.name)
+    assert registry.attempt_of_flow_run(reg, "first").attempt == 1
+    assert registry.attempt_of_flow_run(reg, "queued-duplicate") is None
 
 
 def test_a_watchdog_pass_while_the_fit_is_checked_finds_nothing_to_do(tmp_path: Path, monkeypatch) -> None:

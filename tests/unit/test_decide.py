@@ -82,6 +82,7 @@ def ok(view: JobView, b: dict | None = None, **obs: Any) -> Observations:
 
 
 FAILED = JobView("ok", "FAILED", "Job entrypoint command failed with exit code 1")
+CRASH = {"type": "RuntimeError", "message": "NCCL communicator aborted", "kinds": ["RuntimeError"]}
 ROWS = [
     Row("healthy run: nothing to write", record(), ok(JobView("ok", "RUNNING"), beat()), "ok", []),
     Row(
@@ -235,11 +236,11 @@ ROWS = [
         {"state": "succeeded", "current.status": "SUCCEEDED", "final_model": "/nonexistent/storage/runs/r/final"},
     ),
     Row(
-        "succeeded after a watchdog restart: release the cluster, score it in its series",
+        "succeeded after a watchdog restart: release the cluster, score it in its series, then the record",
         record(),
         ok(JobView("ok", "SUCCEEDED"), beat()),
         "succeeded",
-        [Save, ReleaseCluster, FinishSeries],
+        [ReleaseCluster, FinishSeries, Save],
         {"state": "succeeded", "final_model": None},
     ),
     # an open incident (the flow handed the run over, or a backoff is being waited out)
@@ -272,15 +273,22 @@ ROWS = [
         {"state": "failed", "incidents[-1].action": "gave-up"},
     ),
     Row(
-        "the same step failing twice is deterministic",
-        record(incidents=[restarted_at(1, failed_step=80), open_incident()]),
+        "the same job error at the same step twice is deterministic",
+        record(incidents=[restarted_at(1, failed_step=80, error=CRASH), open_incident(error=CRASH)]),
         Observations(NOW),
         "gave-up",
         [GiveUp, Log, ReleaseCluster],
         {
-            "reason": "deterministic failure: 2 attempts in a row failed at step 80 (job-failed); a restart would fail "
-            "the same way"
+            "reason": "deterministic failure: 2 attempts in a row failed at step 80 (job-failed: RuntimeError); a "
+            "restart would fail the same way"
         },
+    ),
+    Row(
+        "the same step twice with no root cause (a head reclaimed twice while loading) is the platform's: restarted",
+        record(incidents=[restarted_at(1, failed_step=80), open_incident(detected_at=NOW - 30)]),
+        Observations(NOW),
+        "restarting",
+        [Save, Restart],
     ),
     Row(
         "the restart budget is spent",
@@ -304,6 +312,156 @@ ROWS = [
         Observations(NOW),
         "restarting",
         [Save, Restart],
+    ),
+    # -- two channels: the Jobs API and the heartbeat on storage (neither alone proves a job gone) ----------------
+    Row(
+        "the Jobs API silent while the heartbeat is fresh (a dead port-forward): observed, nothing stopped",
+        record(),
+        ok(JobView("unknown", why="ConnectionError: refused"), beat(), beat_age_s=1.0),
+        "ok",
+        [Log, Save],
+        {
+            "incidents[1].kind": "api-unreachable",
+            "incidents[1].action": "observed",
+            "incidents[1].cleared_at": None,
+            "suspect": None,
+            "state": "running",
+        },
+    ),
+    Row(
+        "still silent, still fresh: the same observed incident counts the look, no new one",
+        record(
+            incidents=[
+                restarted_at(1),
+                Incident(
+                    kind="api-unreachable",
+                    detected_by="watchdog",
+                    detected_at=NOW - 60,
+                    attempt=2,
+                    action="observed",
+                    observations=3,
+                ),
+            ]
+        ),
+        ok(JobView("unknown", why="ConnectionError: refused"), beat(), beat_age_s=1.0),
+        "ok",
+        [Save],
+        {"incidents[1].observations": 4, "incidents[1].last_seen_at": NOW},
+    ),
+    Row(
+        "the Jobs API answers again: the observed incident is cleared",
+        record(
+            incidents=[
+                restarted_at(1),
+                Incident(
+                    kind="api-unreachable", detected_by="watchdog", detected_at=NOW - 60, attempt=2, action="observed"
+                ),
+            ]
+        ),
+        ok(JobView("ok", "RUNNING"), beat()),
+        "ok",
+        [Log, Save],
+        {"incidents[1].cleared_at": NOW, "incidents[1].held_s": 60.0},
+    ),
+    Row(
+        "the Jobs API silent and the heartbeat old: suspected, not acted on at the first look",
+        record(),
+        ok(JobView("unknown", why="ConnectionError: refused"), beat(), beat_age_s=40.0),
+        "observing",
+        [Save],
+        {"suspect.kind": "cluster-unreachable", "suspect.beat_time": NOW - 1},
+    ),
+    Row(
+        "a suspicion whose heartbeat moved meanwhile is not confirmed: it starts over (the job lives)",
+        record(
+            suspect=Suspect(
+                kind="cluster-unreachable", attempt=2, first_at=NOW - 100, observations=5, beat_time=NOW - 90
+            )
+        ),
+        ok(JobView("unknown", why="ConnectionError: refused"), beat(), beat_age_s=40.0),
+        "observing",
+        [Save],
+        {"suspect.first_at": NOW, "suspect.observations": 1},
+    ),
+    Row(
+        "a heartbeat gone silent past the stall limit: confirmed first (storage may have been away for everyone)",
+        record(),
+        ok(JobView("ok", "RUNNING"), beat(last_step_ago_s=90), beat_age_s=70.0),
+        "observing",
+        [Save],
+        {"suspect.kind": "stalled"},
+    ),
+    Row(
+        "training quiet past the limit on the job's own clock, the heartbeat fresh: a hang, acted on at once",
+        record(),
+        ok(JobView("ok", "RUNNING"), beat(last_step_ago_s=65), beat_age_s=0.5),
+        "waiting",
+        [Save, Log],
+        {"incidents[1].kind": "stalled"},
+    ),
+    Row(
+        "the cluster's clock ten minutes ahead changes nothing: staleness is the file's age by the storage's clock",
+        record(),
+        ok(JobView("ok", "RUNNING"), beat(last_step_ago_s=-598) | {"time": NOW + 600}, beat_age_s=1.0),
+        "ok",
+        [],
+    ),
+    # -- restarts that cannot complete end ------------------------------------------------------------------------
+    Row(
+        "a restart that could not complete is backed off like a restart",
+        record(incidents=[open_incident(action="waiting", failed_tries=1, last_try_at=NOW - 5)]),
+        Observations(NOW),
+        "waiting",
+        [Save],
+    ),
+    Row(
+        "restarts that could not complete spend the budget: a cluster gone for good ends in a give-up",
+        record(
+            incidents=[
+                restarted_at(1),
+                open_incident(
+                    action="waiting",
+                    failed_tries=1,
+                    last_try_at=NOW - 60,
+                    last_try_error="StopUnverified: the Ray cluster at http://h:8265 does not answer",
+                ),
+            ]
+        ),  # fmt: skip
+        Observations(NOW),
+        "gave-up",
+        [GiveUp, Log, ReleaseCluster],
+        {"state": "failed", "incidents[1].action": "gave-up"},
+    ),
+    # -- every finished run fully closed ----------------------------------------------------------------------------
+    Row(
+        "a flow's attempt succeeded: recorded, its closing left to the flow for a while",
+        record(
+            attempts=[
+                Attempt(attempt=1, submission_id="s", started_at=NOW - 90, started_by="finetune-flow", status="RUNNING")
+            ],
+            incidents=[],
+        ),
+        ok(JobView("ok", "SUCCEEDED"), beat(attempt=1)),
+        "succeeded",
+        [Save],
+        {"state": "succeeded", "closing_since": NOW},
+    ),
+    Row(
+        "a succeeded run its flow did not close (closing raised, or it was killed): the watchdog closes it",
+        record(
+            state="succeeded",
+            closing_since=NOW - 130,
+            attempts=[
+                Attempt(
+                    attempt=1, submission_id="s", started_at=NOW - 900, started_by="finetune-flow", status="SUCCEEDED"
+                )
+            ],
+            incidents=[],
+        ),  # fmt: skip
+        Observations(NOW),
+        "closed",
+        [ReleaseCluster, FinishSeries, Save],
+        {"closing_since": None},
     ),
 ]
 

@@ -199,9 +199,9 @@ def test_the_endpoint_serves_the_counters_to_a_scrape() -> None:
 
 # -- the local head's metrics port --------------------------------------------------------------------------------
 def test_a_local_head_is_started_with_a_metrics_port_it_records(tmp_path: Path, monkeypatch) -> None:
-    from control.backends import local
+    from control.backends import local, localhost
 
-    monkeypatch.setattr(local, "HEADS_DIR", tmp_path)
+    monkeypatch.setattr(localhost, "HEADS_DIR", tmp_path)
     cfg = load_config(ROOT / "configs" / "demo.yaml", [f"storage={tmp_path}", "cluster.metrics_port=9311"])
     assert "--metrics-export-port=9311" in local._head_command(cfg, tmp_path, 9311)
     assert local.metrics_url(8265) == "", "no head started here: nothing known"

@@ -24,8 +24,8 @@ def test_attempts_are_numbered_and_their_end_recorded(tmp_path: Path) -> None:
     reg = registry.end_attempt(c, 2, "SUCCEEDED", final_model="/f")
     assert reg.state == "succeeded" and reg.final_model == "/f"
     assert [(a.submission_id, a.status) for a in reg.attempts] == [
-        ("unbroken-r-train-001", "FAILED"),
-        ("unbroken-r-train-002", "SUCCEEDED"),
+        (registry.submission_id(c.storage, "r", 1), "FAILED"),
+        (registry.submission_id(c.storage, "r", 2), "SUCCEEDED"),
     ]
     assert reg.attempts[0].message == "boom"
 
@@ -65,8 +65,9 @@ def test_status_command_prints_attempts_heartbeat_and_final_model(tmp_path: Path
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert text.startswith("run r: succeeded")
-    assert "#1 unbroken-r-train-001  FAILED" in text and "worker died" in text and "more" not in text
-    assert "#2 unbroken-r-train-002  SUCCEEDED" in text
+    first, second = (registry.submission_id(c.storage, "r", n) for n in (1, 2))
+    assert f"#1 {first}  FAILED" in text and "worker died" in text and "more" not in text
+    assert f"#2 {second}  SUCCEEDED" in text
     assert "incidents: none" in text and "heartbeat: step 30/30" in text and "final model: /x/final" in text
 
     missing = subprocess.run([sys.executable, "-m", "unbroken", "status", "nope", "--storage", str(tmp_path)],

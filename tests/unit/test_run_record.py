@@ -52,12 +52,12 @@ def write(tmp_path: Path, tree: dict) -> str:
 def test_a_record_of_the_untyped_release_loads_and_writes_back_the_same_fields(tmp_path: Path) -> None:
     storage = write(tmp_path, V1)
     reg = registry.load(storage, "r")
-    assert reg.schema_version == RunRecord.SCHEMA == 2
+    assert reg.schema_version == RunRecord.SCHEMA == 3
     assert reg.current.resume_from.endswith("00000040") and reg.incidents[0].resumed_step == 40
     assert reg.open_incident() is None and not reg.active
     registry.save(storage, "r", reg)
     again = json.loads((tmp_path / "runs" / "r" / "run.json").read_text())
-    assert again.pop("schema_version") == 2
+    assert again.pop("schema_version") == 3
     assert again.pop("updated_at") >= V1["updated_at"]
     assert again == {k: v for k, v in V1.items() if k != "updated_at"}
 
@@ -80,6 +80,6 @@ def test_a_bad_field_is_refused_naming_the_file_and_the_field(tmp_path: Path, ch
 
 
 def test_a_record_of_a_newer_release_is_refused(tmp_path: Path) -> None:
-    storage = write(tmp_path, V1 | {"schema_version": 3})
-    with pytest.raises(RecordError, match="schema_version 3 is newer than this unbroken reads"):
+    storage = write(tmp_path, V1 | {"schema_version": 99})
+    with pytest.raises(RecordError, match="schema_version 99 is newer than this unbroken reads"):
         registry.load(storage, "r")

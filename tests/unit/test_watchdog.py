@@ -17,7 +17,7 @@ from control.watchdog.decide import cleared, confirm
 from control.watchdog.policy import backoff_s, budget_used, give_up_reason
 from control.watchdog.verdict import Verdict, classify, still_submitting
 from ray_jobs.config import load_config
-from ray_jobs.storage import create_exclusive
+from ray_jobs.coordination import create_exclusive
 from tests.conftest import ROOT
 
 
@@ -222,7 +222,15 @@ def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed
         (JobView("ok", "RUNNING"), beat("training", 100, 61), "stalled", True),  # no step for > stall limit
         (JobView("ok", "RUNNING"), beat("exporting", 300, 400), "running", False),  # a long export is no stall
         (JobView("ok", "RUNNING"), beat("evaluating", 200, 250), "running", False),
-        (JobView("ok", "RUNNING"), beat("exporting", 100, 150, refreshed_ago_s=70), "stalled", True),  # frozen
+        # frozen, dead, or storage away: a silent heartbeat is confirmed before it is acted on
+        (JobView("ok", "RUNNING"), beat("exporting", 100, 150, refreshed_ago_s=70), "stalled", False),
+        # the Jobs API cannot tell, but the heartbeat is fresh: the API is what failed, the job trains on
+        (JobView("unknown", why="ConnectionError"), beat("training", 100, 5), "api-unreachable", False),
+        (JobView("missing", why="no such job"), beat("training", 100, 5), "api-unreachable", False),
+        (JobView("unknown", why="ConnectionError"), beat("training", 100, 5, refreshed_ago_s=30), "cluster-unreachable",
+         False),  # fmt: skip
+        # Ray says FAILED after the job's rank 0 exported its final model: it succeeded
+        (JobView("ok", "FAILED"), beat("done", 1, 5), "succeeded", False),
         (JobView("ok", "RUNNING"), beat("loading", 1801, 1801), "stalled", True),  # over the loading limit
         (JobView("ok", "RUNNING"), beat(None, 0, 61), "stalled", True),  # an older job's heartbeat: no phases
         (JobView("ok", "PENDING"), None, "running", False),  # starting: 500 s < phase_stall_s.starting

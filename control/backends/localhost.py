@@ -1,0 +1,175 @@
+"""Where a local head runs and whose it is: the host identity a run records of its local head (a watchdog on another
+host must never act on it through its own 127.0.0.1), the identity a head unbroken starts records of itself (a run
+never submits into a head started from another checkout, interpreter or environment), and the processes of a head
+and of one job on it (found by their own marks, so stopping one never touches another run's)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from control.backends.base import JOB_ENV
+from ray_jobs.config import Config, ConfigError
+from ray_jobs.poll import poll_until
+
+# Each local head unbroken starts has its own Ray temp dir, named by its dashboard port (a short path: Ray's unix
+# sockets live under it, and a socket path must stay under 107 bytes). Its processes are found through it, so
+# stopping the head stops exactly those -- never ``ray stop``, which kills every Ray process on the machine.
+HEADS_DIR = Path(os.environ.get("UNBROKEN_HEADS_DIR", "/tmp/unbroken-ray"))
+IDENTITY = "identity.json"  # in a head's temp dir: what it was started with (head_identity), and its session
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def head_dir(dashboard_port: int) -> Path:
+    return HEADS_DIR / str(dashboard_port)
+
+
+# -- which host ---------------------------------------------------------------------------------------------------
+def host_identity() -> dict[str, str]:
+    """This machine as a local head's record keeps it: 127.0.0.1 leads to a head only from the same boot and network
+    namespace, and its processes can be signalled only from the same PID namespace (several "hosts" on one machine
+    are namespaces of it). The hostname is for people."""
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return {"hostname": os.uname().nodename, "boot_id": boot, "net_ns": _namespace("net"), "pid_ns": _namespace("pid")}
+
+
+def _namespace(kind: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return ""
+
+
+def elsewhere(spec: dict[str, Any]) -> str | None:
+    """Why a local head recorded with ``spec`` cannot be seen or stopped from here (another host, boot or
+    namespace), or None. A record from before hosts were recorded is taken as this host's."""
+    there = spec.get("host") or {}
+    here = host_identity()
+    differ = [k for k in ("boot_id", "net_ns", "pid_ns") if there.get(k) and there[k] != here[k]]
+    if not differ:
+        return None
+    return (f"its local Ray head runs on host {there.get('hostname', '?')} ({', '.join(differ)} differ from this "
+            f"host {here['hostname']}'s): 127.0.0.1 here does not lead to it, so nothing is judged or stopped from "
+            "here -- left to a watchdog on that host")  # fmt: skip
+
+
+# -- whose head ---------------------------------------------------------------------------------------------------
+class HeadMismatch(ConfigError):
+    """A Ray head already answers on the run's ports but was not started for runs like this one."""
+
+    def __init__(self, message: str):
+        self.problems = [message]
+        ValueError.__init__(self, message)  # one line, not the config's list
+
+
+def head_identity(cfg: Config) -> dict[str, Any]:
+    """What a head's jobs inherit from whoever started it: the interpreter (its virtualenv), the project checkout,
+    unbroken's version, and the environment allow-list (``cluster.env_passthrough``: the names, and a digest of their
+    values -- no value is written)."""
+    names = sorted(set(cfg.cluster.env_passthrough))
+    values = json.dumps({k: os.environ.get(k) for k in names}, sort_keys=True).encode()
+    try:
+        version = metadata.version("unbroken")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"interpreter": os.path.realpath(sys.executable), "project": str(PROJECT_ROOT), "version": version,
+            "env_passthrough": names, "env_digest": hashlib.sha256(values).hexdigest()[:16]}  # fmt: skip
+
+
+def record_identity(cfg: Config, session: str | None) -> None:
+    """Written by whoever started the head on ``cluster.dashboard_port``, once it answers (``session``: Ray's
+    session name, which ties the record to this very head and not to an earlier one on the same port)."""
+    path = head_dir(cfg.cluster.dashboard_port) / IDENTITY
+    path.write_text(json.dumps(head_identity(cfg) | {"session": session}, indent=2, sort_keys=True))
+
+
+def check_identity(cfg: Config, session: str | None) -> None:
+    """HeadMismatch, naming the ports and what differs, unless the head answering on the run's ports (Ray session
+    ``session``) was started by unbroken with what this run would start it with."""
+    c = cfg.cluster
+    ports = f"cluster.dashboard_port={c.dashboard_port}, cluster.head_port={c.head_port}"
+    try:
+        theirs = json.loads((head_dir(c.dashboard_port) / IDENTITY).read_text())
+    except (OSError, ValueError):
+        theirs = None
+    if theirs is None or (session and theirs.get("session") != session):
+        raise HeadMismatch(f"{ports}: a Ray head that unbroken did not start answers on these ports; stop it or "
+                           "give the run other ports")  # fmt: skip
+    ours = head_identity(cfg)
+    what = {"interpreter": "interpreter", "project": "project checkout", "version": "unbroken version",
+            "env_passthrough": "cluster.env_passthrough", "env_digest": "values of cluster.env_passthrough"}  # fmt: skip
+    differ = [f"{label} {theirs.get(k)!r} (this run: {ours[k]!r})" if k != "env_digest" else label
+              for k, label in what.items() if theirs.get(k) != ours[k]]  # fmt: skip
+    if differ:
+        raise HeadMismatch(f"{ports}: the Ray head on these ports was started with another {'; '.join(differ)} -- "
+                           "its jobs would run with that; stop it (or let its runs end) or give this run other "
+                           "ports")  # fmt: skip
+
+
+# -- its processes ------------------------------------------------------------------------------------------------
+def head_processes(port: int) -> list[psutil.Process]:
+    """Every process of the local head on ``port``: those whose command line or open files are under its temp dir
+    (Ray's daemons, agents, workers and job drivers all log there), and their descendants. psutil's handles refuse to
+    signal a PID the kernel has since given to another process."""
+    root = str(head_dir(port))
+    mine: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error):
+            if root in " ".join(p.info["cmdline"] or ()) or any(f.path.startswith(root) for f in p.open_files()):
+                mine[p.pid] = p
+    for p in list(mine.values()):  # descendants (multiprocessing helpers have no file of the head open)
+        with contextlib.suppress(psutil.Error):
+            mine |= {c.pid: c for c in p.children(recursive=True) if c.pid != os.getpid()}
+    return sorted(mine.values(), key=lambda p: p.pid)
+
+
+def head_pids(port: int) -> list[int]:
+    return [p.pid for p in head_processes(port)]
+
+
+def job_processes(submission_id: str) -> list[psutil.Process]:
+    """Every process on this host of one Ray job unbroken submitted: its wrapper, driver, workers and their helpers
+    all carry its submission id in their environment (``JOB_ENV``, set in the job's runtime_env) -- another run's job
+    on the same head never does."""
+    found = []
+    for p in psutil.process_iter():
+        if p.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(JOB_ENV) == submission_id:
+                found.append(p)
+    return found
+
+
+def terminate(procs: list[psutil.Process], wait_s: float) -> None:
+    """SIGTERM and up to ``wait_s`` to exit (SIGKILL at once when 0), then SIGKILL what is left; returns once every
+    one has exited (a zombie has: psutil's own wait would wait for its parent to reap it)."""
+    for sig, deadline in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if running(p)]
+        if not deadline or not alive:
+            continue
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        poll_until(lambda procs=alive: not any(running(p) for p in procs), deadline, every_s=0.05)
+
+
+def running(p: psutil.Process) -> bool:
+    """Alive and not a zombie (an exited child of ours waits for its parent to reap it)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,166 @@
+"""The watchdog's one action that is re-checked before it happens: a restart (it may come a backoff after the trouble
+was seen). It looks at the job once more; makes sure the old job is over -- Ray says it ended *and* its heartbeat
+has gone quiet, its processes stopped where the backend can reach them; when the cluster does not answer, ended for
+certain by the backend on evidence of its own -- re-provisions with the lease kept alive, resumes from the newest
+valid checkpoint, and checks the lease (fencing) right before it submits. A restart that cannot complete (the old
+job's end cannot be verified, the cluster cannot be provisioned) is a failed restart: recorded on the incident,
+counted against the budget and backed off, so a cluster gone for good ends in a give-up, not a loop."""
+
+from __future__ import annotations
+
+import time
+
+from control import lease as leases
+from control import registry, series
+from control.backends import backend_for
+from control.backends.base import ClusterError, ClusterHandle, StopUnverified
+from control.cluster import provision
+from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
+from control.logs import run_logger
+from control.rayapi import first_line
+from control.records.run import Incident, RunRecord
+from control.watchdog.decide import Outcome, restarted, resumed_step
+from control.watchdog.observe import heartbeat_seen, look, recorded_handle
+from control.watchdog.verdict import classify
+from ray_jobs import checkpoint as ckpt
+from ray_jobs.config import Config
+from ray_jobs.poll import poll_until
+from ray_jobs.storage import Layout
+
+STOP_WAIT_S = 60.0
+
+
+def restart(cfg: Config, reg: RunRecord, lease: leases.Lease, stand_down) -> Outcome:
+    """Stop what is left, re-provision if needed, resume from the newest valid checkpoint under a new submission.
+    ``stand_down(reg, verdict, observations)``: what to do when the trouble is gone on the second look."""
+    again = look(cfg, reg, time.time())  # decided maybe a backoff ago: look again
+    verdict = classify(again.job, reg.current, again.heartbeat, cfg, again.now, reg.cluster.address, again.error,
+                       again.beat_age_s)  # fmt: skip
+    if not verdict.trouble:
+        return stand_down(reg, verdict, again)
+    incident = reg.open_incident()
+    try:
+        stop_leftovers(cfg, reg, reg.current.submission_id)  # verified, or StopUnverified: nothing is submitted
+        _seen_to_stop(cfg, reg, incident)
+        with lease.kept():  # provisioning may take longer than the lease lasts
+            handle = provision(cfg)  # a local head again if it is gone; a managed cluster repaired or brought up
+    except ClusterError as e:
+        return failed_restart(cfg, reg, incident, e, lease)
+    return _resubmit(cfg, reg, incident, handle, lease)
+
+
+def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHandle, lease: leases.Lease) -> Outcome:
+    resume_from, incident.lost_steps, where = resume_point(cfg, reg, incident)
+    lease.check()  # fencing: never record or submit on a lease another watchdog has taken over
+    registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
+    attempt = _begin(cfg, reg, handle, resume_from, lease)
+    lease.check()
+    spec = Layout(cfg.storage).job_spec(cfg.name, attempt)
+    sid = submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), entrypoint(cfg), spec)
+    reg = registry.load(cfg.storage, cfg.name)
+    incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
+    lease.check()
+    registry.save(cfg.storage, cfg.name, reg)
+    run_logger().warning("run %s: restarted as attempt %d (%s) from %s; %d steps lost", cfg.name, attempt, sid, where,
+                         incident.lost_steps)  # fmt: skip
+    return Outcome(cfg.name, "restarted", f"attempt {attempt} from {where}", incident)
+
+
+def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str | None, lease: leases.Lease) -> int:
+    """Record the new attempt with its job spec, under the lease (the cluster it runs on owed a release if this run
+    brought it up, now or before)."""
+    owned = handle.started_here or (reg.cluster.started_here and reg.cluster.address == handle.address)
+    extra = {k: getattr(reg, k) for k in ("manifest_url", "model_path", "score_manifest_url")}
+
+    def job_spec(attempt: int) -> None:
+        write_job_spec(cfg, attempt, reg.manifest_url, reg.model_path, resume_from, reg.score_manifest_url, reg.parent)
+
+    return registry.begin_attempt(cfg, handle.to_dict() | {"started_here": owned}, reg.dataset_id,
+                                  resume_from=resume_from, started_by="watchdog", extra=extra, lease=lease,
+                                  job_spec=job_spec)  # fmt: skip
+
+
+def failed_restart(cfg: Config, reg: RunRecord, incident: Incident, e: Exception, lease: leases.Lease) -> Outcome:
+    """A restart that could not complete: counted on the incident (against the budget, and for the backoff before the
+    next try); the run stays ``recovering`` until a try completes or a rule gives up on it."""
+    now = time.time()
+    incident.set(failed_tries=(incident.failed_tries or 0) + 1, last_try_at=now, action="waiting",
+                 last_try_error=first_line(f"{type(e).__name__}: {e}"))  # fmt: skip
+    lease.check()
+    registry.save(cfg.storage, cfg.name, reg)
+    run_logger().warning("run %s: restart %d could not complete: %s", cfg.name, incident.failed_tries,
+                         incident.last_try_error)  # fmt: skip
+    return Outcome(cfg.name, "restart-failed", incident.last_try_error, incident)
+
+
+def still_beating(cfg: Config, reg: RunRecord) -> dict | None:
+    """The current attempt's heartbeat if its processes still write it -- it moves twice within a few of its beats
+    (once more may be a dying writer's last word) -- though Ray, or the silence, says the job is over: a driver
+    orphaned by its wrapper's death trains on, and a restart now would train twice into one folder. None once it is
+    quiet."""
+    first, age = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)
+    window = 3 * cfg.fault_tolerance.heartbeat_every_s + 1.0
+    if first is None or age > window:
+        return None
+    seen = {first.get("time")}
+    last: list[dict] = []
+
+    def moved_twice() -> bool:
+        beat, _ = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)
+        if beat is not None and beat.get("time") not in seen:
+            seen.add(beat.get("time"))
+            last[:] = [beat]
+        return len(seen) > 2
+
+    moving = poll_until(moved_twice, window, every_s=max(0.1, cfg.fault_tolerance.heartbeat_every_s / 2))
+    return last[0] if moving else None
+
+
+def _seen_to_stop(cfg: Config, reg: RunRecord, incident: Incident) -> None:
+    """Nothing new is submitted while the old job's processes still write its heartbeat: they are stopped where the
+    backend can reach them (a local head's, by their mark) and must then go quiet; StopUnverified otherwise (a
+    failed try, retried after a backoff -- if they finish the run meanwhile, the next look finds it succeeded)."""
+    # A job Ray just ended may still be saving its just-in-time checkpoint (SIGTERM'd workers): given that long
+    if poll_until(lambda: still_beating(cfg, reg) is None, cfg.fault_tolerance.preemption_grace_s, every_s=0):
+        return
+    done = backend_for(cfg).stop_job(recorded_handle(reg), reg.current.submission_id)
+    if done is not None:
+        run_logger().warning("run %s: %s", cfg.name, done)
+        if still_beating(cfg, reg) is None:
+            return
+    beat = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)[0] or {}
+    raise StopUnverified(f"attempt {reg.current.attempt}'s processes still write its heartbeat (step "
+                         f"{beat.get('step')}) though its job is {incident.kind}: nothing new is submitted until "
+                         "they stop")  # fmt: skip
+
+
+def resume_point(cfg: Config, reg: RunRecord, incident: Incident) -> tuple[str | None, int, str]:
+    """(checkpoint to resume from, steps lost: trained before the failure, to be trained again, what the restart
+    resumes from in words). A search resumes its Ray Tune experiment, each running trial from its own newest
+    checkpoint: no checkpoint of the search's own, and the lost steps are its running trials'."""
+    if reg.kind == "search":
+        return (
+            None,
+            series.lost_steps(cfg.storage, cfg.name),
+            "its Ray Tune experiment (each unfinished trial from its own newest checkpoint)",
+        )
+    found = ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name))
+    resume_from = found[0] if found else None
+    lost = max(0, (incident.failed_step or 0) - resumed_step(resume_from))
+    where = f"checkpoint at step {resumed_step(resume_from)}" if resume_from else "scratch (no valid checkpoint yet)"
+    return resume_from, lost, where
+
+
+def stop_leftovers(cfg: Config, reg: RunRecord, sid: str) -> None:
+    """Make sure the failed attempt's job no longer runs before another is submitted: stop it and wait until Ray
+    says it ended. When the cluster cannot tell (unreachable), its backend ends the job for certain on evidence of
+    its own (``stop_unreachable``: a local head's processes on this host, a launcher's head that refuses its GCS
+    port too, a RayCluster the Kubernetes API calls unhealthy) or raises StopUnverified, and no new attempt is made
+    -- two jobs must never train into the same checkpoints."""
+    address = reg.cluster.address
+    try:
+        if stop_and_wait(address, sid, STOP_WAIT_S):
+            run_logger().info("stopped what was left of Ray job %s", sid)
+    except StopUnverified:  # the backend's to end for certain, or StopUnverified again
+        done = backend_for(cfg).stop_unreachable(recorded_handle(reg), cfg.name, sid)
+        run_logger().warning("the Ray cluster at %s does not answer: %s", address, done)
