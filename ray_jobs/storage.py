@@ -103,9 +103,16 @@ def storage_errors(url: str):
     except StorageFull:
         raise
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageFull(e.errno, f"storage full: cannot write {url}: {os.strerror(e.errno)}") from e
+        if _no_room(e):
+            raise StorageFull(errno.ENOSPC, f"storage full: cannot write {url}: {os.strerror(errno.ENOSPC)}") from e
         raise
+
+
+def _no_room(e: OSError) -> bool:
+    """A full disk or quota; a folder copy (shutil.Error) reports its files' errors as text."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return e.errno is None and any(f"[Errno {n}]" in str(e) for n in (errno.ENOSPC, errno.EDQUOT))
 
 
 def _write_local(path: str, data: bytes) -> str:

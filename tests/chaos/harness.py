@@ -57,7 +57,7 @@ def start_training(
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
     spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from)
-    return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec, env=env)
+    return submit(handle, submission_id(cfg.storage, cfg.name, attempt), "ray_jobs.job", spec, env=env)
 
 
 def start_run(handle: ClusterHandle, cfg: Config, env: dict | None = None) -> str:
@@ -68,7 +68,7 @@ def start_run(handle: ClusterHandle, cfg: Config, env: dict | None = None) -> st
     extra = {"manifest_url": staged.manifest_url, "model_path": model_path}
     attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra)
     spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, None)
-    return submit(handle, submission_id(cfg.name, attempt), "ray_jobs.job", spec, env=env)
+    return submit(handle, submission_id(cfg.storage, cfg.name, attempt), "ray_jobs.job", spec, env=env)
 
 
 def driver_pid(cfg: Config, module: str = "ray_jobs.job") -> int | None:

@@ -89,7 +89,7 @@ def ray_train_jobs(handle: ClusterHandle, cfg: Config) -> list[str]:
     return sorted(
         j.submission_id
         for j in jobs_client(handle.address).list_jobs()
-        if (j.submission_id or "").startswith(f"unbroken-{cfg.name}-train-")
+        if (j.submission_id or "").startswith(f"unbroken-{cfg.name}-{registry.storage_tag(cfg.storage)}-train-")
     )
 
 
@@ -99,7 +99,7 @@ def check_one_attempt(reg: dict, cfg: Config, baseline: str, handle: ClusterHand
     assert reg.state == "succeeded", status
     assert len(reg.attempts) == 1 and reg.restarts == 0, status
     assert [i for i in reg.incidents if i.action != "observed"] == [], status
-    assert ray_train_jobs(handle, cfg) == [registry.submission_id(cfg.name, 1)]
+    assert ray_train_jobs(handle, cfg) == [registry.submission_id(cfg.storage, cfg.name, 1)]
     assert final_weights_hash(cfg) == baseline
     return reg.incidents
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from control import registry
 from control.backends.base import reachable
 from ray_jobs.config import load_config
 from tests.conftest import ROOT, tiny_overrides
@@ -53,7 +54,7 @@ def test_run_end_to_end_on_a_local_head_and_load_the_model(tmp_path: Path) -> No
 
     reg = read_registry(storage, "e2e")
     assert reg["state"] == "succeeded"
-    assert [a["submission_id"] for a in reg["attempts"]] == ["unbroken-e2e-train-001"]
+    assert [a["submission_id"] for a in reg["attempts"]] == [registry.submission_id(reg["config"]["storage"], "e2e", 1)]
     assert reg["final_model"] == str(final)
     ckpts = sorted((storage / "ray" / "e2e").glob("checkpoint-step-*"))
     assert ckpts and all((c / "manifest.json").exists() for c in ckpts), "checkpoints with manifests"

@@ -362,7 +362,7 @@ def test_a_prefect_server_restart_mid_run_neither_stops_nor_doubles_training(ser
 
 
 def _restart_mid_run(flow_run, storage: Path, log: Path, prefect_server) -> None:
-    jobs = RayJobsSeen("http://127.0.0.1:8265", "unbroken-restart-me-train-")
+    jobs = RayJobsSeen("http://127.0.0.1:8265", "unbroken-restart-me-")  # its training jobs: -<storage>-train-NNN
     beat = storage / "runs" / "restart-me" / "heartbeat.json"
     wait_for("training steps", lambda: beat.exists() and json.loads(beat.read_text()).get("step", 0) >= 3, 300, 1)
     prefect_server.stop()  # the API is away for as long as a restart takes (~15 s here)
@@ -374,7 +374,7 @@ def _restart_mid_run(flow_run, storage: Path, log: Path, prefect_server) -> None
     assert down_at_step < reg["config"]["train"]["max_steps"], "the restart happened mid-training"
     assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-6000:]}"
     assert reg["state"] == "succeeded" and len(reg["attempts"]) == 1, reg
-    assert jobs.seen == {"unbroken-restart-me-train-001"}, "one training job, ever (the head's own job list)"
+    assert jobs.seen == {reg["attempts"][0]["submission_id"]}, "one training job, ever (the head's own job list)"
     assert jobs.most_at_once == 1
     assert _weights(storage, "restart-me") == _weights(storage, FIRST_RUN[0]), "bit-identical to the same training"
 

@@ -149,7 +149,7 @@ def start_search(handle, cfg: Config) -> None:
     attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id,
                                      extra=extra | {"kind": "search", "trials": names})  # fmt: skip
     spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, None, pin.manifest_url)
-    submit(handle, registry.submission_id(cfg.name, attempt), "ray_jobs.search_job", spec)
+    submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), "ray_jobs.search_job", spec)
 
 
 @pytest.fixture

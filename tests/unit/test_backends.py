@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from control import registry
-from control.backends.localhost import host_identity
 from control.backends import backend_for
+from control.backends.localhost import host_identity
 from control.config import ConfigError, load_config
 from tests.conftest import ROOT
 

@@ -227,8 +227,12 @@ def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed
         # the Jobs API cannot tell, but the heartbeat is fresh: the API is what failed, the job trains on
         (JobView("unknown", why="ConnectionError"), beat("training", 100, 5), "api-unreachable", False),
         (JobView("missing", why="no such job"), beat("training", 100, 5), "api-unreachable", False),
-        (JobView("unknown", why="ConnectionError"), beat("training", 100, 5, refreshed_ago_s=30), "cluster-unreachable",
-         False),  # fmt: skip
+        (
+            JobView("unknown", why="ConnectionError"),
+            beat("training", 100, 5, refreshed_ago_s=30),
+            "cluster-unreachable",
+            False,
+        ),  # fmt: skip
         # Ray says FAILED after the job's rank 0 exported its final model: it succeeded
         (JobView("ok", "FAILED"), beat("done", 1, 5), "succeeded", False),
         (JobView("ok", "RUNNING"), beat("loading", 1801, 1801), "stalled", True),  # over the loading limit
@@ -332,3 +336,37 @@ def test_a_week_of_preemptions_with_progress_never_gives_up(tmp_path: Path) -> N
     preempt = incident(5, error={"type": "Preempted"})
     stuck = [restarted(0, failed_step=5, error={"type": "Preempted"})] * 5
     assert give_up_reason(run(*stuck, preempt), c, preempt) is None
+
+
+PREEMPTED = {"type": "Preempted", "preempted": True}
+
+
+@pytest.mark.parametrize(
+    ("max_preemptions", "history", "gives_up"),
+    [
+        (-1, [restarted(0, failed_step=5, error=PREEMPTED)] * 30, False),  # unlimited: spot capacity comes back
+        (3, [restarted(0, failed_step=5, error=PREEMPTED)] * 2, False),
+        (3, [restarted(0, failed_step=5, error=PREEMPTED)] * 3, True),  # bounded: an endless eviction loop ends
+        (3, [restarted(0, failed_step=5, error=PREEMPTED)] * 2 + [restarted(200)] * 5, False),  # progress resets
+    ],
+)
+def test_preemptions_are_bounded_by_their_own_budget_and_back_off(
+    tmp_path: Path, max_preemptions: int, history: list, gives_up: bool
+) -> None:
+    c = cfg(tmp_path, f"fault_tolerance.max_preemptions={max_preemptions}", "fault_tolerance.max_restarts=1",
+            "fault_tolerance.progress_resets_budget_steps=100", "fault_tolerance.restart_backoff_s=2")  # fmt: skip
+    now = incident(5, error=PREEMPTED)
+    reason = give_up_reason(run(*history, now), c, now)
+    assert (reason is not None) == gives_up, reason
+    if gives_up:
+        assert reason.startswith("preemption budget exhausted: 3 of fault_tolerance.max_preemptions=3")
+    used = budget_used(run(*history, now), c, now)
+    assert backoff_s(c, used) == min(2 * 2**used, 600), "each preemption in a row waits twice as long"
+
+
+def test_restarts_that_could_not_complete_count_and_end_in_a_give_up_naming_why(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "fault_tolerance.max_restarts=2")
+    now = incident(5, failed_tries=2, last_try_error="StopUnverified: the Ray cluster at http://h:8265 does not answer")
+    reason = give_up_reason(run(now), c, now)
+    assert reason.startswith("restart budget exhausted: 2 of fault_tolerance.max_restarts=2")
+    assert "2 restart(s) could not complete, the last: StopUnverified: the Ray cluster at http://h:8265" in reason

@@ -1,0 +1,213 @@
+"""The storage faults users meet first, named and never mistaken: a full disk (a real tmpfs filled to the brim) under
+the lease, the run record, an export; a lease generation nobody can read; clocks that disagree; an object store that
+ignores conditional writes; records from a newer release beside healthy runs. Real files, no cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from control import lease as leases
+from control import registry
+from control.records.run import Attempt, ClusterRecord, RunRecord
+from control.watchdog import check_run
+from ray_jobs.config import load_config
+from ray_jobs.coordination import ConditionalWritesIgnored, check_conditional_writes
+from ray_jobs.storage import Layout, StorageFull, upload_dir, write_json_atomic
+from tests.conftest import ROOT
+
+
+def cfg(storage: Path, name: str = "r"):
+    return load_config(ROOT / "configs" / "demo.yaml", [f"storage={storage}", f"name={name}"])
+
+
+@contextmanager
+def full_disk(where: Path):
+    """A 64 KiB tmpfs mounted at ``where``; yields a function that fills it to the last byte (``fill()``) and one that
+    frees it (``free()``). Needs root, as the multinode tier does."""
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True)
+    assert mounted.returncode == 0, f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode()}"
+    filler = where / ".filler"
+
+    def fill() -> None:
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True)
+
+    try:
+        yield fill, lambda: filler.unlink()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != ".filler")
+
+
+def test_a_full_disk_fails_clearly_tears_nothing_and_is_forgotten_once_freed(tmp_path: Path) -> None:
+    """ENOSPC under a run's folder: the record write, the lease and an export each fail naming the file, the old
+    record stays whole, no temporary file and no empty lease generation is left behind (an empty one was once read
+    as "being acquired" forever: the run locked even after the disk was freed); freed, everything works again."""
+    storage, c = tmp_path / "storage", cfg(tmp_path / "storage")
+    run_dir = Path(Layout(str(storage)).run_dir("r"))
+    with full_disk(run_dir) as (fill, free):
+        registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
+        before = (run_dir / "run.json").read_text()
+        fill()
+        reg = registry.load(str(storage), "r")
+        with pytest.raises(StorageFull, match=r"storage full: cannot write .*runs/r/run\.json"):
+            registry.save(str(storage), "r", reg)
+        with pytest.raises(StorageFull, match=r"runs/r/leases/"):
+            leases.acquire(str(storage), "r")
+        with pytest.raises(StorageFull):  # a flow waiting for the lease says why, not "held by someone"
+            leases.acquire_wait(str(storage), "r", wait_s=0.5)
+        local = tmp_path / "final"
+        local.mkdir()
+        (local / "model.safetensors").write_bytes(os.urandom(200_000))
+        with pytest.raises(StorageFull):
+            upload_dir(str(local), str(run_dir / "final"))
+        assert (run_dir / "run.json").read_text() == before, "the record is the old one, whole"
+        assert leftovers(run_dir) == ["leases", "run.json"], "no temporary file, no half-made folder"
+        assert leftovers(run_dir / "leases") == ["lease-00000001.json"], "only the flow's released generation"
+        free()
+        lease = leases.acquire(str(storage), "r")
+        assert lease is not None and lease.generation == 2
+        with lease:
+            registry.save(str(storage), "r", reg)
+        assert check_run(str(storage), "r").action not in ("skipped", "storage-full")
+
+
+def test_an_unreadable_lease_generation_runs_out_by_its_stamp(tmp_path: Path) -> None:
+    lease_dir = Path(Layout(str(tmp_path)).lease_dir("r"))
+    lease_dir.mkdir(parents=True)
+    torn = lease_dir / "lease-00000003.json"
+    torn.write_bytes(b"")  # what an exclusive create then a failed write left behind, in releases before this one
+    assert leases.holder(str(tmp_path), "r") == {"owner": "(unreadable lease file)", "generation": 3}
+    assert leases.acquire(str(tmp_path), "r") is None, "a fresh one may be a writer's, just created"
+    old = time.time() - leases.DEFAULT_TTL_S - 5
+    os.utime(torn, (old, old))
+    lease = leases.acquire(str(tmp_path), "r")
+    assert lease is not None and lease.generation == 4
+
+
+@pytest.mark.parametrize("skew_s", [-3600.0, 3600.0])
+def test_a_lease_runs_out_by_the_storages_clock_whatever_the_writers_says(tmp_path: Path, skew_s: float) -> None:
+    """A holder whose clock is an hour off writes times an hour off; expiry is the storage's stamp plus the ttl,
+    judged by the storage's clock: neither an early takeover nor a lease held for an hour."""
+    lease_dir = Path(Layout(str(tmp_path)).lease_dir("r"))
+    lease_dir.mkdir(parents=True)
+    gen = lease_dir / "lease-00000001.json"
+    body = {"owner": "skewed", "generation": 1, "ttl_s": 60, "written_at": time.time() + skew_s, "released": False,
+            "expires_at": time.time() + skew_s + 60}  # fmt: skip
+    gen.write_text(json.dumps(body))
+    assert leases.acquire(str(tmp_path), "r") is None, "stamped just now: held for its ttl"
+    old = time.time() - 61
+    os.utime(gen, (old, old))
+    assert leases.acquire(str(tmp_path), "r") is not None, "stamped 61 s ago: run out"
+
+
+def test_a_lease_kept_through_a_long_provisioning_is_not_taken_over(tmp_path: Path) -> None:
+    lease = leases.acquire(str(tmp_path), "r", ttl_s=1.0)
+    with lease.kept(every_s=0.2):
+        time.sleep(1.5)  # longer than the lease lasts: only its renewals keep it
+        assert leases.acquire(str(tmp_path), "r") is None
+    lease.check()  # still the run's, by the holder's own clock
+    time.sleep(1.1)
+    with pytest.raises(leases.LeaseLost, match="expired"):
+        lease.check()  # no renewal for longer than its ttl: it acts no more
+
+
+class IgnoresConditionalWrites(MemoryFileSystem):
+    """An S3-compatible store that accepts ``If-None-Match: *`` and ignores it."""
+
+    protocol = "ignorant"
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        return super().pipe_file(path, value, **kwargs)
+
+
+def test_an_object_store_that_ignores_conditional_writes_is_refused_before_the_first_lease() -> None:
+    fsspec.register_implementation("ignorant", IgnoresConditionalWrites, clobber=True)
+    with pytest.raises(ConditionalWritesIgnored, match="ignores conditional writes"):
+        leases.acquire("ignorant://bucket/storage", "r")
+    assert not [p for p in IgnoresConditionalWrites().find("/bucket") if "lease-" in p], "no lease was taken"
+    check_conditional_writes("memory://bucket/storage/runs/r/leases")  # one that honours them: accepted
+
+
+def _record(storage: Path, run: str, tree: dict | bytes) -> None:
+    path = Path(Layout(str(storage)).run_registry(run))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(tree if isinstance(tree, bytes) else json.dumps(tree).encode())
+    marker = Path(Layout(str(storage)).active_index()) / run
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
+def test_records_this_release_cannot_read_are_named_and_never_hide_the_others(tmp_path: Path) -> None:
+    healthy = RunRecord(name="healthy", state="running", config=json.loads(cfg(tmp_path, "healthy").model_dump_json()),
+                        cluster=ClusterRecord(address="http://127.0.0.1:1", backend="local"),
+                        attempts=[Attempt(attempt=1, submission_id="s", started_at=time.time(),
+                                          started_by="finetune-flow", status="RUNNING")])  # fmt: skip
+    registry.save(str(tmp_path), "healthy", healthy)
+    _record(tmp_path, "from-the-future", {"schema_version": 99, "state": "running", "attempts": []})
+    _record(tmp_path, "torn", b'{"state": "runn')
+    _record(tmp_path, "strange", {"state": "running", "attempts": [], "colour": "blue"})
+    unreadable: list[tuple[str, str]] = []
+    assert registry.active_runs(str(tmp_path), unreadable) == ["healthy"]
+    why = dict(unreadable)
+    assert "runs/from-the-future/run.json: schema_version 99 is newer than this unbroken reads (3)" in why[
+        "from-the-future"]  # fmt: skip
+    assert "runs/torn/run.json: not a JSON record" in why["torn"]
+    assert "runs/strange/run.json: colour" in why["strange"]
+    for run in why:  # asked directly, each is left alone with the same reason, never an exception
+        outcome = check_run(str(tmp_path), run)
+        assert outcome.action == "unreadable" and f"runs/{run}/run.json" in outcome.detail
+
+
+def test_a_malformed_failure_line_is_no_root_cause(monkeypatch) -> None:
+    from control import jobsapi
+    from control.watchdog.observe import job_failure
+
+    for log in ('UNBROKEN_FAILURE {"type": "Runt', "UNBROKEN_FAILURE [1, 2]", 'UNBROKEN_FAILURE {"message": "x"}'):
+        monkeypatch.setattr(jobsapi, "job_logs", lambda address, sid, log=log: f"step 3\n{log}\n")
+        assert job_failure("http://h:8265", "s") is None
+    monkeypatch.setattr(jobsapi, "job_logs", lambda a, s: 'UNBROKEN_FAILURE {"type": "OSError", "message": "disk"}')
+    assert job_failure("http://h:8265", "s") == {"type": "OSError", "message": "disk"}
+
+
+def test_a_beating_heartbeat_is_told_from_a_dying_writers_last_word(tmp_path: Path) -> None:
+    """A restart waits for the old job's heartbeat to go quiet: a writer that keeps writing is alive (two new beats
+    within a few of its beats); one last write after the job ended is not."""
+    from control.watchdog.restart import still_beating
+
+    c = load_config(ROOT / "configs" / "demo.yaml", [f"storage={tmp_path}", "name=r",
+                                                     "fault_tolerance.heartbeat_every_s=0.2"])  # fmt: skip
+    reg = RunRecord(name="r", attempts=[Attempt(attempt=1, submission_id="s", started_at=0, started_by="watchdog")])
+    url = Layout(str(tmp_path)).heartbeat("r")
+    beat = lambda: write_json_atomic(url, {"attempt": 1, "step": 5, "time": time.time()})  # noqa: E731
+    beat()
+    threading.Timer(0.1, beat).start()  # one last word
+    assert still_beating(c, reg) is None
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.wait(0.2):
+            beat()
+
+    threading.Thread(target=writer, daemon=True).start()
+    try:
+        assert still_beating(c, reg)["step"] == 5
+    finally:
+        stop.set()
+    old = time.time() - 10
+    os.utime(url, (old, old))
+    started = time.monotonic()
+    assert still_beating(c, reg) is None and time.monotonic() - started < 0.5, "an old heartbeat: no wait at all"
