@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -197,3 +200,69 @@ def _is_socket(fd: Path) -> bool:
 def dashboard_pids(dashboard_port: int) -> list[int]:
     """The Ray dashboard serving ``dashboard_port`` (the process listening there: it answers the Jobs API)."""
     return listening_pids(dashboard_port)
+
+
+# -- another host ---------------------------------------------------------------------------------------------
+OTHER_HOST_PASSES = """
+import json, sys, time
+from control.watchdog import check_run
+storage, run, passes, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+for _ in range(passes):
+    o = check_run(storage, run)
+    print(json.dumps({"action": o.action, "detail": o.detail}), flush=True)
+    time.sleep(every)
+"""
+
+
+class OtherHost:
+    """A second "host" sharing this machine's storage, as a laptop on the same NFS/S3 would: a network namespace
+    of its own (its 127.0.0.1 leads nowhere) and a PID namespace of its own (this machine's processes are out of its
+    reach), where watchdog passes run (``check_run``, the watchdog's whole work on one run) in the background."""
+
+    def __init__(self, name: str):
+        self.ns = name
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)  # a crashed session's leftover
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        self.proc = None
+
+    def watchdog_passes(self, storage: str, run: str, passes: int, every_s: float, env: dict) -> None:
+        cmd = ["ip", "netns", "exec", self.ns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+               sys.executable, "-c", OTHER_HOST_PASSES, storage, run, str(passes), str(every_s)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def outcomes(self, timeout_s: float = 120) -> list[dict]:
+        """What each pass did (waits for the passes to end)."""
+        out, err = self.proc.communicate(timeout=timeout_s)
+        assert self.proc.returncode == 0, f"the other host's watchdog failed:\n{err[-3000:]}"
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+    def __enter__(self) -> OtherHost:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- a full disk ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def small_disk(where: Path, size: str = "64k"):
+    """A tmpfs of ``size`` mounted over ``where`` (root, as the multinode tier); yields ``(fill, free)``: fill it to
+    the last byte, free it again. Unmounted when the block ends."""
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    assert mounted.returncode == 0, f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode()}"
+    filler = where / ".filler"
+
+    def fill() -> None:
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True)
+
+    try:
+        yield fill, lambda: filler.unlink()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

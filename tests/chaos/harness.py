@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from control.backends.base import ClusterHandle, jobs_client
 from control.jobs import submit, write_job_spec
 from control.records.describe import describe
 from control.registry import submission_id
+from control.watchdog import check_run
 from ray_jobs.config import Config, load_config
 from ray_jobs.storage import Layout, join, read_bytes
 from ray_jobs.train import rowtrace
@@ -162,3 +164,50 @@ def until_finished(cfg: Config, logs: list[Path] = (), timeout_s: float = 300) -
     except TimeoutError:
         tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in logs)
         raise AssertionError(f"{describe(cfg.storage, cfg.name)}\n{tails}") from None
+
+
+class WatchdogLoop:
+    """The watchdog's passes over one run, in a thread, until the run ends; every outcome is kept."""
+
+    def __init__(self, cfg: Config, every_s: float = 1.0):
+        self.cfg, self.every_s, self.outcomes = cfg, every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.outcomes.append(check_run(self.cfg.storage, self.cfg.name))
+            except Exception as e:  # a pass that could not finish (e.g. storage away) is retried, as served
+                self.outcomes.append(e)
+
+    def __enter__(self) -> WatchdogLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def actions(self) -> list[str]:
+        return [o.action if hasattr(o, "action") else f"error: {o}" for o in self.outcomes]
+
+
+def ray_train_jobs(handle: ClusterHandle, cfg: Config) -> list[str]:
+    """Every training job of this run the cluster ever ran (the Jobs API's own list)."""
+    return sorted(
+        j.submission_id
+        for j in jobs_client(handle.address).list_jobs()
+        if (j.submission_id or "").startswith(f"unbroken-{cfg.name}-{registry.storage_tag(cfg.storage)}-train-")
+    )
+
+
+def check_one_attempt(reg: dict, cfg: Config, baseline: str, handle: ClusterHandle) -> list[dict]:
+    """Succeeded with one attempt and no restart; returns what the incident log says was observed."""
+    status = describe(cfg.storage, cfg.name)
+    assert reg.state == "succeeded", status
+    assert len(reg.attempts) == 1 and reg.restarts == 0, status
+    assert [i for i in reg.incidents if i.action != "observed"] == [], status
+    assert ray_train_jobs(handle, cfg) == [registry.submission_id(cfg.storage, cfg.name, 1)]
+    assert final_weights_hash(cfg) == baseline
+    return reg.incidents

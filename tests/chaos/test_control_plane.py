@@ -14,22 +14,21 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from control import registry
-from control.backends.base import ClusterHandle, jobs_client
+from control.backends.base import ClusterHandle
 from control.records.describe import describe
-from control.watchdog import check_run
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import read_rows
 from tests.chaos.harness import (
     REPORT,
+    WatchdogLoop,
     chaos_config,
+    check_one_attempt,
     final_weights_hash,
     heartbeat_step,
     job_logs,
@@ -41,7 +40,7 @@ from tests.chaos.harness import (
     wait_for,
     wait_job,
 )
-from tests.faults import FaultProxy, dashboard_pids, listening_pids, paused
+from tests.faults import FaultProxy, OtherHost, dashboard_pids, listening_pids, paused
 from tests.s3 import ENV as S3_ENV
 from tests.s3 import make_bucket, moto_server
 
@@ -55,53 +54,6 @@ CONTROL = {
     "fault_tolerance.confirm_s": 30,
     "fault_tolerance.restart_backoff_s": 1,
 }
-
-
-class WatchdogLoop:
-    """The watchdog's passes over one run, in a thread, until the run ends; every outcome is kept."""
-
-    def __init__(self, cfg: Config, every_s: float = 1.0):
-        self.cfg, self.every_s, self.outcomes = cfg, every_s, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                self.outcomes.append(check_run(self.cfg.storage, self.cfg.name))
-            except Exception as e:  # a pass that could not finish (e.g. storage away) is retried, as served
-                self.outcomes.append(e)
-
-    def __enter__(self) -> WatchdogLoop:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-    def actions(self) -> list[str]:
-        return [o.action if hasattr(o, "action") else f"error: {o}" for o in self.outcomes]
-
-
-def ray_train_jobs(handle: ClusterHandle, cfg: Config) -> list[str]:
-    """Every training job of this run the cluster ever ran (the Jobs API's own list)."""
-    return sorted(
-        j.submission_id
-        for j in jobs_client(handle.address).list_jobs()
-        if (j.submission_id or "").startswith(f"unbroken-{cfg.name}-{registry.storage_tag(cfg.storage)}-train-")
-    )
-
-
-def check_one_attempt(reg: dict, cfg: Config, baseline: str, handle: ClusterHandle) -> list[dict]:
-    """Succeeded with one attempt and no restart; returns what the incident log says was observed."""
-    status = describe(cfg.storage, cfg.name)
-    assert reg.state == "succeeded", status
-    assert len(reg.attempts) == 1 and reg.restarts == 0, status
-    assert [i for i in reg.incidents if i.action != "observed"] == [], status
-    assert ray_train_jobs(handle, cfg) == [registry.submission_id(cfg.storage, cfg.name, 1)]
-    assert final_weights_hash(cfg) == baseline
-    return reg.incidents
 
 
 def training_started(cfg: Config, past_step: int = 20) -> None:
@@ -125,29 +77,49 @@ def test_502s_and_resets_from_the_jobs_api_for_20s_are_observed_not_acted_on(ray
         faulted = proxy.faulted()
     assert faulted, "the proxy never faulted a request: the scenario tested nothing"
     observed = check_one_attempt(reg, cfg, baseline, ray_cluster)
-    assert [i.kind for i in observed] == ["cluster-unreachable"], describe(cfg.storage, cfg.name)
+    # the job's heartbeat stayed fresh: the API is what failed, observed as such
+    assert [i.kind for i in observed] == ["api-unreachable"], describe(cfg.storage, cfg.name)
     assert "observing" in dog.actions() and "restarted" not in dog.actions()
     REPORT.append({"scenario": "Jobs API 502s + resets 20 s", "detected_by": "watchdog (observed, no action)",
                    "detection_s": observed[0].detected_at - fault_at, "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
 
 
-def test_a_dashboard_stopped_for_20s_is_observed_not_acted_on(ray_cluster, baseline, tmp_path) -> None:
-    cfg = chaos_config(tmp_path / "storage", "dashboard-stop", **CONTROL)
-    start_run(ray_cluster, cfg, env=SLOW_STEPS)
-    with WatchdogLoop(cfg) as dog:
-        training_started(cfg)
-        fault_at = time.time()
-        pids = dashboard_pids(int(ray_cluster.address.rsplit(":", 1)[1]))
-        assert pids, "no dashboard process found for the chaos head"
-        with paused(pids, 20):
-            time.sleep(20)
-        reg = until_finished(cfg)
+def test_a_jobs_api_silent_for_five_confirmation_windows_while_the_job_trains_stops_nothing(
+    ray_cluster, baseline, tmp_path
+) -> None:
+    """The run reaches its cluster through a port-forward (a proxy) that dies for 10 s (connections reset), then the
+    dashboard behind it hangs for 15 s (SIGSTOP): 25 s of silence, five times confirm_s, while the job trains and
+    its heartbeat stays fresh. Nothing is stopped or restarted -- the silence is an observed incident of its own --
+    one attempt, bit-identical. Meanwhile a watchdog on a second host (its own network and PID namespaces, the same
+    storage) looks at the run every second: a local head it cannot see from there is left alone, said why."""
+    cfg = chaos_config(tmp_path / "storage", "api-silent", **CONTROL | {"fault_tolerance.confirm_s": 5})
+    host, port = ray_cluster.address.removeprefix("http://").split(":")
+    with FaultProxy(host, int(port)) as forward, OtherHost(f"ubwd{os.getpid() % 10000}") as laptop:
+        via_forward = ClusterHandle(forward.url, forward.url, False, sys.executable)
+        start_run(via_forward, cfg, env=SLOW_STEPS)
+        with WatchdogLoop(cfg) as dog:
+            training_started(cfg)
+            laptop.watchdog_passes(cfg.storage, cfg.name, passes=15, every_s=1.0, env=dict(os.environ))
+            fault_at = time.time()
+            forward.set("reset")  # the port-forward died
+            time.sleep(10)
+            forward.set("pass")
+            pids = dashboard_pids(int(port))
+            assert pids, "no dashboard process found for the chaos head"
+            with paused(pids, 15):  # it is back, and the dashboard behind it hangs
+                time.sleep(15)
+            reg = until_finished(cfg)
+        elsewhere = laptop.outcomes()
     observed = check_one_attempt(reg, cfg, baseline, ray_cluster)
-    assert {i.kind for i in observed} <= {"cluster-unreachable"}, describe(cfg.storage, cfg.name)
-    assert "restarted" not in dog.actions()
-    REPORT.append({"scenario": "dashboard SIGSTOP 20 s", "detected_by": "watchdog (observed, no action)",
-                   "detection_s": (observed[0].detected_at - fault_at) if observed else None,
-                   "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
+    assert [i.kind for i in observed if i.kind != "cluster-unreachable"] == ["api-unreachable"], describe(
+        cfg.storage, cfg.name)  # fmt: skip
+    silence = next(i for i in observed if i.kind == "api-unreachable")
+    assert silence.cleared_at is not None and silence.held_s >= 15, describe(cfg.storage, cfg.name)
+    assert "restarted" not in dog.actions() and "restart-failed" not in dog.actions(), dog.actions()
+    assert len(elsewhere) == 15 and {o["action"] for o in elsewhere} == {"elsewhere"}, elsewhere
+    assert "net_ns" in elsewhere[0]["detail"] and "left to a watchdog on that host" in elsewhere[0]["detail"]
+    REPORT.append({"scenario": "Jobs API silent 25 s (5x confirm)", "detected_by": "watchdog (observed, no action)",
+                   "detection_s": silence.detected_at - fault_at, "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
 
 
 def test_an_export_longer_than_the_stall_limit_is_not_a_stall(ray_cluster, baseline, tmp_path) -> None:

@@ -9,6 +9,7 @@ must end with weights bit-identical to the uninterrupted baseline.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -106,9 +107,10 @@ def check_recovered(cfg: Config, reg: dict, baseline: str, kind: str, fault_at: 
     """The run finished by exactly one restart, bit-identical to the baseline; its cost goes into the report."""
     status = describe(cfg.storage, cfg.name)
     assert reg.state == "succeeded", status
-    assert [i.kind for i in reg.incidents] == [kind], status
+    # (an API silent while the heartbeat was still fresh is observed on the way: the job may have lived)
+    assert [i.kind for i in reg.incidents if i.action != "observed"] == [kind], status
     assert reg.restarts == 1 and len(reg.attempts) == 2, status
-    incident = reg.incidents[0]
+    incident = next(i for i in reg.incidents if i.action != "observed")
     assert incident.action == "restarted" and incident.new_attempt == 2, status
     assert reg.attempts[1].started_by == "watchdog"
     assert reg.attempts[1].resume_from == incident.resumed_from
@@ -128,7 +130,13 @@ def started_and_checkpointed(cfg: Config, past_step: int = 50) -> None:
 
 
 def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, baseline, watched, watchdogs) -> None:
+    """... with a run record from a newer release marked active beside it (written by a newer unbroken on the same
+    storage): both watchdogs name it, count it, skip it, and still recover this run."""
     cfg = watched_config(watched, "driver-kill")
+    newer = Path(Layout(str(watched)).run_registry("from-a-newer-release"))
+    newer.parent.mkdir(parents=True, exist_ok=True)
+    newer.write_text(json.dumps({"schema_version": 99, "name": "from-a-newer-release", "state": "running"}))
+    Path(Layout(str(watched)).active_index(), "from-a-newer-release").touch()
     start_run(ray_cluster, cfg)
     started_and_checkpointed(cfg)
     pid = wait_for("the job driver", lambda: driver_pid(cfg))
@@ -143,6 +151,10 @@ def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, base
     assert counted("unbroken_watchdog_restarts_total", run=cfg.name) == 1
     assert counted("unbroken_watchdog_incidents_total", run=cfg.name, kind="job-failed") == 1
     assert counted("unbroken_watchdog_passes_total") > 0
+    assert counted("unbroken_watchdog_left_alone_total", run="from-a-newer-release", reason="unreadable") >= 2
+    for log in watchdogs:  # named by each (its log and its printed outcome) -- once, not once a pass
+        said = log.read_text().count("from-a-newer-release/run.json: schema_version 99 is newer than this unbroken")
+        assert 1 <= said <= 2, said
 
 
 def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, watched, watchdogs) -> None:

@@ -20,6 +20,7 @@ from control.backends import (
     record,
 )
 from control.backends.base import ClusterHandle
+from control.backends.localhost import host_identity
 from control.config import load_config
 from ray_jobs.storage import Layout
 from tests.conftest import ROOT
@@ -61,6 +62,8 @@ def test_the_run_record_says_who_owns_the_cluster_and_gives_the_handle_back(name
     c = cfg(name)
     spec = {"made": "from this"}
     rec = record(c, {"address": "http://h:8265", "started_here": True, "spec": spec, "python": "x"})
+    if local_head:  # recorded where the head runs: the host is part of it (a watchdog elsewhere leaves it alone)
+        spec = spec | {"host": host_identity()}
     assert rec == {"address": "http://h:8265", "backend": name, "spec": spec, "mode": mode, "started_here": True}
     handle = handle_from_record(rec)
     assert (handle.backend, handle.local, handle.started_here, handle.spec) == (name, local_head, True, spec)

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
@@ -20,32 +18,16 @@ from control import lease as leases
 from control import registry
 from control.records.run import Attempt, ClusterRecord, RunRecord
 from control.watchdog import check_run
+from ray_jobs.checkpoint.format import Part, write_part
 from ray_jobs.config import load_config
 from ray_jobs.coordination import ConditionalWritesIgnored, check_conditional_writes
 from ray_jobs.storage import Layout, StorageFull, upload_dir, write_json_atomic
 from tests.conftest import ROOT
+from tests.faults import small_disk
 
 
 def cfg(storage: Path, name: str = "r"):
     return load_config(ROOT / "configs" / "demo.yaml", [f"storage={storage}", f"name={name}"])
-
-
-@contextmanager
-def full_disk(where: Path):
-    """A 64 KiB tmpfs mounted at ``where``; yields a function that fills it to the last byte (``fill()``) and one that
-    frees it (``free()``). Needs root, as the multinode tier does."""
-    where.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True)
-    assert mounted.returncode == 0, f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode()}"
-    filler = where / ".filler"
-
-    def fill() -> None:
-        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True)
-
-    try:
-        yield fill, lambda: filler.unlink()
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -58,7 +40,7 @@ def test_a_full_disk_fails_clearly_tears_nothing_and_is_forgotten_once_freed(tmp
     as "being acquired" forever: the run locked even after the disk was freed); freed, everything works again."""
     storage, c = tmp_path / "storage", cfg(tmp_path / "storage")
     run_dir = Path(Layout(str(storage)).run_dir("r"))
-    with full_disk(run_dir) as (fill, free):
+    with small_disk(run_dir) as (fill, free):
         registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
         before = (run_dir / "run.json").read_text()
         fill()
@@ -74,6 +56,12 @@ def test_a_full_disk_fails_clearly_tears_nothing_and_is_forgotten_once_freed(tmp
         (local / "model.safetensors").write_bytes(os.urandom(200_000))
         with pytest.raises(StorageFull):
             upload_dir(str(local), str(run_dir / "final"))
+        ckpt = run_dir / "checkpoint-step-00000010"
+        with pytest.raises(StorageFull, match="checkpoint-step-00000010/rank-0.json"):
+            write_part(Part(10, {"rank-0.json": ("json", {"pad": "x" * 200_000})}), str(ckpt))
+        if ckpt.exists():  # the folder may be made; nothing in it
+            assert leftovers(ckpt) == [], "a checkpoint part that did not fit left nothing"
+            ckpt.rmdir()
         assert (run_dir / "run.json").read_text() == before, "the record is the old one, whole"
         assert leftovers(run_dir) == ["leases", "run.json"], "no temporary file, no half-made folder"
         assert leftovers(run_dir / "leases") == ["lease-00000001.json"], "only the flow's released generation"
@@ -211,3 +199,20 @@ def test_a_beating_heartbeat_is_told_from_a_dying_writers_last_word(tmp_path: Pa
     os.utime(url, (old, old))
     started = time.monotonic()
     assert still_beating(c, reg) is None and time.monotonic() - started < 0.5, "an old heartbeat: no wait at all"
+
+
+@pytest.mark.parametrize("error", [ConnectionError("connection refused"), TimeoutError("read timed out"),
+                                   PermissionError(13, "Permission denied")])  # fmt: skip
+def test_a_storage_that_does_not_answer_is_named_as_such_never_taken_for_the_runs_trouble(
+    tmp_path: Path, monkeypatch, error: Exception
+) -> None:
+    """The watchdog cannot read the storage either: its pass says ``storage-unreachable`` (counted), and decides
+    nothing about the run -- a heartbeat the storage kept from being fresh is confirmed stale only once it is back."""
+    registry.begin_attempt(cfg(tmp_path), {"address": "http://x:8265"}, "ds-1")
+
+    def away(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(registry, "load", away)
+    outcome = check_run(str(tmp_path), "r")
+    assert outcome.action == "storage-unreachable" and type(error).__name__ in outcome.detail
