@@ -75,6 +75,12 @@ def _incident_line(i: Incident) -> str:
     elif action == "noted":  # a health finding: named, never a restart (a lost node may be asked back: repair)
         what = "noted" + (f", cleared {_when(i.cleared_at)}" if i.cleared_at else ", still holds")
         what += f"; {i.repair}" if i.repair else ""
+    elif action == "observed":  # a sign that did not hold, or channels that disagreed: nothing was done
+        looks = f" over {i.observations} looks" if i.observations else ""
+        held = f"held {i.held_s:.0f}s{looks}" if i.held_s is not None else f"still holds ({i.observations or 1} looks)"
+        what = f"observed, nothing done; {held}"
+    elif i.failed_tries and i.open:
+        what = f"{action}: {i.failed_tries} restart(s) could not complete, the last: {i.last_try_error}"
     else:
         what = action + (f": {i.reason}" if i.reason else "")
     detail = f"\n    {i.detail}" if i.detail else ""

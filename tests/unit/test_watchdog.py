@@ -147,10 +147,15 @@ def test_status_shows_incidents_with_their_cost(tmp_path: Path) -> None:
                  new_attempt=2, resumed_step=80, lost_steps=17, silent_s=25.4, time_to_recover_s=12.0,
                  detail="made no step for 25s")
     )  # fmt: skip
+    reg.incidents.append(
+        Incident(kind="api-unreachable", attempt=2, detected_by="watchdog", detected_at=time.time(),
+                 action="observed", observations=7, detail="the Jobs API at http://x:8265 gave no answer")
+    )  # fmt: skip
     reg.restarts = 1
     registry.save(c.storage, "r", reg)
     text = describe(c.storage, "r")
     assert "restarts: 1 of 3" in text
+    assert "api-unreachable (attempt 2, by watchdog): observed, nothing done; still holds (7 looks)" in text
     assert (
         "stalled (attempt 1, by watchdog): restarted as attempt 2 from step 80; lost steps 17; "
         "silent 25.4s before detection; first new step 12.0s after detection" in text
