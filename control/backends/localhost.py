@@ -107,10 +107,15 @@ def check_identity(cfg: Config, session: str | None) -> None:
         raise HeadMismatch(f"{ports}: a Ray head that unbroken did not start answers on these ports; stop it or "
                            "give the run other ports")  # fmt: skip
     ours = head_identity(cfg)
-    what = {"interpreter": "interpreter", "project": "project checkout", "version": "unbroken version",
-            "env_passthrough": "cluster.env_passthrough", "env_digest": "values of cluster.env_passthrough"}  # fmt: skip
-    differ = [f"{label} {theirs.get(k)!r} (this run: {ours[k]!r})" if k != "env_digest" else label
-              for k, label in what.items() if theirs.get(k) != ours[k]]  # fmt: skip
+    what = {"interpreter": "interpreter", "project": "project checkout", "version": "unbroken version"}
+    differ = [f"{label} {theirs.get(k)!r} (this run: {ours[k]!r})" for k, label in what.items()
+              if theirs.get(k) != ours[k]]  # fmt: skip
+    theirs_env, ours_env = set(theirs.get("env_passthrough") or []), set(ours["env_passthrough"])
+    if theirs_env != ours_env:
+        differ.append(f"cluster.env_passthrough (only the head's: {sorted(theirs_env - ours_env)}, only this run's: "
+                      f"{sorted(ours_env - theirs_env)})")  # fmt: skip
+    elif theirs.get("env_digest") != ours["env_digest"]:
+        differ.append("values of cluster.env_passthrough (credentials, endpoints)")
     if differ:
         raise HeadMismatch(f"{ports}: the Ray head on these ports was started with another {'; '.join(differ)} -- "
                            "its jobs would run with that; stop it (or let its runs end) or give this run other "

@@ -75,7 +75,10 @@ def _started_with(tmp_path: Path, monkeypatch, c, session: str = "session_1", **
         ({"interpreter": "/other/checkout/.venv/bin/python3.11"}, "interpreter '/other/checkout/.venv/bin/python3.11'"),
         ({"project": "/other/checkout"}, "project checkout '/other/checkout'"),
         ({"version": "0.0.9"}, "unbroken version '0.0.9'"),
-        ({"env_passthrough": ["AWS_PROFILE"]}, "cluster.env_passthrough ['AWS_PROFILE']"),
+        (
+            {"env_passthrough": ["AWS_PROFILE", "HF_TOKEN"]},
+            "cluster.env_passthrough (only the head's: ['HF_TOKEN'], only this run's: ['AWS_ACCESS_KEY_ID', ",
+        ),
         ({"env_digest": "0" * 16}, "values of cluster.env_passthrough"),  # e.g. no S3 credentials when it started
     ],
 )
