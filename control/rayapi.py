@@ -4,13 +4,11 @@ secrets out of every message."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import sys
-from pathlib import Path
 
 from ray_jobs.ray_private import auth_headers
+from ray_jobs.secrets import mask
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
@@ -61,21 +59,7 @@ def first_line(text: str, limit: int = 300) -> str:
     return (text.strip().splitlines() or [""])[0][:limit]
 
 
-# -- secrets --------------------------------------------------------------------------------------------------
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.IGNORECASE)
-
-
-def _secrets() -> list[str]:
-    """Values that must never appear in a message: the Ray auth token, and secret-looking variables' values."""
-    values = [v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 8]
-    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    with contextlib.suppress(OSError):
-        values.append(token_file.read_text().strip())
-    return sorted({v for v in values if len(v) >= 8}, key=len, reverse=True)
-
-
 def redact(text: str) -> str:
-    """``text`` with every secret value masked."""
-    for value in _secrets():
-        text = text.replace(value, "***")
-    return text
+    """``text`` with every secret masked: the Ray auth token, secret-looking variables' values, URI passwords and
+    secret query parameters -- the one rule of everything a run writes or shows (ray_jobs/secrets.py)."""
+    return mask(text)
