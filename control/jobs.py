@@ -22,6 +22,7 @@ from control.confirm import Suspicion
 from control.logs import run_logger
 from ray_jobs.config import Config
 from ray_jobs.poll import poll_until
+from ray_jobs.secrets import MaskedError
 from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.metrics import MetricsTail
 
@@ -35,8 +36,8 @@ WORKING_DIR_EXCLUDES = [
 ]  # fmt: skip
 
 
-class JobFailed(RuntimeError):
-    """A Ray job ended in a state other than SUCCEEDED."""
+class JobFailed(MaskedError, RuntimeError):
+    """A Ray job ended in a state other than SUCCEEDED. Its message (a flow run's state) is masked, as ClusterError's."""
 
 
 class ClusterLost(JobFailed):

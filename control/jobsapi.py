@@ -76,6 +76,19 @@ def job_logs(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> 
         return None
 
 
+def job_env(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> dict[str, str] | None:
+    """The environment variables the job was submitted with (its runtime_env's ``env_vars``, as the Jobs API reports
+    them), or None when they cannot be read now (no answer, no such job, a body without them)."""
+    r, _ = _get(address, f"/api/jobs/{submission_id}", timeout_s)
+    if r is None or r.status_code != 200:
+        return None
+    try:
+        env = (r.json().get("runtime_env") or {}).get("env_vars")
+    except (ValueError, AttributeError):
+        return None
+    return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else None
+
+
 def stop_job(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> None:
     """Ask Ray to stop the job; the caller verifies with :func:`read_job` that it ended."""
     import requests

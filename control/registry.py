@@ -21,6 +21,7 @@ from control.backends import record as cluster_record
 from control.records.base import RecordError
 from control.records.run import ACTIVE, STATES, Attempt, ClusterRecord, Incident, RunRecord
 from ray_jobs.config import Config
+from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import (
     Layout,
     exists,
@@ -175,7 +176,7 @@ def check_compatible(cfg: Config, dataset_id: str) -> None:
     reg = load(cfg.storage, cfg.name)
     if reg is None or not reg.config:
         return
-    new = json.loads(cfg.model_dump_json())
+    new = mask_tree(json.loads(cfg.model_dump_json()))  # as run.json holds it: masked
     changed = [
         f"{f}: {_pick(reg.config, f)!r} -> {_pick(new, f)!r}"
         for f in FIXED_FIELDS

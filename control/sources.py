@@ -16,12 +16,13 @@ import posixpath
 from pathlib import Path
 
 from ray_jobs.config import Config
+from ray_jobs.secrets import MaskedError, mask_tree
 
 LOCAL = ("", "file", "local")
 
 
-class SourceRefused(ValueError):
-    """A dataset URI outside ``data.allowed_sources``."""
+class SourceRefused(MaskedError, ValueError):
+    """A dataset URI outside ``data.allowed_sources`` (named masked: the message is a flow run's state)."""
 
 
 def _split(uri: str) -> tuple[str, str]:
@@ -73,5 +74,5 @@ def rejected_event(cfg: Config, dataset_uri: str | None, reason: str) -> None:
     emit_event(
         event="unbroken.dataset.rejected",
         resource={"prefect.resource.id": f"unbroken.run.{cfg.name}", "prefect.resource.name": cfg.name},
-        payload={"dataset_uri": dataset_uri, "reason": reason, "allowed": allowed_prefixes(cfg)},
+        payload=mask_tree({"dataset_uri": dataset_uri, "reason": reason, "allowed": allowed_prefixes(cfg)}),
     )

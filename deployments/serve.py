@@ -27,6 +27,7 @@ from flows.sensor import EVENT, dataset_sensor
 from flows.stage import stage_flow
 from flows.tune import tune
 from flows.watchdog import watchdog
+from ray_jobs.secrets import export_credentials
 
 
 @dataclass
@@ -84,7 +85,9 @@ def _checked(opts: ServeOptions) -> tuple[str, str, str, list[str]]:
     check_allowed_source(cfg, str(absolute_url(source)))  # what the sensor announces, the finetune flow must accept
     retrain = [f"storage={storage}", *serve_name(cfg.name)]
     load_config(config, retrain)
-    return config, storage, str(absolute_url(source)), retrain
+    # The sensor's source becomes a flow run parameter, which Prefect stores and shows: masked, its credentials kept
+    # in this process's UNBROKEN_CREDENTIALS, which the flow runs it serves inherit (flows/sensor.py reveals it).
+    return config, storage, export_credentials([str(absolute_url(source))])[0], retrain
 
 
 def _tune_config(opts: ServeOptions, storage: str) -> str:

@@ -78,7 +78,7 @@ def stop_ray_job(flow_run, why: str) -> str | None:
     _, reg, attempt = found
     sid = attempt.submission_id
     try:
-        stopped = stop_and_wait(reg.cluster.address, sid, wait_s=30)
+        stopped = stop_and_wait(reg.cluster.url(), sid, wait_s=30)
     except ClusterError as e:
         run_logger().warning("flow run %s %s: %s", flow_run.name, why, e)
         return sid

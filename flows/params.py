@@ -6,6 +6,7 @@ from __future__ import annotations
 from control.config import Config, load_config, validate
 from control.sources import check_allowed_source
 from ray_jobs.config.loading import raw_config
+from ray_jobs.secrets import reveal
 
 
 def run_config(config_path: str | None, overrides: list[str] | None = None, dataset_uri: str | None = None) -> Config:
@@ -15,6 +16,7 @@ def run_config(config_path: str | None, overrides: list[str] | None = None, data
     cfg = load_config(config_path, overrides)
     if not dataset_uri:
         return cfg
+    dataset_uri = reveal(dataset_uri)  # an event names a source masked (flows/sensor.py); its credentials are ours
     uri = check_allowed_source(cfg, dataset_uri)
     # Set as the string it is, never as a ``data.train=...`` override: an override's value is YAML, so the URI
     # "'/etc/passwd'" (a relative path under the allowed working folder) would become /etc/passwd.

@@ -24,6 +24,7 @@ from control.logs import run_logger
 from ray_jobs.config import absolute_url
 from ray_jobs.data.fingerprint import file_version
 from ray_jobs.data.staging import list_sources
+from ray_jobs.secrets import mask, reveal
 from ray_jobs.storage import fs_and_path, join, read_json, write_json_atomic
 
 EVENT = "unbroken.dataset.updated"
@@ -35,7 +36,8 @@ def fingerprint(source: str) -> dict[str, Any]:
     for url in list_sources(source, "source"):
         fs, path = fs_and_path(url)
         info = fs.info(path)
-        files.append({"file": url, "size": info.get("size"), "version": file_version(info)})
+        # masked: the state file and the event show it (a change of password is no change of data)
+        files.append({"file": mask(url, ()), "size": info.get("size"), "version": file_version(info)})
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
     return {"source": source, "fingerprint": digest, "files": files}
 
@@ -57,7 +59,9 @@ def dataset_sensor(source: str, storage: str = ".unbroken/storage") -> dict[str,
     """Look at ``source``; emit ``unbroken.dataset.updated`` (payload: ``dataset_uri``) if it changed since the
     last look. Returns what was seen and whether an event went out."""
     log = run_logger()
-    source, storage = absolute_url(source), absolute_url(storage)
+    # a served sensor's source parameter is masked (deployments/serve.py): revealed from UNBROKEN_CREDENTIALS to be
+    # read, masked again wherever it is shown (the event's payload names it; the finetune flow reveals it the same way)
+    source, storage = reveal(absolute_url(source)), absolute_url(storage)
     now = fingerprint(source)
     url = state_url(storage, source)
     try:
@@ -69,9 +73,9 @@ def dataset_sensor(source: str, storage: str = ".unbroken/storage") -> dict[str,
         added = sorted({f["file"] for f in now["files"]} - {f["file"] for f in before["files"]})
         emit_event(
             event=EVENT,
-            resource={"prefect.resource.id": resource_id(source), "prefect.resource.name": source},
+            resource={"prefect.resource.id": resource_id(source), "prefect.resource.name": mask(source, ())},
             payload={
-                "dataset_uri": source,
+                "dataset_uri": mask(source, ()),
                 "fingerprint": now["fingerprint"],
                 "previous": before["fingerprint"],
                 "files": len(now["files"]),

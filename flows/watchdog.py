@@ -20,6 +20,7 @@ from control import registry
 from control.logs import run_logger
 from control.watchdog import Outcome, check_run, janitor, metrics
 from ray_jobs.config import absolute_url
+from ray_jobs.secrets import mask_tree
 
 EVENTS = {"restarted": "unbroken.run.recovered", "gave-up": "unbroken.run.gave-up"}
 
@@ -38,7 +39,7 @@ def emit(outcome: Outcome) -> None:
     emit_event(
         event=name,
         resource={"prefect.resource.id": f"unbroken.run.{outcome.run}", "prefect.resource.name": outcome.run},
-        payload={"run": outcome.run, "detail": outcome.detail, "incident": incident},
+        payload=mask_tree({"run": outcome.run, "detail": outcome.detail, "incident": incident}),
     )
 
 
@@ -98,5 +99,7 @@ def watchdog(storage: str = ".unbroken/storage") -> list[dict[str, Any]]:
     metrics.passed(len(active))  # served by `unbroken watchdog --metrics-port`
     rows = incidents_table(storage, active)
     if rows:
-        create_table_artifact(rows, key="watchdog-incidents", description=f"incidents of active runs under {storage}")
+        create_table_artifact(
+            mask_tree(rows), key="watchdog-incidents", description=f"incidents of active runs under {storage}"
+        )
     return outcomes

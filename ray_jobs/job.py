@@ -13,6 +13,7 @@ import os
 import sys
 
 from ray_jobs.config import Config, job_spec
+from ray_jobs.secrets import mask, mask_output
 from ray_jobs.storage import Layout, pyarrow_filesystem, read_json, strip_protocol
 
 log = logging.getLogger("unbroken.job")
@@ -59,7 +60,9 @@ def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
     fs = pyarrow_filesystem(storage)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop,
+        # Ray Train keeps the loop config in its run's state (the dashboard's Train page shows it): the config masked,
+        # revealed by each worker from the job's environment (``train.worker.run_worker``: ``from_json``)
+        train_loop_config=loop | {"config": mask(loop["config"], ())},
         torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s),
         scaling_config=scaling_config(cfg),
         run_config=RunConfig(
@@ -112,6 +115,7 @@ def root_cause(e: BaseException) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    mask_output()  # the job's log never shows a credential (ray_jobs/secrets.py); its workers mask their own
     spec, cfg = job_spec("ray_jobs.job", argv)
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from ray_jobs.config import Config, ConfigError, job_spec
+from ray_jobs.secrets import mask_output
 
 log = logging.getLogger("unbroken.local")
 
@@ -135,6 +136,7 @@ def _run(loop: dict[str, Any], rt) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    mask_output()  # what it prints never shows a credential (ray_jobs/secrets.py)
     spec, cfg = job_spec("ray_jobs.local", argv)
     from ray_jobs.job import loop_config
 

@@ -15,6 +15,7 @@ import sys
 
 from ray_jobs.config import job_spec
 from ray_jobs.job import POLL_INTERVAL_ENV, POLL_INTERVAL_S, loop_config, root_cause
+from ray_jobs.secrets import mask_output
 
 log = logging.getLogger("unbroken.search")
 
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray_jobs.search.trials import DONE, trial_states
     from ray_jobs.search.trials import trials as search_trials
 
+    mask_output()  # the job's log never shows a credential (ray_jobs/secrets.py)
     spec, cfg = job_spec("ray_jobs.search_job", argv)
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -22,6 +22,7 @@ from ray_jobs.data.sources import SourceUnreadable, StagingError
 from ray_jobs.data.staging import stage
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.progress import Reporter, Snapshot, then
+from ray_jobs.secrets import mask_output
 from ray_jobs.storage import write_json_atomic
 
 log = logging.getLogger("unbroken.stage_job")
@@ -30,6 +31,7 @@ log = logging.getLogger("unbroken.stage_job")
 def main(argv: list[str] | None = None) -> int:
     import ray
 
+    mask_output()  # the job's log never shows a credential (a source URL's)
     spec, cfg = job_spec("ray_jobs.stage_job", argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ray.init()

@@ -168,7 +168,12 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
 
 
 def write_json_atomic(url: str, obj: Any) -> None:
-    write_bytes_atomic(url, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    """``obj`` as JSON, every string in it masked (ray_jobs/secrets.py): whoever writes a record, a job spec, a
+    manifest or a tracker's links, a credential in it never reaches storage. A reader that needs one back reveals it
+    (a job's spec, a run record's config: ray_jobs/config/loading.py); one that compares compares masked values."""
+    from ray_jobs.secrets import mask_tree
+
+    write_bytes_atomic(url, (json.dumps(mask_tree(obj), indent=2, sort_keys=True) + "\n").encode())
 
 
 def download_dir(url: str, local_dir: str | os.PathLike) -> Path:

@@ -16,6 +16,7 @@ from control.jobs import entrypoint, submit, watch
 from control.watchdog.observe import live_heartbeat
 from ray_jobs.config import Config
 from ray_jobs.search.trials import DONE
+from ray_jobs.secrets import job_env
 from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import MetricsTail
 
@@ -24,8 +25,9 @@ SEARCH_POLL_S = 5.0  # how often the watch of a search reads its trials
 
 @task(name="submit-job", cache_policy=NO_CACHE)
 def submit_job(handle: ClusterHandle, submission_id: str, spec_url: str, cfg: Config) -> str:
-    """Submit the run's job: the training job (``ray_jobs.job``) or a search's (``ray_jobs.search_job``)."""
-    return submit(handle, submission_id, entrypoint(cfg), spec_url)
+    """Submit the run's job: the training job (``ray_jobs.job``) or a search's (``ray_jobs.search_job``). Its spec
+    holds the config masked; the credentials go in the job's environment (ray_jobs/secrets.py)."""
+    return submit(handle, submission_id, entrypoint(cfg), spec_url, job_env(cfg.model_dump(mode="json")))
 
 
 @task(name="watch-job", cache_policy=NO_CACHE)

@@ -55,7 +55,7 @@ def _stop_superseded_job(cfg: Config) -> None:
     reg = registry.load(cfg.storage, cfg.name)
     if reg and reg.attempts and reg.state == "recovering":
         last = reg.current
-        if stop_and_wait(reg.cluster.address, last.submission_id):
+        if stop_and_wait(reg.cluster.url(), last.submission_id):
             run_logger().warning("stopped Ray job %s of the recovering attempt", last.submission_id)
 
 

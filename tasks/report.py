@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from control.logs import run_logger
 from ray_jobs.config import Config, DataConfig
+from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout, exists, read_json
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
@@ -204,6 +205,7 @@ def publish_tracking(cfg: Config) -> None:
     links = read_json(url) if cfg.tracking.enabled and exists(url) else {}
     if not links:
         return
+    links = mask_tree(links)  # a tracker's URI shown, never its credentials (the file holds them masked already)
     create_markdown_artifact(tracking_markdown(links), key=f"{cfg.name}-tracking", description="experiment trackers")
     for name, got in links.items():
         if got.get("url"):

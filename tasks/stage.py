@@ -20,6 +20,7 @@ from ray_jobs.data.fingerprint import describe
 from ray_jobs.data.staging import StageResult, StagingError, cached, stage, summary
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.progress import Reporter, Snapshot, then
+from ray_jobs.secrets import job_env
 from ray_jobs.storage import Layout, exists, is_local, read_json, write_json_atomic
 
 PROGRESS_POLL_S = 2.0  # how often the flow reads the progress a staging job on the cluster writes (every 5 s)
@@ -131,7 +132,7 @@ def _stage_on_cluster(cfg: Config, model_path: str, handle: ClusterHandle) -> St
     write_json_atomic(spec_url, {"config": cfg.model_dump(mode="json"), "model_path": model_path,
                                  "outcome_url": outcome_url, "progress_url": progress.url})  # fmt: skip
     run_logger().info("staging on the cluster at %s (Ray job %s)", handle.address, sid)
-    submit(handle, sid, "ray_jobs.stage_job", spec_url)
+    submit(handle, sid, "ray_jobs.stage_job", spec_url, job_env(cfg.model_dump(mode="json")))  # a source's credentials
     try:
         run_to_end(handle, sid, PROGRESS_POLL_S, cfg.fault_tolerance.confirm_s, on_poll=progress.poll)
     except JobFailed as e:

@@ -14,6 +14,7 @@ import os
 import sys
 
 from control.config import ConfigError, check_flow, load_config
+from ray_jobs.secrets import export_credentials, mask, mask_logs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -254,6 +255,9 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    mask_logs()  # what this process logs (and Prefect stores of its flow runs) never shows a credential
+    if getattr(args, "overrides", None):  # a flow run's parameters are stored and shown: masked, the real URIs kept
+        args.overrides = export_credentials(args.overrides)  # in this process's UNBROKEN_CREDENTIALS (revealed on load)
     if args.command == "server":
         return cmd_server(args)
     if args.command == "status":
@@ -271,13 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_defaults()
         return COMMANDS[args.command](args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {mask(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {mask(str(e))}", file=sys.stderr)
         return 1
 
 

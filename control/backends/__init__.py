@@ -17,6 +17,7 @@ from typing import Any
 
 from control.backends.base import Backend, ClusterError, ClusterHandle, StopUnverified
 from ray_jobs.config import ClusterConfig, Config
+from ray_jobs.secrets import reveal_tree
 
 __all__ = [
     "BACKENDS", "Backend", "ClusterError", "ClusterHandle", "StopUnverified", "backend_class", "backend_for",
@@ -57,8 +58,10 @@ def record(cfg: Config, cluster: dict[str, Any]) -> dict[str, Any]:
 
 
 def handle_from_record(rec: dict[str, Any]) -> ClusterHandle:
-    """The run's cluster as its record has it. Records written before backends existed have only ``mode``: a local
-    head, or an existing cluster."""
+    """The run's cluster as its record has it, its address revealed with this process's ``UNBROKEN_CREDENTIALS``
+    (recorded masked). Records written before backends existed have only ``mode``: a local head, or an existing
+    cluster."""
+    rec = reveal_tree(rec)
     name = rec.get("backend") or ("local" if rec.get("mode") == "local" else "address")
     return backend_class(name).handle_from_record(rec)
 

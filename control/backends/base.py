@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from control import jobsapi
 from control.rayapi import AUTH_MODE_ENV, enable_token_auth, jobs_client, redact
 from ray_jobs.config import ClusterConfig, Config
+from ray_jobs.secrets import MaskedError
 
 __all__ = [
     "AUTH_MODE_ENV",
@@ -30,8 +31,9 @@ __all__ = [
 JOB_ENV = "UNBROKEN_SUBMISSION"  # in the environment of every process of a job unbroken submits: its submission id
 
 
-class ClusterError(RuntimeError):
-    """The cluster could not be started or reached."""
+class ClusterError(MaskedError, RuntimeError):
+    """The cluster could not be started or reached. Its message is masked (it becomes a flow run's state, an
+    incident in the run record): a cluster's address may carry credentials (ray_jobs/secrets.py)."""
 
 
 class StopUnverified(ClusterError):

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from control.records.base import Part, Record
 from ray_jobs.config import Config, from_json
+from ray_jobs.secrets import reveal
 
 State = Literal["submitted", "running", "recovering", "succeeded", "failed", "stopped-early"]
 STATES: tuple[str, ...] = State.__args__
@@ -36,6 +37,11 @@ class ClusterRecord(Part):
     spec: dict[str, Any] = Field(default_factory=dict)
     mode: str | None = None  # local | existing | managed: who owns the cluster
     started_here: bool = False  # its release is owed by whoever finishes the run (unless cluster.keep_running)
+
+    def url(self) -> str:
+        """The address to send requests to: the recorded one is masked (a dashboard behind basic auth,
+        ``https://user:***@ray.example.com``), revealed with this process's ``UNBROKEN_CREDENTIALS``."""
+        return reveal(self.address)
 
 
 class Attempt(Part):
@@ -208,7 +214,8 @@ class RunRecord(Record):
         return True
 
     def cfg(self) -> Config:
-        """The typed config the current attempt was given."""
+        """The typed config the current attempt was given, its credentials revealed from this process's environment
+        (``from_json``: the record holds them masked)."""
         return from_json(json.dumps(self.config))
 
     def copy(self) -> RunRecord:

@@ -19,6 +19,7 @@ from control import registry
 from control.records.series import EvalPin, SeriesRecord, SeriesRun
 from ray_jobs.config import Config
 from ray_jobs.search.trials import trials
+from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout, exists, write_json_atomic
 
 T = TypeVar("T")
@@ -59,7 +60,8 @@ def mutate(storage: str, series: str, change: Callable[[SeriesRecord], T]) -> T:
 def recipe(cfg: Config) -> str:
     """What a run trains besides its data: the model and training settings (not how many samples it prints).
     Two runs with the same dataset and recipe train the same thing."""
-    tree = json.loads(cfg.model_dump_json(include={"model", "train"}))
+    # masked: a rotated password in a model URL is the same recipe (and the hash is of nothing secret)
+    tree = mask_tree(json.loads(cfg.model_dump_json(include={"model", "train"})), ())
     tree["train"].pop("sample_generations", None)
     if not tree["train"].get("compile"):  # added later: off (the default) hashes as before, so old runs still match
         tree["train"].pop("compile", None)

@@ -96,7 +96,7 @@ def observe(reg: RunRecord, cfg: Config, now: float | None = None) -> Observatio
 
 def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
     """One look at the current attempt's job: its status and heartbeat, then what that status makes worth reading."""
-    address, attempt = reg.cluster.address, reg.current
+    address, attempt = reg.cluster.url(), reg.current
     beat, age = heartbeat_seen(cfg.storage, cfg.name, attempt.attempt)  # storage outlives the cluster
     view = jobsapi.read_job(address, attempt.submission_id)
     ended = view.api == "ok" and view.status in ("FAILED", "STOPPED")

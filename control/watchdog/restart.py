@@ -19,6 +19,7 @@ from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
 from control.rayapi import first_line
 from control.records.run import Incident, RunRecord
+from control.watchdog import credentials
 from control.watchdog.decide import Outcome, restarted, resumed_step
 from control.watchdog.observe import heartbeat_seen, look, recorded_handle
 from control.watchdog.verdict import classify
@@ -51,12 +52,13 @@ def restart(cfg: Config, reg: RunRecord, lease: leases.Lease, stand_down) -> Out
 
 def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHandle, lease: leases.Lease) -> Outcome:
     resume_from, incident.lost_steps, where = resume_point(cfg, reg, incident)
+    env = credentials.for_resubmission(reg)  # before the attempt it replaces is superseded in the record
     lease.check()  # fencing: never record or submit on a lease another watchdog has taken over
     registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
     attempt = _begin(cfg, reg, handle, resume_from, lease)
     lease.check()
     spec = Layout(cfg.storage).job_spec(cfg.name, attempt)
-    sid = submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), entrypoint(cfg), spec)
+    sid = submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), entrypoint(cfg), spec, env)
     reg = registry.load(cfg.storage, cfg.name)
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
     lease.check()
@@ -69,7 +71,7 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
 def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str | None, lease: leases.Lease) -> int:
     """Record the new attempt with its job spec, under the lease (the cluster it runs on owed a release if this run
     brought it up, now or before)."""
-    owned = handle.started_here or (reg.cluster.started_here and reg.cluster.address == handle.address)
+    owned = handle.started_here or (reg.cluster.started_here and reg.cluster.url() == handle.address)
     extra = {k: getattr(reg, k) for k in ("manifest_url", "model_path", "score_manifest_url")}
 
     def job_spec(attempt: int) -> None:
@@ -157,7 +159,7 @@ def stop_leftovers(cfg: Config, reg: RunRecord, sid: str) -> None:
     its own (``stop_unreachable``: a local head's processes on this host, a launcher's head that refuses its GCS
     port too, a RayCluster the Kubernetes API calls unhealthy) or raises StopUnverified, and no new attempt is made
     -- two jobs must never train into the same checkpoints."""
-    address = reg.cluster.address
+    address = reg.cluster.url()
     try:
         if stop_and_wait(address, sid, STOP_WAIT_S):
             run_logger().info("stopped what was left of Ray job %s", sid)

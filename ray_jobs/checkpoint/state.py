@@ -11,6 +11,7 @@ from typing import Any
 
 from ray_jobs.checkpoint.format import MODEL_FILE, OPTIM_FILE, CheckpointInvalid, decode, model_part, optim_part
 from ray_jobs.data.reading import Cursor
+from ray_jobs.secrets import mask_tree
 
 
 @dataclass
@@ -330,7 +331,7 @@ def loop_state_file(loop: LoopState, scheduler, last_eval: float | None, cfg: An
         "loop": asdict(loop),
         "scheduler": scheduler.state_dict(),
         "last_eval_loss": last_eval,
-        "config": json.loads(cfg.model_dump_json()),
+        "config": mask_tree(json.loads(cfg.model_dump_json())),  # the run's config, never its credentials
         # the global cursor: where every data rank is, so any world size resumes on the same rows
         "data": {"data_ranks": data_ranks, "cursors": [asdict(c) for c in cursors]},
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from ray_jobs.config.base import ConfigError
 from ray_jobs.config.cluster import ClusterConfig, cluster_problems
 from ray_jobs.config.model import BUILTIN_PREFIX
 from ray_jobs.config.run import Config
+from ray_jobs.secrets import CREDENTIALS_ENV, reveal_tree, still_masked
 
 
 def absolute_url(url: str | None) -> str | None:
@@ -118,12 +120,14 @@ def cluster_alone(raw: dict[str, Any]) -> ClusterConfig | None:
 
 
 def raw_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The YAML (optional) with ``--set`` overrides applied, not yet validated; ConfigError for a bad override."""
+    """The YAML (optional) with ``--set`` overrides applied, not yet validated; ConfigError for a bad override. Masked
+    URIs are revealed with this process's ``UNBROKEN_CREDENTIALS`` (the CLI masks the overrides it makes a flow run's
+    parameters and keeps their credentials there: ray_jobs/secrets.py)."""
     raw = _read_yaml(path) if path is not None else {}
     tree, problems = parse_overrides(overrides or [])
     if problems:
         raise ConfigError(problems, str(path or "overrides"))
-    return _merge(raw, tree)
+    return reveal_tree(_merge(raw, tree))
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
@@ -132,18 +136,27 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 def from_json(text: str) -> Config:
-    """The inverse of ``Config.model_dump_json()``: how the Ray job receives its config."""
-    return Config.model_validate_json(text)
+    """The inverse of ``Config.model_dump_json()``: how the Ray job receives its config, and the watchdog a run
+    record's. What was written is masked (ray_jobs/secrets.py): its URIs are revealed with this process's
+    ``UNBROKEN_CREDENTIALS`` (a job's runtime_env, the watchdog's environment); those it was not given stay masked."""
+    return Config.model_validate_json(json.dumps(reveal_tree(json.loads(text))))
 
 
 def job_spec(prog: str, argv: list[str] | None = None) -> tuple[dict, Config]:
-    """What a Ray Jobs entrypoint (``python -m <prog> --spec <url>``) was given: the spec, and its config parsed."""
+    """What a Ray Jobs entrypoint (``python -m <prog> --spec <url>``) was given: the spec, and its config parsed
+    (revealed: :func:`from_json`). A credential it was not given is said once, in the job's log, naming its field."""
     import argparse
-    import json
+    import logging
 
     from ray_jobs.storage import read_json
 
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--spec", required=True, help="URL of the job spec JSON the flow wrote to storage")
-    spec = read_json(parser.parse_args(argv).spec)
-    return spec, from_json(json.dumps(spec["config"]))
+    spec = reveal_tree(read_json(parser.parse_args(argv).spec))
+    cfg = from_json(json.dumps(spec["config"]))
+    if missing := still_masked(json.loads(cfg.model_dump_json())):
+        logging.getLogger(prog).warning(
+            "the credentials of %s did not reach this job (%s is not set: a restart by a watchdog that had neither "
+            "them nor the previous job to take them from); what needs them runs without", ", ".join(missing),
+            CREDENTIALS_ENV)  # fmt: skip
+    return spec, cfg

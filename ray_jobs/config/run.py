@@ -146,9 +146,20 @@ def batch_split_problem(lo: int, hi: int, grad_accum_steps: int) -> str | None:
 def _check_url(v: str) -> str:
     import fsspec  # light; only its registry is read
 
+    from ray_jobs.secrets import mask
+
     v = v.strip()
     if not v:
         raise ValueError("must not be empty")
+    # Refused rather than masked: the storage root prefixes every path a run writes, logs and records, so its
+    # credentials would have to be masked out of everything and revealed in every process that opens a file.
+    # fsspec and boto take them from the environment or a profile instead.
+    if mask(v, ()) != v:
+        raise ValueError(
+            "must not carry credentials (a password in the URL, a secret query parameter): every "
+            "path under it is written into run records, job specs and logs; give them to the file "
+            "system through its environment or profile (AWS_* variables, ~/.aws/credentials, ~/.netrc)"
+        )
     if "://" in v:
         protocol = v.split("://", 1)[0]
         if protocol not in fsspec.registry and protocol not in fsspec.available_protocols():

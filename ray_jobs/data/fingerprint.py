@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_jobs.data.sources import StagingError, list_sources
+from ray_jobs.secrets import mask
 from ray_jobs.storage import Layout, file_sha256, fs_and_path, join, read_json, write_json_atomic
 
 
@@ -84,7 +85,8 @@ class SourceIndex:
             entry = read_json(self._url(src))
         except (OSError, ValueError):
             return ""
-        same = (entry.get("url"), entry.get("size"), entry.get("version")) == (src.url, src.size, src.version)
+        # the index holds the URL masked (storage never holds a credential): compared as such
+        same = (entry.get("url"), entry.get("size"), entry.get("version")) == (mask(src.url, ()), src.size, src.version)
         return entry.get("sha256", "") if same else ""
 
     def remember(self, src: Source) -> None:

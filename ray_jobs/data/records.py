@@ -19,6 +19,7 @@ from ray_jobs.config import DataConfig
 from ray_jobs.data.lines import LongLine, capped, parse_line
 from ray_jobs.data.shapes import RecordProblem, shape, string_field  # RecordProblem: imported from here too
 from ray_jobs.data.sources import SourceBatch, SourceFile, StagingError, position_unit
+from ray_jobs.secrets import mask
 
 # data.max_record_chars when unset, for records that are not text documents (those are cut into pieces instead)
 DEFAULT_MAX_RECORD_CHARS = 100_000
@@ -67,7 +68,9 @@ class Reject:
         return f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file}:row {self.line}"
 
     def to_json(self) -> dict[str, Any]:
-        out = {"file": self.file, self.unit: self.line, "reason": self.reason, "text": self.text}
+        # rejects.jsonl names the source file masked (a URL's credentials are never written); the record's own
+        # text is the data's, quoted as it is
+        out = {"file": mask(self.file, ()), self.unit: self.line, "reason": self.reason, "text": self.text}
         return {**out, "dropped": True} if self.dropped else out
 
     @classmethod

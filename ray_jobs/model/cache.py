@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_jobs.progress import Reporter, every_s, polled
+from ray_jobs.secrets import mask
 from ray_jobs.storage import exclusive_lock, fs_and_path, join
 
 log = logging.getLogger("unbroken.model")
@@ -87,7 +88,7 @@ def problem(folder: Path, url: str) -> str | None:
         return "its marker is unreadable"
     if not (isinstance(files, dict) and all(isinstance(f, dict) and f.keys() >= _RECORDED for f in files.values())):
         return "its marker is unreadable"
-    if record.get("url") != url:
+    if record.get("url") != mask(url, ()):  # recorded masked, like everything unbroken writes
         return f"it is a copy of {record.get('url')}"
     on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MARKER}
     if on_disk != set(files):
@@ -166,7 +167,7 @@ def _verify(tmp: Path, url: str, sizes: dict[str, int], expected: dict[str, str]
     files = {rel: {"bytes": sizes[rel], "sha256": digests[rel], "mtime_ns": (tmp / rel).stat().st_mtime_ns}
              for rel in sizes}  # fmt: skip
     sha256_from = SOURCE_MANIFEST if expected is not None else "computed on this node after the download"
-    return {"url": url, "verified_at": time.time(), "sha256_from": sha256_from, "files": files}
+    return {"url": mask(url, ()), "verified_at": time.time(), "sha256_from": sha256_from, "files": files}
 
 
 def _remove_leftovers(root: Path, digest: str) -> None:

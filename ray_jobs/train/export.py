@@ -17,6 +17,7 @@ from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.config import Config
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.progress import Reporter, every_s, polled
+from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout, fs_and_path, is_local, upload_dir
 from ray_jobs.train.metrics import MetricsLog
 from ray_jobs.train.model import export_dtype, export_model, finish_in_place, write_sharded_export
@@ -113,5 +114,12 @@ def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: 
     }
     lines = [f"# {cfg.name}", "", "Fine-tuned with unbroken (fault-tolerant fine-tuning on Ray Train).", ""]
     lines += [f"- **{k}**: {v}" for k, v in facts.items()]
-    lines += ["", "## Config", "", "```yaml", yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False), "```"]
+    lines += [
+        "",
+        "## Config",
+        "",
+        "```yaml",
+        yaml.safe_dump(mask_tree(json.loads(cfg.model_dump_json())), sort_keys=False),
+        "```",
+    ]
     return "\n".join(lines) + "\n"

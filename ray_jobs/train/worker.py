@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from ray_jobs.config import from_json
+from ray_jobs.secrets import mask_output
 from ray_jobs.train.heartbeat import start_heartbeat
 from ray_jobs.train.runtime import Runtime
 from ray_jobs.train.trainer import Trainer
@@ -24,6 +25,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
     """One rank's whole job, whatever runs it (Ray Train, torchrun, this process): resume or start, train, score on
     the series' eval set, export. ``loop_config``: what ``ray_jobs.job.loop_config`` makes of a job spec."""
+    mask_output()  # a worker's log lines and tracebacks (a tracker's error quoting its URI) are masked here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = from_json(loop_config["config"])
     attempt = loop_config.get("attempt", 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ray_jobs.secrets import mask_tree
 from ray_jobs.train.tracking.hub import METRICS, RunInfo, Tracker, Trackers, tracked
 
 __all__ = ["METRICS", "RunInfo", "Tracker", "Trackers", "end_runs", "flat_params", "open_trackers", "run_info",
@@ -42,10 +43,11 @@ def open_trackers(cfg, attempt: int, dataset_id: str, resumed_step: int | None, 
 
 def run_info(cfg, attempt: int = 0, dataset_id: str = "", resumed_step: int | None = None,
              parent: str | None = None) -> RunInfo:  # fmt: skip
+    """What every tracker is told of the run; its params are the config masked (a tracker stores and shows them)."""
     from ray_jobs.storage import Layout
 
     return RunInfo(cfg.name, cfg.series_name, cfg.storage, Layout(cfg.storage).run_dir(cfg.name), attempt, dataset_id,
-                   parent, resumed_step, flat_params(cfg.model_dump(mode="json")))  # fmt: skip
+                   parent, resumed_step, flat_params(mask_tree(cfg.model_dump(mode="json"))))  # fmt: skip
 
 
 def end_runs(cfg, status: str) -> list[str]:

@@ -35,6 +35,7 @@ import uuid
 from typing import Any
 
 from ray_jobs.config import MLflowConfig
+from ray_jobs.secrets import CREDENTIALS_ENV, is_masked, mask
 from ray_jobs.storage import is_local, join
 from ray_jobs.train.tracking.hub import METRICS, RunInfo, kept
 
@@ -52,7 +53,11 @@ def local_path(url: str) -> str:
 
 
 def tracking_uri(cfg: MLflowConfig, storage: str) -> str:
-    """``cfg.tracking_uri``, else the SQLite file under a local storage root."""
+    """``cfg.tracking_uri``, else the SQLite file under a local storage root. A URI whose credentials did not reach
+    this process (still masked: ray_jobs/secrets.py) is refused, saying so, rather than sent to the server."""
+    if cfg.tracking_uri and is_masked(cfg.tracking_uri):
+        raise ValueError(f"tracking.mlflow.tracking_uri {cfg.tracking_uri}: its credentials were not available here "
+                         f"({CREDENTIALS_ENV} does not hold them), so MLflow is not asked")  # fmt: skip
     if cfg.tracking_uri:
         return cfg.tracking_uri
     if is_local(storage):
@@ -210,6 +215,7 @@ class MLflowTracker:
 
 def run_links(uri: str, experiment: str, exp_id: str, run_id: str) -> dict[str, str]:
     """Where a person finds the run: its page on a tracking server, else the UI to start on the store."""
+    uri = mask(uri)  # what a person is shown (tracking.json, the flow's artifact), never the credentials
     links = {"tracking_uri": uri, "experiment": experiment, "run_id": run_id}
     if uri.startswith(("http://", "https://")):
         return links | {"url": f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"}
