@@ -18,7 +18,7 @@ from prefect.events import emit_event
 
 from control import registry
 from control.logs import run_logger
-from control.watchdog import Outcome, check_run, janitor, metrics
+from control.watchdog import Outcome, check_run, janitor, left_alone, metrics
 from ray_jobs.config import absolute_url
 from ray_jobs.secrets import mask_tree
 
@@ -46,10 +46,7 @@ def emit(outcome: Outcome) -> None:
 def skip_unreadable(run: str, why: str) -> Outcome:
     """A run whose record this release cannot read (a newer release's, hand-edited, torn): named -- which file, which
     field or version -- counted, and left alone; the pass goes on with the others."""
-    outcome = Outcome(run, "unreadable", f"skipped: {why}")
-    run_logger().error("run %s: %s", run, outcome.detail)
-    metrics.acted(run, outcome.action)
-    return outcome
+    return left_alone(Outcome(run, "unreadable", f"skipped: {why}"), "error")
 
 
 def incidents_table(storage: str, runs: list[str]) -> list[dict[str, Any]]:

@@ -204,11 +204,15 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
 
         port = metrics.serve(args.metrics_port, args.metrics_host)
         print(f"watchdog metrics: http://{args.metrics_host}:{port}/metrics", flush=True)
+    said: dict[str, str] = {}  # run -> its last line: a run left alone for the same reason is named once
     while True:
         started = time.monotonic()
         try:
             for o in watchdog(storage):
-                print(f"{o['run']}: {o['action']} {o['detail']}".rstrip(), flush=True)
+                line = f"{o['run']}: {o['action']} {o['detail']}".rstrip()
+                if said.get(o["run"]) != line:
+                    print(line, flush=True)
+                said[o["run"]] = line
         except Exception as e:
             if args.once:
                 raise

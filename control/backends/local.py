@@ -270,6 +270,14 @@ class LocalHead(Backend):
     def elsewhere(cls, cluster) -> str | None:
         return elsewhere(cluster.spec or {})
 
+    @classmethod
+    def record(cls, cluster: dict) -> dict:
+        """A local head is recorded by the process on its host (the flow that started it or found it, a watchdog
+        that brought it back): that is where it runs."""
+        rec = super().record(cluster)
+        rec["spec"] = {**rec["spec"], "host": rec["spec"].get("host") or host_identity()}
+        return rec
+
     def preflight(self) -> None:
         """HeadMismatch when a head this run would not have started answers on its ports."""
         check_head(self.cfg)

@@ -26,7 +26,7 @@ from control.watchdog.verdict import Verdict
 from ray_jobs.config import Config, ConfigError
 from ray_jobs.storage import StorageFull
 
-__all__ = ["Outcome", "check_run", "failed_job_incident", "janitor", "metrics", "storage_error"]
+__all__ = ["Outcome", "check_run", "failed_job_incident", "janitor", "left_alone", "metrics", "storage_error"]
 
 LEASE_TTL_S = 300.0
 _SAID: set[tuple[str, str]] = set()  # (run, why) already logged by this process: said once, not every pass
@@ -39,7 +39,7 @@ def check_run(storage: str, run: str, now: float | None = None) -> Outcome:
     try:
         return _check(storage, run, now)
     except (RecordError, ConfigError) as e:
-        return _said(Outcome(run, "unreadable", f"skipped: {e}"), "error")
+        return left_alone(Outcome(run, "unreadable", f"skipped: {e}"), "error")
     except leases.LeaseLost as e:
         outcome = Outcome(run, "lease-lost", str(e))
     except Exception as e:
@@ -55,7 +55,7 @@ def _check(storage: str, run: str, now: float | None) -> Outcome:
     if reg is None or not reg.watched:
         return Outcome(run, "inactive", f"state {reg and reg.state}")
     if reg.cluster is not None and (where := backend_class(reg.cluster.backend or "address").elsewhere(reg.cluster)):
-        return _said(Outcome(run, "elsewhere", where), "warning")
+        return left_alone(Outcome(run, "elsewhere", where), "warning")
     lease = leases.acquire(storage, run, ttl_s=LEASE_TTL_S)
     if lease is None:
         holder = leases.holder(storage, run) or {}
@@ -72,8 +72,9 @@ def _check(storage: str, run: str, now: float | None) -> Outcome:
         return outcome
 
 
-def _said(outcome: Outcome, level: str) -> Outcome:
-    """Log why a run is left alone once per process (a watchdog loop would repeat it every pass), count it."""
+def left_alone(outcome: Outcome, level: str) -> Outcome:
+    """Log why a run is left alone once per process (a watchdog loop would repeat it every pass); count it every
+    pass."""
     from control.logs import run_logger
 
     key = (outcome.run, outcome.detail)

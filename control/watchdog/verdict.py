@@ -51,8 +51,9 @@ class Verdict:
 
 
 def fresh_s(cfg: Config) -> float:
-    """How old a heartbeat may be and still prove its job alive: three of its beats, and some slack for storage."""
-    return 3 * cfg.fault_tolerance.heartbeat_every_s + 10.0
+    """How old a heartbeat may be and still prove its job alive: two missed beats, and a little slack for a slow
+    write. (A dead job's heartbeat stays "fresh" this long: detecting a lost cluster waits this much more.)"""
+    return 3 * cfg.fault_tolerance.heartbeat_every_s + 2.0
 
 
 def heartbeat_age(beat: dict[str, Any] | None, now: float, beat_age_s: float | None) -> float | None:
