@@ -27,13 +27,12 @@ import json
 import os
 import re
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ray_jobs.coordination import check_conditional_writes, create_exclusive, modified_at, storage_now
-from ray_jobs.poll import poll_until
+from ray_jobs.poll import poll_until, repeating
 from ray_jobs.storage import Layout, StorageFull, fs_and_path, join, read_json, write_json_atomic
 
 _NAME = re.compile(r"lease-(\d{8})\.json$")
@@ -100,23 +99,16 @@ class Lease:
         """Renew the lease in the background while a long step runs (provisioning a cluster may take longer than
         the lease lasts: a second watchdog must not provision beside this one). A renewal that fails stops the
         renewals; the holder learns of it at its next ``check``."""
-        stop = threading.Event()
-        every_s = every_s or max(1.0, self.ttl_s / 3)
 
-        def renew() -> None:
-            while not stop.wait(every_s):
-                try:
-                    self.renew()
-                except Exception:  # LeaseLost, or storage away: the next check() says so
-                    return
+        def renew() -> bool:
+            try:
+                self.renew()
+            except Exception:  # LeaseLost, or storage away: the next check() says so
+                return False
+            return True
 
-        thread = threading.Thread(target=renew, name=f"lease-{self.run}", daemon=True)
-        thread.start()
-        try:
+        with repeating(renew, every_s or max(1.0, self.ttl_s / 3), f"lease-{self.run}"):
             yield self
-        finally:
-            stop.set()
-            thread.join(timeout=60)
 
     def release(self) -> None:
         body = self._body(released=True)

@@ -3,8 +3,10 @@ ending, room on a cluster), so the poll interval and the deadline are never re-d
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -26,3 +28,23 @@ def poll_until(
         if value or left <= 0:
             return value
         sleep(min(every_s, left))
+
+
+@contextlib.contextmanager
+def repeating(call: Callable[[], object], every_s: float, name: str) -> Iterator[None]:
+    """``call()`` every ``every_s`` seconds from a daemon thread while the body runs (the first one after
+    ``every_s``); a call that returns False ends the calls. The thread is stopped and joined when the body ends."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            if call() is False:
+                return
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)

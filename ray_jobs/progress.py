@@ -15,11 +15,12 @@ import logging
 import os
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ray_jobs.poll import repeating
 
 _log = logging.getLogger("unbroken.progress")
 
@@ -178,22 +179,14 @@ def then(before: Reporter, after: Reporter) -> Callable[..., None]:
 def polled(reporter: Reporter, read_done: Callable[[], float], poll_s: float = 1.0) -> Iterator[Reporter]:
     """``reporter.update(read_done())`` every ``poll_s`` from a thread while the body runs (work that cannot report
     itself: a library writing a file, an upload), then ``reporter.finish()``. A failing read is skipped."""
-    stop = threading.Event()
 
     def poll() -> None:
-        while not stop.wait(poll_s):
-            with contextlib.suppress(Exception):
-                reporter.update(read_done())
+        with contextlib.suppress(Exception):
+            reporter.update(read_done())
 
-    with contextlib.suppress(Exception):
-        reporter.update(read_done())
-    thread = threading.Thread(target=poll, name=f"progress-{reporter.what}", daemon=True)
-    thread.start()
-    try:
+    poll()
+    with repeating(poll, poll_s, f"progress-{reporter.what}"):
         yield reporter
-    finally:
-        stop.set()
-        thread.join()
     try:
         reporter.finish(read_done())
     except Exception:

@@ -3,7 +3,6 @@ cold cache (a worker's shards fetched and decoded before its first step) logs it
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -11,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ray_jobs.model.cache import MODELS_DIR
+from ray_jobs.model.cache import MODELS_DIR, tree_bytes
 from ray_jobs.progress import Reporter, every_s
 from ray_jobs.storage import Layout, join, read_bytes
 
@@ -97,12 +96,12 @@ class ShardCache:
         import shutil
 
         folders = [d for d in self.root.iterdir() if d.is_dir()] if self.root.exists() else []
-        used = sum(_tree_bytes(d) for d in folders)  # the node's model cache counts against the cap too
+        used = sum(tree_bytes(d) for d in folders)  # the node's model cache counts against the cap too
         others = [d for d in folders if d != self.local_dir and d.name != MODELS_DIR]  # models: in use, never evicted
         for victim in sorted(others, key=lambda d: d.stat().st_mtime):
             if used + incoming <= self.max_bytes:
                 break
-            used -= _tree_bytes(victim)
+            used -= tree_bytes(victim)
             shutil.rmtree(victim, ignore_errors=True)
             self.evicted.append(victim.name)
 
@@ -126,15 +125,6 @@ class ShardCache:
 
     def counters(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "bytes_from_storage": self.bytes_from_storage}
-
-
-def _tree_bytes(path: Path) -> int:
-    """Bytes under ``path``; a file another worker on the node renames or evicts meanwhile is simply not counted."""
-    total = 0
-    for p in path.rglob("*"):
-        with contextlib.suppress(FileNotFoundError):
-            total += p.stat().st_size if p.is_file() else 0
-    return total
 
 
 def decode_shard(parquet_path, seq_len: int, out_path) -> None:

@@ -117,7 +117,7 @@ def _download(url: str, root: Path, digest: str) -> None:
         for p in local:
             p.parent.mkdir(parents=True, exist_ok=True)
         with polled(Reporter(f"model download of {url}", total, quiet_s=every_s(), log=log, tty=False),
-                    lambda: _tree_bytes(tmp)):  # fmt: skip
+                    lambda: tree_bytes(tmp)):  # fmt: skip
             fs.get([join(path, rel) for rel in sizes], [str(p) for p in local])
         record = _verify(tmp, url, sizes, expected)
         (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")  # last: it vouches for the rest
@@ -189,7 +189,8 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
+    """Bytes under ``path``; a file another process on the node renames or removes meanwhile is not counted."""
     total = 0
     for p in path.rglob("*"):
         with contextlib.suppress(OSError):
