@@ -121,7 +121,7 @@ def submit(
         # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
         # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
         "runtime_env": {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES,
-                        "env_vars": {**(env or {}), JOB_ENV: submission_id}},
+                        "env_vars": {"RAY_LOGGER_LEVEL": "info", **(env or {}), JOB_ENV: submission_id}},
         "entrypoint_num_cpus": 0,
     }  # fmt: skip
     last: list[Exception] = []

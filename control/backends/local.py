@@ -54,6 +54,9 @@ BASE_PREFIXES = ("RAY_", "LC_", "NCCL_")
 KEPT = "kept"  # marker file: a run asked for cluster.keep_running
 METRICS_PORT = "metrics-port"  # the head's Prometheus port, as it was started (cluster.metrics_port, or a free one)
 USER_FRESH_S = 600.0  # a user file this young counts as live (its run may still be staging)
+DAEMON_LOG_LEVEL = (
+    "RAY_LOGGER_LEVEL"  # the level of Ray's Python daemons (dashboard, agents) and a driver's "ray" logger
+)
 JOB_STOP_GRACE_S = 10.0  # a job's processes get this long after SIGTERM (a worker checkpoints on it)
 
 
@@ -68,6 +71,10 @@ def _head_env(cfg: Config) -> dict[str, str]:
     env[AUTH_MODE_ENV] = env.get(AUTH_MODE_ENV, "token")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's own daemons log at warning (unless set): the runtime env agent logs every runtime_env it sets up whole at
+    # info, a job's UNBROKEN_CREDENTIALS among its variables (ray_jobs/secrets.py). Jobs log as Ray's default
+    # (control/jobs.py sets it back to info in their runtime_env).
+    env.setdefault(DAEMON_LOG_LEVEL, "warning")
     # A single-machine cluster: Ray then takes 127.0.0.1 as the node address, and its gRPC servers (GCS, raylet,
     # agents) bind loopback; without it Ray resolves 127.0.0.1 to the machine's address and binds 0.0.0.0.
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

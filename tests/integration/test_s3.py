@@ -131,9 +131,9 @@ def prefect_records(run: str) -> dict[str, str]:
 
 
 def ray_job_logs(submission_id: str) -> dict[str, str]:
-    """The logs of the local head's session that ran the job: its driver's, its workers', Ray's own -- but the
-    runtime env agent's, which logs every runtime_env it sets up whole (the job's is how its credentials reach it,
-    by design: ray_jobs/secrets.py), on the head, as the dashboard shows a job's runtime_env."""
+    """The logs of the local head's session that ran the job: its driver's, its workers', Ray's own -- the runtime
+    env agent's too, which would log every runtime_env it sets up whole (how a job's credentials reach it:
+    ray_jobs/secrets.py) but for the warning level a local head unbroken starts logs at."""
     from control.backends.localhost import head_dir
 
     drivers = sorted(
@@ -141,9 +141,7 @@ def ray_job_logs(submission_id: str) -> dict[str, str]:
     )
     assert drivers, f"no log of Ray job {submission_id}"
     return {
-        f"ray {p.name}": p.read_bytes().decode(errors="replace")
-        for p in drivers[-1].parent.rglob("*")
-        if p.is_file() and not p.name.startswith("runtime_env_agent.")
+        f"ray {p.name}": p.read_bytes().decode(errors="replace") for p in drivers[-1].parent.rglob("*") if p.is_file()
     }
 
 
