@@ -78,6 +78,9 @@ def classify(
     sid = attempt.submission_id
     age = heartbeat_age(beat, now, beat_age_s)
     alive = age is not None and age <= fresh_s(cfg)
+    if view.api != "ok" and (beat or {}).get("phase") == "done":  # everything it owed is on storage: its heartbeat
+        return Verdict("succeeded", f"the Jobs API cannot tell ({view.why}), but the job's heartbeat says it exported "
+                       "its final model", status="SUCCEEDED", heartbeat=beat)  # fmt: skip
     if view.api == "unknown":
         if alive:
             return _api_fails(f"the Jobs API at {address} gave no answer ({view.why})", beat, age)

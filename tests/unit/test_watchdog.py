@@ -240,6 +240,7 @@ def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed
         ),  # fmt: skip
         # Ray says FAILED after the job's rank 0 exported its final model: it succeeded
         (JobView("ok", "FAILED"), beat("done", 1, 5), "succeeded", False),
+        (JobView("unknown", why="ConnectionError"), beat("done", 1, 5, refreshed_ago_s=300), "succeeded", False),
         (JobView("ok", "RUNNING"), beat("loading", 1801, 1801), "stalled", True),  # over the loading limit
         (JobView("ok", "RUNNING"), beat(None, 0, 61), "stalled", True),  # an older job's heartbeat: no phases
         (JobView("ok", "PENDING"), None, "running", False),  # starting: 500 s < phase_stall_s.starting
