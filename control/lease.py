@@ -91,7 +91,7 @@ class Lease:
     def renew(self) -> None:
         self.check()
         started = time.monotonic()
-        write_json_atomic(self.url, self._body())
+        write_json_atomic(self.url, self._body(), durable=True)
         self.renewed = started
 
     @contextlib.contextmanager
@@ -112,7 +112,7 @@ class Lease:
 
     def release(self) -> None:
         body = self._body(released=True)
-        write_json_atomic(self.url, body)
+        write_json_atomic(self.url, body, durable=True)
         fs, _ = fs_and_path(self.url)
         for g in _generations(self.lease_dir):
             if g < self.generation:  # older generations are history; keep the directory small

@@ -59,7 +59,7 @@ def save(storage: str, run: str, reg: RunRecord) -> None:
     active = reg.watched
     if active:  # the marker first: a crash in between leaves a marker the next look checks, never a hidden run
         _index(storage, run, True)
-    write_json_atomic(Layout(storage).run_registry(run), reg.dump())
+    write_json_atomic(Layout(storage).run_registry(run), reg.dump(), durable=True)
     if not active:
         _index(storage, run, False)
 

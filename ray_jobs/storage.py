@@ -115,16 +115,17 @@ def _no_room(e: OSError) -> bool:
     return e.errno is None and any(f"[Errno {n}]" in str(e) for n in (errno.ENOSPC, errno.EDQUOT))
 
 
-def _write_local(path: str, data: bytes) -> str:
-    """``data`` in a new temporary sibling of ``path``, flushed to the disk (fsync); its path. A failed write leaves
-    no temporary file behind."""
+def _write_local(path: str, data: bytes, durable: bool = True) -> str:
+    """``data`` in a new temporary sibling of ``path`` (flushed to the disk when ``durable``: fsync); its path. A
+    failed write leaves no temporary file behind."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -143,37 +144,40 @@ def _sync_dir(path: str) -> None:
             os.close(fd)
 
 
-def write_bytes_atomic(url: str, data: bytes) -> None:
+def write_bytes_atomic(url: str, data: bytes, durable: bool = False) -> None:
     """Write to a temporary sibling, then move it into place: readers never see half a file.
 
-    On a local/NFS path the move is an atomic rename, after the data reached the disk (fsync: a host crash leaves
-    the old file or the new one, never a torn one); a write that fails (a full disk: StorageFull) leaves the old file
-    and no temporary one. Object stores have no rename, but a PUT is itself atomic there, so the object is written
-    directly.
+    On a local/NFS path the move is an atomic rename; a write that fails (a full disk: StorageFull) leaves the old
+    file and no temporary one. ``durable`` (a record: run.json, series.json, the champion pointer, a lease): the data
+    reaches the disk before the rename, and the rename before this returns (fsync of the file and its folder), so a
+    host crash leaves the old record or the new one, never a torn or lost one. Files rewritten every few seconds (a
+    heartbeat, metrics) or verified by checksum (checkpoints, shards) skip it. Object stores have no rename, but a
+    PUT is itself atomic (and durable) there, so the object is written directly.
     """
     fs, path = fs_and_path(url)
     with storage_errors(url):
         if is_local(url):
-            tmp = _write_local(path, data)
+            tmp = _write_local(path, data, durable)
             try:
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            _sync_dir(path)
+            if durable:
+                _sync_dir(path)
         else:
             with fs.open(path, "wb") as f:
                 f.write(data)
 
 
-def write_json_atomic(url: str, obj: Any) -> None:
+def write_json_atomic(url: str, obj: Any, durable: bool = False) -> None:
     """``obj`` as JSON, every string in it masked (ray_jobs/secrets.py): whoever writes a record, a job spec, a
     manifest or a tracker's links, a credential in it never reaches storage. A reader that needs one back reveals it
     (a job's spec, a run record's config: ray_jobs/config/loading.py); one that compares compares masked values."""
     from ray_jobs.secrets import mask_tree
 
-    write_bytes_atomic(url, (json.dumps(mask_tree(obj), indent=2, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(url, (json.dumps(mask_tree(obj), indent=2, sort_keys=True) + "\n").encode(), durable)
 
 
 def download_dir(url: str, local_dir: str | os.PathLike) -> Path:

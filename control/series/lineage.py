@@ -53,7 +53,7 @@ def mutate(storage: str, series: str, change: Callable[[SeriesRecord], T]) -> T:
         rec = load(storage, series) or SeriesRecord.new(series)
         out = change(rec)
         rec.updated_at = time.time()
-        write_json_atomic(lay.series_registry(series), rec.dump())
+        write_json_atomic(lay.series_registry(series), rec.dump(), durable=True)
         return out
 
 

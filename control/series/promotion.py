@@ -118,7 +118,7 @@ def _publish(storage: str, series: str, run: str, score: float, files: dict[str,
         raise FileNotFoundError(f"run {run}'s final folder {folder} is incomplete; not publishing it")
     pointer = ChampionPointer(schema_version=ChampionPointer.SCHEMA, run=run, folder=folder, score=score,
                               files=files, published_at=time.time())  # fmt: skip
-    write_json_atomic(Layout(storage).champion(series), pointer.dump())
+    write_json_atomic(Layout(storage).champion(series), pointer.dump(), durable=True)
 
 
 def _emit(verdict: Verdict) -> None:

@@ -125,7 +125,7 @@ def test_a_full_lease_folder_then_freed_lets_the_run_finish_as_if_nothing_happen
     run locked even after the disk was freed). Freed, the passes take the lease again and the run ends succeeded --
     one attempt, bit-identical."""
     cfg = chaos_config(tmp_path / "storage", "full-leases", **QUICK)
-    start_run(ray_cluster, cfg, env=SLOW_STEPS)
+    start_run(ray_cluster, cfg)
     leases_dir = Path(Layout(cfg.storage).lease_dir(cfg.name))
     with small_disk(leases_dir) as (fill, free), WatchdogLoop(cfg) as dog:
         wait_for("step 20", lambda: heartbeat_step(cfg) > 20, timeout_s=180)

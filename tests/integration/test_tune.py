@@ -213,10 +213,12 @@ def test_a_search_survives_a_killed_worker_driver_and_head_to_the_same_outcome(h
 
     reg = until_finished(cfg, [log], timeout_s=420)
     assert reg.state == "succeeded", reg
-    assert [i.kind for i in reg.incidents] == ["job-failed", "cluster-unreachable"], reg.incidents
-    assert reg.incidents[1].reprovisioned and len(reg.attempts) == 3
+    # (the API silent while the search's heartbeat was still fresh is observed on the way: it may have lived)
+    acted = [i for i in reg.incidents if i.action != "observed"]
+    assert [i.kind for i in acted] == ["job-failed", "cluster-unreachable"], reg.incidents
+    assert acted[1].reprovisioned and len(reg.attempts) == 3
     # what a restart trains again: the running trial's steps past its newest checkpoint (every 20), not the search's
-    assert all(0 <= i.lost_steps <= 40 for i in reg.incidents), [i.lost_steps for i in reg.incidents]
+    assert all(0 <= i.lost_steps <= 40 for i in acted), [i.lost_steps for i in acted]
     found = read_trials(cfg.storage, cfg.name)["trials"]
     theirs = {f"{base_cfg.name}-t{i:02d}": n for i, n in enumerate(t)}
     for name, mine in theirs.items():  # the same decisions, steps and eval losses, trial by trial
