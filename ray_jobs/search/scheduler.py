@@ -34,7 +34,7 @@ def make_scheduler(cfg: Config) -> Any:
 
 def restorable_asha() -> type:
     """The class, made when Ray is imported (``ray_jobs`` imports without Ray)."""
-    from ray.tune.schedulers import AsyncHyperBandScheduler
+    from ray.tune.schedulers import AsyncHyperBandScheduler, TrialScheduler
 
     from ray_jobs.ray_private import asha_rungs
 
@@ -59,6 +59,12 @@ def restorable_asha() -> type:
         def on_trial_result(self, controller: Any, trial: Any, result: dict) -> str:
             action = super().on_trial_result(controller, trial, result)
             self._save()
+            if result.get(self._time_attr, 0) >= self._max_t:
+                # A trial's report at train.max_steps (its final checkpoint) comes before it exports its final model
+                # and scores it. ASHA stops every trial there (and may by the rung at max_t): Tune then kills the
+                # trial mid-export, a "completed" trial with no final model, a winner the gate cannot score. It has
+                # no step left to train, so no decision changes: it ends by itself once exported.
+                return TrialScheduler.CONTINUE
             return action
 
         def on_trial_complete(self, controller: Any, trial: Any, result: dict) -> None:

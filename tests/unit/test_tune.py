@@ -3,6 +3,7 @@ search's heartbeat, the winner, and the CLI's answer to a bad search space."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -109,6 +110,30 @@ def test_a_restored_asha_decides_as_the_uninterrupted_one(tmp_path) -> None:
                               grace_period=20, reduction_factor=2, brackets=1)  # fmt: skip
     fresh.on_trial_add(None, Trial("c_2", 2))
     assert fresh.on_trial_result(None, Trial("c_2", 2), {"step": 20, "eval_loss": 3.0}) == TrialScheduler.CONTINUE
+
+
+def test_asha_never_stops_a_trial_at_its_last_step_it_exports_first(tmp_path) -> None:
+    """The report at ``max_t`` (the final checkpoint) comes before the trial exports its final model: a stop there
+    raced the export (a completed trial with no final model). A worse trial below a rung before max_t is still
+    stopped, and the rungs saved for a restore are the same."""
+    from ray.tune.schedulers import TrialScheduler
+
+    from ray_jobs.search.scheduler import restorable_asha
+
+    class Trial:
+        def __init__(self, trial_id: str, index: int):
+            self.trial_id, self.config = trial_id, {"trial": index}
+
+    asha = restorable_asha()(str(tmp_path / "scheduler.json"), time_attr="step", metric="eval_loss", mode="min",
+                             max_t=40, grace_period=20, reduction_factor=2, brackets=1)  # fmt: skip
+    trials = [Trial(f"a_{i}", i) for i in range(3)]
+    for t in trials:
+        asha.on_trial_add(None, t)
+    assert asha.on_trial_result(None, trials[0], {"step": 20, "eval_loss": 1.0}) == TrialScheduler.CONTINUE
+    assert asha.on_trial_result(None, trials[1], {"step": 20, "eval_loss": 2.0}) == TrialScheduler.STOP
+    for loss, t in ((1.0, trials[0]), (5.0, trials[2])):  # the best, and one far worse at the last rung
+        assert asha.on_trial_result(None, t, {"step": 40, "eval_loss": loss}) == TrialScheduler.CONTINUE
+    assert json.loads((tmp_path / "scheduler.json").read_text())["rungs"] == {"40": {}, "20": {"0": -1.0, "1": -2.0}}
 
 
 def test_the_search_heartbeat_trains_while_any_trial_trains() -> None:
