@@ -5,6 +5,11 @@ and ``Tuner.restore`` unpickles the scheduler as it was when the search began. A
 empty rungs and let a trial through that the uninterrupted search stopped. So the rungs are written to storage
 (``runs/<search>/scheduler.json``, by trial index: a restored or restarted experiment may give trials new ids)
 whenever they change, and read back when a restored scheduler first sees its trials.
+
+A trial is never stopped at ``max_t``: its report at ``train.max_steps`` (its final checkpoint) comes before it
+exports its final model and scores it. ASHA stops every trial there (and may by the rung at ``max_t``): Tune then
+killed the trial mid-export -- a "completed" trial with no final model, a winner the gate cannot score. It has no
+step left to train, so no decision changes: it ends by itself once exported.
 """
 
 from __future__ import annotations
@@ -59,13 +64,7 @@ def restorable_asha() -> type:
         def on_trial_result(self, controller: Any, trial: Any, result: dict) -> str:
             action = super().on_trial_result(controller, trial, result)
             self._save()
-            if result.get(self._time_attr, 0) >= self._max_t:
-                # A trial's report at train.max_steps (its final checkpoint) comes before it exports its final model
-                # and scores it. ASHA stops every trial there (and may by the rung at max_t): Tune then kills the
-                # trial mid-export, a "completed" trial with no final model, a winner the gate cannot score. It has
-                # no step left to train, so no decision changes: it ends by itself once exported.
-                return TrialScheduler.CONTINUE
-            return action
+            return TrialScheduler.CONTINUE if result.get(self._time_attr, 0) >= self._max_t else action
 
         def on_trial_complete(self, controller: Any, trial: Any, result: dict) -> None:
             super().on_trial_complete(controller, trial, result)
