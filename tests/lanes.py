@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The heavy, mostly-waiting tiers (chaos, multinode hosts, ray up over SSH) beside the CPU-bound ones. A few
-# self-contained unit files (in-process, their own free ports) close lane 2 instead of lane 1, so the lanes end
+# The heavy, mostly-waiting tiers (chaos, multinode hosts, ray up over SSH) beside the CPU-bound ones. A
+# self-contained unit file (in-process, its own free ports) closes lane 2 instead of lane 1, so the lanes end
 # together: otherwise lane 1 ran on alone for ~4 minutes at the end with half the machine idle.
-LATE_UNIT = ["tests/unit/test_elastic.py", "tests/unit/test_gpu_kit.py"]
+LATE_UNIT = ["tests/unit/test_elastic.py"]
 LANES = [
     ["tests/integration", "tests/unit", *[f"--ignore={f}" for f in LATE_UNIT]],
     ["tests/chaos", "tests/multinode", "tests/launcher", *LATE_UNIT],

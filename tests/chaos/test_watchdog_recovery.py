@@ -72,14 +72,15 @@ def watched(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def watchdogs(ray_cluster, watched, tmp_path_factory):
     """Two independent watchdog loops on the same storage (separate Prefect homes: separate servers), each serving
-    its counters (``METRICS``: their URLs)."""
+    its counters (``METRICS``: their URLs). A pass every 2 s: each pass is a flow run, and a watchdog with its server
+    takes ~18 % of a core at one a second, ~10 % at one every two (the suite shares two cores)."""
     procs = []
     for i in range(2):
         home = tmp_path_factory.mktemp(f"watchdog-{i}")
         env = dict(os.environ, PREFECT_HOME=str(home / "prefect"), PYTHONUNBUFFERED="1")
         env.pop("PREFECT_API_URL", None)  # not the session's shared server: each boots its own, as two teams' would
         log = open(home / "watchdog.log", "w")  # noqa: SIM115 (closed with the process)
-        cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(watched), "--interval", "1",
+        cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(watched), "--interval", "2",
                "--metrics-port", "0"]  # fmt: skip
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, home))
     logs = [home / "watchdog.log" for _, _, home in procs]

@@ -157,7 +157,7 @@ def watchdog(tmp_path):
     def start(storage: str):
         log = open(tmp_path / "watchdog.log", "w")  # noqa: SIM115 (closed below)
         env = dict(os.environ, PYTHONUNBUFFERED="1")  # with UNBROKEN_INJECT_DELAY: a head it starts again has it
-        cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", storage, "--interval", "1"]
+        cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", storage, "--interval", "2"]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         return tmp_path / "watchdog.log"
 
