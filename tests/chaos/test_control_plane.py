@@ -77,15 +77,15 @@ def test_a_jobs_api_failing_for_six_confirmation_windows_while_the_job_trains_st
         with WatchdogLoop(cfg) as dog:
             training_started(cfg)
             laptop.watchdog_passes(cfg.storage, cfg.name, passes=15, every_s=1.0, env=dict(os.environ))
+            pids = dashboard_pids(int(port))
+            assert pids, "no dashboard process found for the chaos head"
             fault_at = time.time()
             forward.set("http502")  # a blip of the proxy ...
             time.sleep(5)
             forward.set("reset")  # ... then the port-forward died
             time.sleep(10)
-            forward.set("pass")
-            pids = dashboard_pids(int(port))
-            assert pids, "no dashboard process found for the chaos head"
-            with paused(pids, 15):  # it is back, and the dashboard behind it hangs
+            with paused(pids, 15):  # the dashboard behind it hangs from the moment the port-forward is back (a
+                forward.set("pass")  # look answered in between would end this silence and start a second one)
                 time.sleep(15)
             reg = until_finished(cfg)
         faulted, elsewhere = forward.faulted(), laptop.outcomes()
