@@ -82,6 +82,13 @@ def test_the_cli_refuses_a_bad_search_before_touching_storage(tmp_path) -> None:
     assert not storage.exists()
 
 
+class Trial:
+    """What ASHA reads of a Tune trial: its id and its config's trial index."""
+
+    def __init__(self, trial_id: str, index: int):
+        self.trial_id, self.config = trial_id, {"trial": index}
+
+
 def test_a_restored_asha_decides_as_the_uninterrupted_one(tmp_path) -> None:
     """Tune restores its scheduler as pickled at the search's start; ours reads its rungs back from storage, by trial
     index (a restored experiment may name trials anew), and stops the trial the uninterrupted search stopped."""
@@ -92,10 +99,6 @@ def test_a_restored_asha_decides_as_the_uninterrupted_one(tmp_path) -> None:
     def asha():
         return restorable_asha()(str(tmp_path / "scheduler.json"), time_attr="step", metric="eval_loss", mode="min",
                                  max_t=60, grace_period=20, reduction_factor=2, brackets=1)  # fmt: skip
-
-    class Trial:
-        def __init__(self, trial_id: str, index: int):
-            self.trial_id, self.config = trial_id, {"trial": index}
 
     first = asha()
     for i, loss in enumerate((1.0, 2.0)):  # two trials reach the rung at step 20
@@ -119,10 +122,6 @@ def test_asha_never_stops_a_trial_at_its_last_step_it_exports_first(tmp_path) ->
     from ray.tune.schedulers import TrialScheduler
 
     from ray_jobs.search.scheduler import restorable_asha
-
-    class Trial:
-        def __init__(self, trial_id: str, index: int):
-            self.trial_id, self.config = trial_id, {"trial": index}
 
     asha = restorable_asha()(str(tmp_path / "scheduler.json"), time_attr="step", metric="eval_loss", mode="min",
                              max_t=40, grace_period=20, reduction_factor=2, brackets=1)  # fmt: skip
