@@ -120,8 +120,10 @@ def submit(
         "submission_id": submission_id,
         # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
         # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
+        # RUST_LOG: torchft (live recovery) logs every quorum at INFO from Rust, in the workers and its lighthouse.
         "runtime_env": {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES,
-                        "env_vars": {"RAY_LOGGER_LEVEL": "info", **(env or {}), JOB_ENV: submission_id}},
+                        "env_vars": {"RAY_LOGGER_LEVEL": "info", "RUST_LOG": "warn", **(env or {}),
+                                     JOB_ENV: submission_id}},
         "entrypoint_num_cpus": 0,
     }  # fmt: skip
     last: list[Exception] = []

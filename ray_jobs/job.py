@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from ray_jobs.config import Config, job_spec
 from ray_jobs.secrets import mask, mask_output
@@ -63,7 +64,7 @@ def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
         # Ray Train keeps the loop config in its run's state (the dashboard's Train page shows it): the config masked,
         # revealed by each worker from the job's environment (``train.worker.run_worker``: ``from_json``)
         train_loop_config=loop | {"config": mask(loop["config"], ())},
-        torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s),
+        torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s, lighthouse(cfg)),
         scaling_config=scaling_config(cfg),
         run_config=RunConfig(
             name=cfg.name,
@@ -81,6 +82,16 @@ def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
             callbacks=callbacks or None,
         ),
     )
+
+
+def lighthouse(cfg: Config) -> dict | None:
+    """torchft's lighthouse for live recovery (None: off): a quorum of one live replica is enough to step, a
+    replica silent for ``replica_timeout_s`` is left out, a quorum waits that long for a replica joining it."""
+    ft = cfg.fault_tolerance
+    if not ft.live_recovery:
+        return None
+    ms = int(ft.replica_timeout_s * 1000)
+    return {"min_replicas": 1, "heartbeat_timeout_ms": ms, "join_timeout_ms": ms, "quorum_tick_ms": 50}
 
 
 def scaling_config(cfg: Config):
@@ -119,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     spec, cfg = job_spec("ray_jobs.job", argv)
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    trainer = build_trainer(cfg, loop_config(spec, cfg))
+    # One row-trace group per job (tests): a live replica replaced mid-job trains in the same group as its peers.
+    trainer = build_trainer(cfg, loop_config(spec, cfg) | {"group": time.time_ns()})
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps worker errors; name the root cause plainly for the watchdog's policy

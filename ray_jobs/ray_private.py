@@ -13,6 +13,7 @@ from typing import Any
 SYMBOLS = (
     ("ray._private.authentication.http_token_authentication", "get_auth_headers_if_auth_enabled"),
     ("ray.train.torch.config", "_TorchBackend"),
+    ("ray.train.v2.torch.torchft_config", "_TorchftBackend"),
 )
 # Private attributes read (not imported): (class, attribute path) for the same test.
 ATTRIBUTES = (("ray.tune.schedulers.async_hyperband.AsyncHyperBandScheduler", "_brackets[0]._rungs"),)
@@ -32,6 +33,14 @@ def torch_backend() -> type[Any]:
     from ray.train.torch.config import _TorchBackend
 
     return _TorchBackend
+
+
+def torchft_backend() -> type[Any]:
+    """Ray Train's torchft backend (``TorchftConfig``'s: a lighthouse, a process group per replica group),
+    subclassed like :func:`torch_backend` to install the SIGTERM handler on every worker, replacements too."""
+    from ray.train.v2.torch.torchft_config import _TorchftBackend
+
+    return _TorchftBackend
 
 
 def asha_rungs(scheduler: Any) -> list[tuple[float, dict[str, float]]]:

@@ -52,6 +52,15 @@ class FaultToleranceConfig(Section):
     watchdog's resubmissions of a job that ended preempted, counted apart from ``max_restarts`` (since the last
     attempt that trained ``progress_resets_budget_steps``), each after a backoff that doubles like a restart's;
     -1 = unlimited. Each one costs no step: every rank checkpoints at once and waits for the restart."""
+    live_recovery: bool = False
+    """Keep training when a worker is lost (DDP, full or LoRA, 2+ fixed workers): each worker is a torchft replica
+    group; Ray Train replaces only the lost one while the others keep stepping and take its share of every step's
+    micro-batches (the rows of each step, and at two workers its bits, are the uninterrupted run's); the newcomer
+    receives the whole training state from a live peer, not from storage. Storage checkpoints stay for what it
+    cannot cover (the driver, the head, every worker at once)."""
+    replica_timeout_s: float = Field(1.0, gt=0)
+    """With ``live_recovery``: a replica silent this long (torchft's lighthouse heartbeat) leaves the next step's
+    quorum, and the others step without it. Lower recovers sooner; too low drops a replica that is only slow."""
     preemption_poll_s: float = Field(2.0, gt=0)
     """How often the ranks ask Ray Train whether a node of theirs is being drained (one barrier across ranks, at a
     step boundary). Ray's own watcher polls the cluster every 5 s; a notice is acted on within both."""

@@ -89,6 +89,8 @@ class Config(Section):
             raise ValueError(f"series.name: name {self.name!r} is only placeholders; name the series")
         if self.model.lora is not None and self.train.parallelism == "fsdp":
             raise ValueError("model.lora with train.parallelism=fsdp is not supported yet; use ddp for LoRA")
+        if self.fault_tolerance.live_recovery and (p := live_recovery_problem(self)):
+            raise ValueError(f"fault_tolerance.live_recovery: {p}")
         problem = batch_split_problem(self.cluster.min_workers, self.cluster.max_workers, self.train.grad_accum_steps)
         if problem:
             raise ValueError(f"cluster.num_workers: {problem}")
@@ -123,6 +125,30 @@ def local_cpus() -> float:
     import os
 
     return float(os.cpu_count() or 1)
+
+
+def live_recovery_problem(cfg: Config) -> str | None:
+    """Why live recovery cannot run this config, or None: each worker must hold a whole replica (DDP), and a fixed
+    number of them (Ray Train replaces only a replica group of a fixed-size group), at least two."""
+    c = cfg.cluster
+    if cfg.train.parallelism == "fsdp":
+        return (
+            "needs train.parallelism=ddp (a replica is one worker holding the whole model; under FSDP a worker "
+            "holds a shard, and a lost shard restarts every worker from the last checkpoint)"
+        )
+    if c.elastic:
+        return (
+            f"needs a fixed cluster.num_workers, not {{min: {c.min_workers}, max: {c.max_workers}}} (Ray Train "
+            "replaces a lost replica only in a group of fixed size)"
+        )
+    if c.max_workers < 2:
+        return "needs cluster.num_workers >= 2 (with one worker there is no live peer to keep training or heal from)"
+    if cfg.checkpoint.keep_best_by:
+        return (
+            "keeps the newest checkpoints only: unset checkpoint.keep_best_by (keeping the best needs Ray Train's "
+            "checkpoint reports, a barrier over every worker that a replica being replaced would hold up)"
+        )
+    return None
 
 
 def batch_split_problem(lo: int, hi: int, grad_accum_steps: int) -> str | None:

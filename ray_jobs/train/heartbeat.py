@@ -32,6 +32,7 @@ class Heartbeat:
         self.trainer: Any = None  # what it reports on, once built (attach)
         self.started_at = time.time()
         self.phase, self.phase_started_at = "loading", self.started_at
+        self.writes: Any = lambda: True  # live recovery: only the replica that leads writes (train/live_trainer.py)
         self._writer = SideWriter(self.beat, "unbroken-heartbeat", every_s=every_s)
 
     def start(self) -> Heartbeat:
@@ -64,10 +65,11 @@ class Heartbeat:
             "tokens_per_s": t.throughput.tokens_per_s if t else 0.0,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-        }
+        } | (t.live_state() if hasattr(t, "live_state") else {})
 
     def beat(self) -> None:
-        write_json_atomic(self.url, self.state())
+        if self.writes():
+            write_json_atomic(self.url, self.state())
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """The last state written (bounded wait: a job ending while storage is away is not held up for long)."""
@@ -80,7 +82,10 @@ class Heartbeat:
         self.stop()
 
 
-def start_heartbeat(cfg: Config, attempt: int) -> Heartbeat:
-    """Rank 0's heartbeat, started now (phase ``loading``)."""
+def start_heartbeat(cfg: Config, attempt: int, writes: Any = None) -> Heartbeat:
+    """Rank 0's heartbeat, started now (phase ``loading``); ``writes``: when it may write (default: always)."""
     url = Layout(cfg.storage).heartbeat(cfg.name)
-    return Heartbeat(url, cfg.fault_tolerance.heartbeat_every_s, cfg.name, cfg.train.max_steps, attempt).start()
+    beat = Heartbeat(url, cfg.fault_tolerance.heartbeat_every_s, cfg.name, cfg.train.max_steps, attempt)
+    if writes is not None:
+        beat.writes = writes
+    return beat.start()

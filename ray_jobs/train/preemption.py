@@ -87,11 +87,15 @@ class Preempted(RuntimeError):
     """Raised on every rank after a just-in-time checkpoint, so Ray Train restarts the group from it."""
 
 
-def torch_config(use_gpu: bool, grace_s: float):
-    """A TorchConfig whose backend also installs the SIGTERM handler on every worker."""
+def torch_config(use_gpu: bool, grace_s: float, live: dict[str, Any] | None = None):
+    """A TorchConfig whose backend also installs the SIGTERM handler on every worker. ``live``: the torchft
+    lighthouse's settings -- each worker a replica group (Ray Train's ``TorchftConfig``), replaced alone."""
     from ray.train.torch import TorchConfig
 
-    from ray_jobs.ray_private import torch_backend
+    from ray_jobs.ray_private import torch_backend, torchft_backend
+
+    if live is not None:
+        return _torchft_config(torchft_backend(), use_gpu, grace_s, live)
 
     class _Backend(torch_backend()):
         def on_start(self, worker_group, backend_config):
@@ -107,6 +111,26 @@ def torch_config(use_gpu: bool, grace_s: float):
             return _Backend
 
     return UnbrokenTorchConfig(backend="nccl" if use_gpu else "gloo", preemption_grace_s=grace_s)
+
+
+def _torchft_config(backend: type[Any], use_gpu: bool, grace_s: float, lighthouse: dict[str, Any]):
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    class _Backend(backend):
+        def on_start(self, worker_group, backend_config):  # the whole group, or one replica group replacing one
+            super().on_start(worker_group, backend_config)
+            worker_group.execute(install_sigterm_handler, grace_s=backend_config.preemption_grace_s)
+
+    class UnbrokenTorchftConfig(TorchftConfig):
+        def __init__(self, **kwargs):
+            self.preemption_grace_s = grace_s
+            super().__init__(**kwargs)
+
+        @property
+        def backend_cls(self):
+            return _Backend
+
+    return UnbrokenTorchftConfig(lighthouse_kwargs=lighthouse, backend="nccl" if use_gpu else "gloo")
 
 
 # The loop's own messages, logged as the training loop's (log readers and tests look for them there).

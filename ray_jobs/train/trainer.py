@@ -129,11 +129,14 @@ class Trainer:
             log.info("rank %d: resumed from %s at step %d (%s; data at %s)", self.rt.rank, url, self.loop.step,
                      reason, self.cursors)  # fmt: skip
         if self.rt.rank == 0:
-            resumed = self.loop.step if url else None
-            self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed)
-            self.metrics.trackers = open_trackers(self.cfg, self.attempt, self.manifest["dataset_id"], resumed,
-                                                  self.model, self.manifest["seq_len"], self.rt.world_size,
-                                                  self.parent)  # fmt: skip
+            self._open_log(self.loop.step if url else None)
+
+    def _open_log(self, resumed: int | None) -> None:
+        """Rank 0's metrics log and trackers, keeping what was logged up to ``resumed`` (None: a fresh run)."""
+        self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed)
+        self.metrics.trackers = open_trackers(self.cfg, self.attempt, self.manifest["dataset_id"], resumed,
+                                              self.model, self.manifest["seq_len"], self.rt.world_size,
+                                              self.parent)  # fmt: skip
 
     def _load_checkpoint(self, url: str, manifest: dict[str, Any]) -> bool:
         """Load a checkpoint every rank agreed on (:func:`~ray_jobs.train.resume.load_checkpoint`); False when a
@@ -167,14 +170,17 @@ class Trainer:
         try:
             while self.loop.step < end:
                 self._after_step(self._step())
-            if stop_at is None:
-                self.checkpointer.finish(self.loop.step, self._checkpoint_metrics())
-            else:  # "died" here: a write in flight completes (manifest and all), but is never reported
-                self.checkpointer.stop()
+            self._finish_checkpoints(stop_at is None)
         finally:
             self._stop_training(own_heartbeat)
         self._log_trained(first)
         return self.loop
+
+    def _finish_checkpoints(self, done: bool) -> None:
+        if done:
+            self.checkpointer.finish(self.loop.step, self._checkpoint_metrics())
+        else:  # "died" here (``fit(stop_at)``): a write in flight completes (manifest and all), never reported
+            self.checkpointer.stop()
 
     def _eval_at_start(self) -> None:
         if self.loop.step == 0:

@@ -29,10 +29,11 @@ def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = from_json(loop_config["config"])
     attempt = loop_config.get("attempt", 0)
-    heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 else None  # before the model loads
+    live = cfg.fault_tolerance.live_recovery
+    heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 and not live else None  # before the model loads
     trainer = None
     try:
-        trainer = Trainer(cfg, loop_config["manifest"], loop_config["model_path"], rt, heartbeat)
+        trainer = _make_trainer(cfg, loop_config, rt, heartbeat, attempt)
         trainer.attempt, trainer.parent = attempt, loop_config.get("parent")
         trainer.resume_or_start(loop_config.get("resume_from"))
         trainer.fit()
@@ -45,10 +46,21 @@ def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        if trainer is not None and hasattr(trainer, "close"):
+            trainer.close()  # live recovery: its replica leaves the quorum, its heartbeat stops
     after = {k: v - trainer.warmup[k] for k, v in trainer.cache.counters().items()}  # what training itself read
     log.info("rank %d shard cache after warm-up: %s; checkpoint stalls (s): %s", trainer.rt.rank, after,
              [round(s, 4) for s in trainer.checkpointer.stalls_s])  # fmt: skip
     return trainer
+
+
+def _make_trainer(cfg, loop_config: dict[str, Any], rt: Runtime, heartbeat, attempt: int) -> Trainer:
+    manifest, model_path = loop_config["manifest"], loop_config["model_path"]
+    if cfg.fault_tolerance.live_recovery:
+        from ray_jobs.train.live_trainer import LiveTrainer
+
+        return LiveTrainer(cfg, manifest, model_path, rt, attempt, loop_config.get("group", 0))
+    return Trainer(cfg, manifest, model_path, rt, heartbeat)
 
 
 def _end_tracking(trainer: Trainer | None, status: str, final_model: str | None) -> None:

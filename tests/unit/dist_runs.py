@@ -73,3 +73,50 @@ def train_and_export_rank(rank: int, cfg: Config, manifest: dict, model: str) ->
     t.fit()
     weights = full_weights_hash(t)
     return {"weights": weights, "final": t.export_final()}
+
+
+# -- live recovery without Ray: torchft replicas, each its own world of one, on a lighthouse in this process --------
+class LiveRanks:
+    """What Ray Train's context gives a live replica: its rank among ``world`` replicas (its own group is alone)."""
+
+    def __init__(self, rank: int, world: int):
+        import torch
+
+        self.rank, self.world_size, self._device = rank, world, torch.device("cpu")
+
+    def device(self):
+        return self._device
+
+
+def lighthouse(timeout_ms: int = 1000):
+    """A torchft lighthouse as Ray Train's TorchftConfig starts one (ray_jobs/job.py ``lighthouse``)."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=timeout_ms, join_timeout_ms=timeout_ms,
+                            quorum_tick_ms=50)  # fmt: skip
+
+
+def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out) -> None:
+    import torch.distributed as dist
+
+    from ray_jobs.job import worker_config
+    from ray_jobs.train.worker import run_worker
+
+    port = _free_port()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      TORCHFT_LIGHTHOUSE=address)  # fmt: skip
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        t = run_worker(worker_config(cfg, manifest, model) | {"group": 1}, LiveRanks(rank, world))
+        out[rank] = {"step": t.loop.step, "weights": full_weights_hash(t), "resumed_from": t.resumed_from,
+                     "heals": t.heals, "leader": t.leader, "eval_loss": t.last_eval}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def start_live(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out):
+    """Replica ``rank`` of ``world`` as its own process (killed with ``.kill()``, waited with ``.join()``)."""
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_live_entry, args=(rank, world, address, cfg, manifest, model, out), daemon=False)
+    p.start()
+    return p

@@ -1,0 +1,150 @@
+"""Live recovery's parts: this worker as a torchft replica group, and the one-worker view the rest of the loop gets.
+
+With ``fault_tolerance.live_recovery`` Ray Train runs ``TorchftConfig``: every worker is a replica group of one,
+whose torch process group is itself alone. What spans workers is torchft's: a lighthouse (an actor on the head)
+forms a quorum of the live replicas before each step, the step's gradients are summed over the quorum on a process
+group torchft re-forms at every change, and a replica whose step is behind the quorum's heals -- it receives the
+whole training state from a live peer over torchft's checkpoint transport (``PGTransport``). Ray Train replaces a
+replica group that failed, alone, while the others keep stepping (``_replace_bad_workers``).
+
+Written here by hand, and why: torchft's own ``DistributedDataParallel`` and ``OptimizerWrapper`` average the
+gradients over the replicas that happen to take part in a step, so a step trained while one is missing is a smaller
+batch than the uninterrupted run's. Here every step trains the micro-batches of all ``N`` replicas -- the survivors
+compute a missing replica's share too, *as that replica would have* (its micro-batches, accumulated apart), and the
+step's gradient is ``sum over the N shares / N``: at two replicas the same bits whoever computed which share (a sum
+of two is order-free, halving is exact), at more the same rows. Only the Manager's quorum, allreduce, commit and
+heal are used, each as torchft documents it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger("unbroken.train")
+
+# torchft logs every quorum and commit at INFO (~8 lines a step); unbroken logs the changes that matter itself.
+QUIET = ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits", "torchft.checkpointing.pg_transport")
+
+
+def virtual_slots(replicas: int, per: int, shares: list[int]) -> list[list[int]]:
+    """Micro-batch indices (into a one-worker :class:`~ray_jobs.data.reading.StepPlan`'s step) of each share this
+    worker computes: share ``j`` of ``replicas`` is the ``j``-th run of ``per`` micro-batches, the slots worker
+    ``j`` of ``replicas`` runs in an ordinary run (``reading.step_slots``)."""
+    return [list(range(j * per, (j + 1) * per)) for j in shares]
+
+
+def shares_of(participant: int, participants: int, replicas: int) -> list[int]:
+    """The shares (of ``replicas``) the ``participant``-th of ``participants`` live replicas computes this step:
+    every share exactly once over the quorum, its own first when all are there."""
+    return [j for j in range(replicas) if j % participants == participant]
+
+
+class Solo:
+    """The one-worker view the loop's unchanged parts run on (resume, checkpoints, eval, export): rank 0 of 1, no
+    collectives, nothing reported to Ray Train -- its report is a barrier over every worker, which a replica being
+    replaced would hold up (Ray 2.60's torchft example skips it for the same reason). So old checkpoints are
+    deleted here instead of by Ray's ``CheckpointConfig``: the newest ``num_to_keep`` stay."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, device, keep: int, checkpoints_dir: str):
+        self._device, self.keep, self.dir = device, keep, checkpoints_dir
+        self.on_report: Any = None  # the trainer's hook: a checkpoint landed (step)
+
+    def prepare_model(self, model):
+        return model.to(self._device)
+
+    def shard_model(self, model):
+        raise RuntimeError("live recovery runs DDP only (config validation refuses fsdp)")
+
+    def device(self):
+        return self._device
+
+    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+        if checkpoint_url is None:
+            return
+        from ray_jobs.checkpoint.format import list_checkpoints
+        from ray_jobs.storage import fs_and_path
+
+        for _, url in list_checkpoints(self.dir)[self.keep :]:  # newest first: all but the newest ``keep``
+            fs, path = fs_and_path(url)
+            fs.rm(path, recursive=True)
+        if self.on_report is not None:
+            self.on_report(metrics["step"])
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def preemption_notice(self) -> dict[str, Any] | None:
+        return None  # Ray Train's preemption watcher is off for replica groups: a lost replica is replaced live
+
+
+class Replica:
+    """This worker's torchft Manager: the quorum before each step, the sum over it, the commit, the heal."""
+
+    def __init__(self, rank: int, device, timeout_s: float, state_dict, load_state_dict):
+        import os
+
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
+        import torch
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        for name in QUIET:  # their errors too: the loop logs each failed step once, with its cause
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        timeout = timedelta(seconds=timeout_s)
+        if device.type == "cuda":  # not run here (no GPU on this project's machines): torchft's NCCL group
+            from torchft import ProcessGroupNCCL
+
+            pg = ProcessGroupNCCL(timeout=timeout)
+        else:
+            pg = ProcessGroupGloo(timeout=timeout)
+        self.rank, self.heals = rank, 0
+        self.manager = Manager(
+            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+            use_async_quorum=False,  # the step's shares depend on who is in it: know the quorum before computing
+            init_sync=False,  # every replica starts from the same seed or the same checkpoint
+            timeout=timeout, quorum_timeout=timeout * 2, rank=0, world_size=1, replica_id=f"unbroken_{rank}",
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device(device)),
+        )  # fmt: skip
+
+    def quorum(self) -> tuple[int, int]:
+        """Join this step's quorum (healing first when behind: the state is loaded before this returns); this
+        replica's place in it and its size."""
+        self.manager.start_quorum()
+        return self.manager.participating_rank() or 0, max(1, self.manager.num_participants())
+
+    def set_step(self, step: int, replicas: int) -> None:
+        """Where this replica is after a resume from storage (the quorum compares steps: lower ones heal)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * replicas})
+
+    def sum(self, tensor):
+        """``tensor`` summed over the quorum, in place (garbage if the step fails: ``commit`` then says False)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return tensor
+
+    def commit(self) -> bool:
+        """True when every replica of the quorum summed this step's shares: apply it. False: redo it."""
+        return self.manager.should_commit()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def timed_heal(replica: Replica, began: float, step: int, source: int | None) -> dict[str, Any]:
+    """What the heartbeat and the log say of a heal this replica just received."""
+    replica.heals += 1
+    took = time.monotonic() - began
+    log.warning("replica %d healed from a live peer at step %d in %.2fs (no storage read)", replica.rank, step, took)
+    return {"rank": replica.rank, "step": step, "heal_s": round(took, 3), "at": time.time(), "source": source}

@@ -1,0 +1,339 @@
+"""The training loop under live recovery (``fault_tolerance.live_recovery``; the parts and the why: :mod:`.live`).
+
+Every worker runs this loop on a one-worker view of the run (:class:`~.live.Solo`): it reads every data rank's rows
+and computes, each step, the shares of the replicas it stands for -- its own when all are there, a lost one's too
+while Ray Train replaces it. A step is applied only when torchft commits it (every replica of the quorum summed the
+same step); one a failure interrupted is computed again, from the same cursor, never half-applied.
+
+One replica *leads*: it writes the heartbeat, the metrics log, the trackers' rows and the storage checkpoints, and
+exports at the end. The leader stays while it takes part; when it is lost the lowest live replica takes over and
+writes again the rows of this attempt every replica keeps (``history``), so the log and the trackers hold each
+step once. Who took part in each step, and who healed in how long, is in the step's sum: every replica knows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
+from ray_jobs.data.reading import Cursor, StepPlan
+from ray_jobs.storage import read_json
+from ray_jobs.train import faults, preemption, rowtrace
+from ray_jobs.train.eval import eval_loss
+from ray_jobs.train.heartbeat import start_heartbeat
+from ray_jobs.train.live import Replica, Solo, shares_of, timed_heal, virtual_slots
+from ray_jobs.train.model import clip_grads, to_device
+from ray_jobs.train.trainer import Agreed, Trainer
+
+log = logging.getLogger("unbroken.train")
+HEAD = 4  # the step's sum: loss, tokens, the step each replica is at, how many were SIGTERMed; then per replica
+
+
+class LiveTrainer(Trainer):
+    def __init__(self, cfg, manifest: dict[str, Any], model_path: str, rt, attempt: int, group: int = 0):
+        self.ray_rank, self.replicas = rt.rank, rt.world_size
+        self.leader: int | None = None  # the Ray rank of the replica that writes (module docstring)
+        self.participants: list[int] = []
+        self.history: list[dict[str, Any]] = []  # this attempt's logged rows, kept by every replica
+        self.history_base: int | None = None  # the step the log keeps rows up to (None: a fresh run)
+        self.heals: list[dict[str, Any]] = []  # every heal of this attempt (every replica learns of each)
+        self.healed: dict[str, Any] | None = None  # the heal this replica received, until the step's sum carries it
+        self.replica: Replica | None = None
+        self._quorum: tuple[int, int] | None = None  # the joining quorum: the first step's
+        self.replacement = _attempt_training(cfg, attempt)  # Ray Train replaced a lost replica with this process
+        self.fresh = rt.rank == 0 and not self.replacement  # shows `loading` until a leader is known
+        beat = start_heartbeat(cfg, attempt, writes=self._writes_heartbeat)
+        solo = Solo(rt.device(), cfg.checkpoint.num_to_keep, "")
+        super().__init__(cfg, manifest, model_path, solo, beat)
+        solo.dir = self.layout.checkpoints_dir(cfg.name)
+        self.attempt, self.per = attempt, self.plan.micro_batches // self.replicas
+        if self.trace is not None:  # one group per job (its replicas train each step together), ranks as Ray's
+            self.trace = rowtrace.RowTrace(os.environ[rowtrace.ENV], group, self.ray_rank, self.replicas)
+
+    def _load_data(self) -> None:
+        super()._load_data()  # as one worker: every data rank's rows (this replica may compute anyone's share)
+        assert isinstance(self.plan, StepPlan) and self.plan.micro_batches % self.replicas == 0
+
+    def _writes_heartbeat(self) -> bool:
+        return self.leader == self.ray_rank if self.leader is not None else self.fresh
+
+    def live_state(self) -> dict[str, Any]:
+        """The heartbeat's live-recovery fields: who took part in the last step, who healed."""
+        missing = self.replicas - len(self.participants) if self.participants else 0
+        last = self.heals[-1] if self.heals else None
+        return {"replicas": self.replicas, "participants": len(self.participants) or self.replicas,
+                "healing": missing > 0, "heals": len(self.heals), "last_heal": last}  # fmt: skip
+
+    # -- joining: heal from a live peer, or resume from storage like any run ---------------------------------------
+    def resume_or_start(self, explicit_checkpoint: str | None = None) -> None:
+        self._phase("loading")
+        timeout_s = max(10.0, 10 * self.cfg.fault_tolerance.replica_timeout_s)
+        self.replica = Replica(self.ray_rank, self.device, timeout_s, self._heal_state, self._load_heal_state)
+        self._quorum = self._join()
+        if self.healed is not None:
+            self.resumed_from = "a live peer"
+            return
+        super().resume_or_start(explicit_checkpoint)  # nobody ahead: a job (re)start
+        self.replica.set_step(self.loop.step, self.replicas)
+
+    def _open_log(self, resumed: int | None) -> None:
+        self.history_base = resumed  # opened when this replica leads (_lead)
+
+    def _heal_state(self) -> dict[str, Any]:
+        """Everything a replica that joins behind needs, sent by torchft from this live one."""
+        names = trainable_names(self.model) if self.lora else None
+        model = {k: v for k, v in self.model.state_dict().items() if names is None or k in names}
+        return {"model": model, "optim": self.optimizer.state_dict(), "sched": self.scheduler.state_dict(),
+                "loop": asdict(self.loop), "cursors": [asdict(c) for c in self.cursors], "last_eval": self.last_eval,
+                "leader": self.leader, "history": self.history, "history_base": self.history_base,
+                "heals": self.heals, "rng": rng_state()}  # fmt: skip
+
+    def _load_heal_state(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"], strict=not self.lora)
+        self.optimizer.load_state_dict(sd["optim"])
+        self.scheduler.load_state_dict(sd["sched"])
+        self.loop, self.cursors = LoopState(**sd["loop"]), [Cursor(**c) for c in sd["cursors"]]
+        self.last_eval, self.leader = sd["last_eval"], sd["leader"]
+        self.history, self.history_base, self.heals = list(sd["history"]), sd["history_base"], list(sd["heals"])
+        set_rng_state(sd["rng"])
+        self.checkpointer.last_step = self.loop.step
+        self.healed = {}  # timed by _join
+
+    def _join(self) -> tuple[int, int]:
+        """This step's quorum; a replica behind it (a newcomer, or one that missed a commit) receives the whole
+        state from a live peer first (``_load_heal_state``)."""
+        began = time.monotonic()
+        quorum = self.replica.quorum()
+        if self.healed == {}:
+            self.healed = timed_heal(self.replica, began, self.loop.step, None)
+        return quorum
+
+    # -- a step ---------------------------------------------------------------------------------------------------
+    def _step(self) -> Agreed:
+        faults.on_step()
+        started = time.monotonic()
+        while True:
+            place, size = self._quorum or self._join()
+            self._quorum = None
+            grads, local = self._compute(place, size)
+            v = self.replica.sum(self._vector(local))
+            consistent = self._consistent(v, size)
+            if self.replica.commit() and consistent:
+                break
+            err = self.replica.manager.errored()
+            cause = getattr(err, "original_exception", err)
+            log.warning("replica %d: step %d not committed (%s: %s); computing it again", self.ray_rank,
+                        self.loop.step + 1, type(cause).__name__, str(cause).splitlines()[0][:200] if cause else "")  # fmt: skip
+            self._discard()
+        return self._apply(grads, v, started)
+
+    def _compute(self, place: int, size: int):
+        """This replica's shares of the step: the gradient summed over them (one flat tensor, summed over the
+        quorum in ``_step`` via ``_vector``'s partner) and (loss, tokens)."""
+        import torch
+
+        self.model.train()
+        shares = shares_of(place, size, self.replicas)
+        flat, loss, tokens = None, 0.0, 0
+        for slots in virtual_slots(self.replicas, self.per, shares):
+            self.optimizer.zero_grad(set_to_none=True)
+            share_loss, share_tokens = self._share(slots)
+            g = torch.cat([p.grad.reshape(-1) for p in self._params()])
+            flat = g if flat is None else flat.add_(g)  # two shares: g0 + g1, what the quorum's sum gives
+            loss, tokens = loss + share_loss, tokens + share_tokens
+        return self.replica.sum(flat), (loss, tokens)
+
+    def _share(self, slots: list[int]) -> tuple[float, int]:
+        """One replica's micro-batches, accumulated as that replica accumulates them in an ordinary run."""
+        import torch
+
+        loss_sum, tokens, n = torch.zeros((), dtype=torch.float64), 0, len(slots)
+        for k in slots:
+            v, idx, epochs = self.plan.batch(self.cursors, k)
+            self.rows_materialized += len(idx)
+            if self.trace is not None:
+                self.trace.add(epochs, self.plan.identify(v, idx))
+            arrays = self.plan.take(v, idx)
+            tokens += int((arrays[0] != self.pad_id).sum())
+            ids, labels, pos = (to_device(x, self.device) for x in arrays)
+            with self.autocast():
+                loss = self.model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
+            (loss / n).backward()
+            loss_sum += loss.detach().to(torch.float64).cpu() / n
+        return float(loss_sum), tokens
+
+    def _params(self) -> list[Any]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _vector(self, local: tuple[float, int]):
+        import torch
+
+        v = torch.zeros(HEAD + 2 * self.replicas, dtype=torch.float64, device=self.device)
+        v[0], v[1], v[2], v[3] = local[0], local[1], self.loop.step, float(preemption.requested())
+        v[HEAD + self.ray_rank] = 1.0
+        if self.healed and self.replacement:  # (a replica that only joined late, or missed a commit, heals too)
+            v[HEAD + self.replicas + self.ray_rank] = max(self.healed["heal_s"], 1e-6)
+        return v
+
+    def _consistent(self, v, size: int) -> bool:
+        """Every replica of the quorum stands at this step (else the lower one heals at the next quorum)."""
+        ok = int(v[2]) == self.loop.step * size and int(v[HEAD : HEAD + self.replicas].sum()) == size
+        if not ok:
+            self.replica.manager.report_error(RuntimeError("the quorum's replicas are at different steps"))
+        return ok
+
+    def _discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.trace is not None:
+            self.trace.rows = []
+
+    def _apply(self, grads, v, started: float) -> Agreed:
+        """The committed step: the mean of the replicas' shares into the gradients, then the optimizer."""
+        offset = 0
+        grads.div_(self.replicas)
+        for p in self._params():
+            p.grad.copy_(grads[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        self.cursors = self.plan.after(self.cursors)
+        grad_norm = clip_grads(self.model, self.cfg.train.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loop.step += 1
+        if self.trace is not None:
+            self.trace.step_done(self.loop.step)
+        self.loop.tokens_seen += int(v[1])
+        self.loop.elapsed_s += time.monotonic() - started
+        self.last_step_at = time.time()
+        self.first_step_at = self.first_step_at or self.last_step_at
+        self._took_part([r for r in range(self.replicas) if v[HEAD + r] > 0], v)
+        self.sigtermed = int(v[3])
+        return Agreed(float(v[0]) / self.replicas, int(v[1]), float(grad_norm), False, False, self.sigtermed > 0)
+
+    def _took_part(self, participants: list[int], v) -> None:
+        """Who took part, who healed, and who leads from here (the same on every replica)."""
+        for r in range(self.replicas):
+            if v[HEAD + self.replicas + r] > 0:
+                self.heals.append({"rank": r, "step": self.loop.step - 1, "heal_s": float(v[HEAD + self.replicas + r]),
+                                   "at": time.time(), "lost_steps": 0})  # fmt: skip
+        self.healed = None
+        if participants != self.participants:  # (the time: Ray shows a worker's log lines without one)
+            log.warning("step %d trained by replicas %s of %d (committed at %.3f)", self.loop.step, participants,
+                        self.replicas, self.last_step_at)  # fmt: skip
+        self.participants = participants
+        leader = self.leader if self.leader in participants else min(participants)
+        if leader == self.ray_rank and self.leader != self.ray_rank:
+            self._lead()
+        self.leader = leader
+
+    def _lead(self) -> None:
+        """This replica leads from now: the attempt's log reopened, every row of it written again (once)."""
+        if self.metrics is None:
+            Trainer._open_log(self, self.history_base)
+            for row in self.history:
+                self.metrics.append(row)
+        log.info("replica %d leads (heartbeat, metrics, checkpoints) from step %d", self.ray_rank, self.loop.step)
+
+    # -- after a step -----------------------------------------------------------------------------------------------
+    def _after_step(self, a: Agreed) -> None:
+        t, step = self.cfg.train, self.loop.step
+        last = step == t.max_steps
+        row: dict[str, Any] = {"step": step}
+        if step % t.log_every_steps == 0 or last:
+            row |= {"loss": a.loss, "grad_norm": a.grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+            row |= self.throughput.row(self.loop) | {"participants": len(self.participants)}
+        if step % t.eval_every_steps == 0 or last:
+            row["eval_loss"] = self._eval_during_training()
+        if a.preempt and preemption.requested():
+            self._leave(row)
+        self._log(row)
+        if self.leader == self.ray_rank:
+            if self.checkpointer.write_done():
+                self.checkpointer.commit(wait=False)
+            self.checkpointer.save_if_due(step, last, self.checkpointer.time_due(), self._checkpoint_metrics())
+
+    def _leave(self, row: dict[str, Any]) -> None:
+        """This SIGTERMed replica leaves at this step boundary, its step committed, and is replaced live; when every
+        replica of the step got one (the whole job is being stopped), the leader saves the step first."""
+        self._log(row)
+        if self.sigtermed >= len(self.participants) and self.leader == self.ray_rank:
+            self.checkpoint(sync=True)
+        if self.metrics is not None:
+            self.metrics.flush(10.0)
+        log.warning("replica %d: SIGTERM: leaving after step %d (committed); replaced live", self.ray_rank,
+                    self.loop.step)  # fmt: skip
+        preemption.checkpoint_saved()
+        raise preemption.Preempted(f"replica {self.ray_rank} left at step {self.loop.step} (SIGTERM)")
+
+    def _log(self, row: dict[str, Any]) -> None:
+        """Every replica keeps the row (a replica that takes the lead writes them all); the leader writes it."""
+        if len(row) > 1:
+            row = {**row, "time": time.time()}
+            self.history.append(row)
+            if self.metrics is not None and self.leads():
+                self.metrics.append(row)
+                log.info("step %d %s", row["step"], {k: v for k, v in row.items() if k != "step"})
+
+    sigtermed = 0  # replicas of the last step that got SIGTERM
+
+    def evaluate(self, rows=None) -> float:
+        """The eval split's loss as an ordinary run of ``replicas`` workers computes it (each one's slice summed in
+        rank order), on this replica alone: every replica knows it, whoever is missing."""
+        self._phase("evaluating")
+        t, parts = self.cfg.train, []
+        for r in range(self.replicas):
+            view = _Slice(r, self.replicas, parts)
+            eval_loss(self.model, rows or self.eval_rows, view, self.device, self.autocast, t.micro_batch_size,
+                      t.eval_max_batches)  # fmt: skip
+        loss_sum, count = 0.0, 0.0
+        for part_loss, part_count in parts:
+            loss_sum, count = loss_sum + part_loss, count + part_count
+        return loss_sum / max(count, 1.0)
+
+    # -- the end ----------------------------------------------------------------------------------------------------
+    def _finish_checkpoints(self, done: bool) -> None:
+        if self.leads():
+            super()._finish_checkpoints(done)
+        else:
+            self.checkpointer.writer.close()
+
+    def leads(self) -> bool:
+        return self.leader == self.ray_rank or (self.leader is None and self.ray_rank == 0)
+
+    def score(self, manifest: dict[str, Any] | None) -> float | None:
+        return super().score(manifest) if self.leads() else None
+
+    def export_final(self) -> str | None:
+        return super().export_final() if self.leads() else None
+
+    def close(self) -> None:
+        if self.replica is not None:
+            self.replica.shutdown()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+
+class _Slice:
+    """Rank ``rank`` of ``world``'s view for one eval slice: its sums are kept, not reduced (``evaluate``)."""
+
+    def __init__(self, rank: int, world: int, parts: list):
+        self.rank, self.world_size, self.parts = rank, world, parts
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        self.parts.append(tuple(values))
+        return list(values)
+
+
+def _attempt_training(cfg, attempt: int) -> bool:
+    """This attempt's heartbeat already shows training: this process is a replacement, not the job's start."""
+    from ray_jobs.storage import Layout
+
+    try:
+        beat = read_json(Layout(cfg.storage).heartbeat(cfg.name))
+    except Exception:
+        return False
+    return beat.get("attempt") == attempt and beat.get("phase") != "loading" and "replicas" in beat

@@ -1,0 +1,89 @@
+"""Live recovery (``fault_tolerance.live_recovery``): a lost worker is replaced while the other keeps training.
+
+One real job on the chaos suite's head (Ray Train + torchft, two replicas) takes two faults: kill -9 of the replica
+that leads (it writes the heartbeat, the metrics and the checkpoints), then SIGTERM of a worker. The survivor steps on
+alone, computing the lost replica's share too; the replacement heals from it. The run ends with the uninterrupted
+run's weights bit for bit, every row of it trained once, and the trackers holding each step once.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from ray_jobs.storage import Layout
+from ray_jobs.train.rowtrace import ENV, trained_rows
+from tests.chaos.harness import (
+    REPORT,
+    baseline_metrics,
+    chaos_config,
+    final_weights_hash,
+    heartbeat,
+    job_logs,
+    kill,
+    start_training,
+    wait_for,
+    wait_job,
+)
+from tests.trackers import TRACKING, check_trackers
+
+pytestmark = pytest.mark.chaos
+LIVE = {"fault_tolerance.live_recovery": True, "fault_tolerance.max_failures": 4}
+
+
+def _degraded_at(logs: str, after: float) -> float:
+    """When the first step trained without the lost replica was committed (the survivors log it), after ``after``."""
+    for m in re.finditer(r"step \d+ trained by replicas \[\d\] of 2 \(committed at ([\d.]+)\)", logs):
+        at = float(m.group(1))
+        if at > after:
+            return at
+    raise AssertionError(f"no step trained by one replica after the fault: {logs[-5000:]}")
+
+
+def test_a_killed_and_a_sigtermed_worker_are_replaced_live_and_the_run_ends_bit_identical(
+    ray_cluster, baseline, uninterrupted, tmp_path
+) -> None:
+    cfg = chaos_config(tmp_path / "storage", "live", **TRACKING, **LIVE)
+    sid = start_training(ray_cluster, cfg, env={"UNBROKEN_INJECT_DELAY": "step:0.03", ENV: str(tmp_path / "rows")})
+    wait_for("training past step 60 on both replicas", lambda: _beat(cfg).get("step", 0) > 60)
+    leader = heartbeat(cfg)["pid"]
+    at_kill, killed_at = heartbeat(cfg)["step"], time.time()
+    kill(leader, signal.SIGKILL)
+    wait_for("the replacement healed", lambda: _beat(cfg).get("heals", 0) >= 1 and _beat(cfg)["participants"] == 2)
+    wait_for("training past step 150", lambda: _beat(cfg)["step"] > 150)
+    sigtermed, termed_at = heartbeat(cfg)["pid"], time.time()
+    kill(sigtermed, signal.SIGTERM)
+
+    assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
+    logs = job_logs(ray_cluster, sid)
+    (tmp_path / "job.log").write_text(logs)
+    beat = heartbeat(cfg)
+    assert beat["heals"] == 2 and beat["last_heal"]["lost_steps"] == 0 and not beat["healing"], beat
+    assert re.search(r"Replacing failing replica groups", logs) and "resumed from" not in logs, logs[-5000:]
+    assert re.search(r"replica \d: SIGTERM: leaving after step \d+ \(committed\); replaced live", logs), logs[-5000:]
+    assert len(re.findall(r"healed from a live peer at step \d+", logs)) >= 2, logs[-5000:]
+    first = _degraded_at(logs, killed_at)
+    REPORT.append({"scenario": "live: kill -9 a worker", "detected_by": "torchft quorum (in job)",
+                   "detection_s": None, "recovery_s": first - killed_at, "lost_steps": 0})  # fmt: skip
+    REPORT.append({"scenario": "live: SIGTERM a worker", "detected_by": "the worker (leaves at a step)",
+                   "detection_s": None, "recovery_s": _degraded_at(logs, termed_at) - termed_at,
+                   "lost_steps": 0})  # fmt: skip
+    assert first - killed_at <= 3.0, f"the first step without the killed replica came {first - killed_at:.1f}s late"
+    assert at_kill > 0
+    # Every row of the uninterrupted run, each once; the uninterrupted run's weights and logged values, bit for bit.
+    want, _ = trained_rows(uninterrupted[1])
+    got, _ = trained_rows(tmp_path / "rows")
+    assert got == want
+    assert final_weights_hash(cfg) == baseline
+    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))
+    assert (tmp_path / "storage").exists() and Layout(cfg.storage).final_model(cfg.name)
+
+
+def _beat(cfg) -> dict:
+    try:
+        return heartbeat(cfg)
+    except Exception:
+        return {}

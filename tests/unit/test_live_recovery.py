@@ -1,0 +1,102 @@
+"""Live recovery without Ray (torchft replicas as plain processes, a lighthouse in this process): a replica killed
+with SIGKILL mid-run and started again ends the run with the weights, the rows and the eval loss of an ordinary
+two-worker DDP run, bit for bit -- the survivor computed the lost replica's share of every step it missed, and the
+newcomer healed from it, not from storage. What cannot run live is refused by name. (The same on Ray Train, with
+kill -9 and SIGTERM of real workers: tests/chaos/test_live_recovery.py.)"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from ray_jobs.config import Config, ConfigError, load_config
+from ray_jobs.data.staging import stage
+from ray_jobs.model.builtin import build_builtin
+from ray_jobs.model.loading import load_tokenizer
+from ray_jobs.train.live import shares_of, virtual_slots
+from ray_jobs.train.rowtrace import ENV, trained_rows
+from tests.conftest import ROOT, tiny_overrides
+from tests.unit.dist_runs import lighthouse, run_world, start_live, train_rank
+
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["train.parallelism=fsdp"], "needs train.parallelism=ddp"),
+        (["cluster.num_workers={min: 1, max: 2}"], "needs a fixed cluster.num_workers, not {min: 1, max: 2}"),
+        (["cluster.num_workers=1"], "needs cluster.num_workers >= 2"),
+        (["checkpoint.keep_best_by=eval_loss"], "keeps the newest checkpoints only: unset checkpoint.keep_best_by"),
+    ],
+)
+def test_what_cannot_run_live_is_refused_by_name_before_any_cluster_work(overrides, says) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["fault_tolerance.live_recovery=true", *overrides])
+    assert "fault_tolerance.live_recovery: " + says in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("participants", "replicas", "shares"),
+    [
+        (2, 2, [[0], [1]]),  # all there: each its own share
+        (1, 2, [[0, 1]]),  # one lost: the survivor computes both, in order
+        (2, 4, [[0, 2], [1, 3]]),
+        (3, 4, [[0, 3], [1], [2]]),
+    ],
+)
+def test_every_share_of_a_step_is_computed_exactly_once_whoever_is_missing(participants, replicas, shares) -> None:
+    assert [shares_of(p, participants, replicas) for p in range(participants)] == shares
+    assert virtual_slots(2, 3, [0, 1]) == [[0, 1, 2], [3, 4, 5]]  # worker j's micro-batches in an ordinary run
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Config, dict, str]:
+    storage = tmp_path_factory.mktemp("live") / "storage"
+    overrides = {"train.lr": 0.01, "train.warmup_steps": 3, "cluster.num_workers": 2, "cluster.cpus_per_worker": 1,
+                 "train.max_steps": 40, "checkpoint.every_steps": 10, "model.tiny.num_layers": 2,
+                 "data.min_shards": 6}  # fmt: skip
+    cfg = load_config(DEMO, tiny_overrides(storage, **overrides))
+    model = str(storage.parent / "base")
+    build_builtin(cfg.model, cfg.train.seed, model)
+    return cfg, stage(cfg.data, load_tokenizer(model), model, cfg.storage).manifest, model
+
+
+def test_a_replica_killed_mid_run_is_healed_from_its_peer_and_the_run_ends_as_ddp_does(
+    setup, tmp_path, monkeypatch
+) -> None:
+    cfg, manifest, model = setup
+    monkeypatch.setenv(ENV, str(tmp_path / "ddp"))
+    ddp = run_world(train_rank, 2, cfg.model_copy(update={"name": "ddp"}), manifest, model, None)
+
+    live = cfg.model_copy(deep=True)
+    live.name, live.fault_tolerance.live_recovery = "live", True
+    monkeypatch.setenv(ENV, str(tmp_path / "live"))
+    monkeypatch.setenv("UNBROKEN_INJECT_DELAY", "step:0.1")  # long enough for a newcomer to join mid-run
+    house = lighthouse()
+    with mp.Manager() as m:
+        out = m.dict()
+        replicas = [start_live(r, 2, house.address(), live, manifest, model, out) for r in range(2)]
+        trace = tmp_path / "live"
+        deadline = time.monotonic() + 120
+        while not any('"step": 12,' in p.read_text() for p in trace.glob("rows-*-1.jsonl")):
+            assert time.monotonic() < deadline and replicas[1].is_alive(), "replica 1 never reached step 12"
+            time.sleep(0.02)
+        replicas[1].kill()  # SIGKILL
+        replicas[1].join()
+        replicas[1] = start_live(1, 2, house.address(), live, manifest, model, out)
+        for p in replicas:
+            p.join(timeout=120)
+            assert p.exitcode == 0
+        results = dict(out)
+    house.shutdown()
+
+    assert results[0]["weights"] == results[1]["weights"] == ddp[0]["weights"], "bit-identical to the DDP run"
+    assert results[0]["eval_loss"] == results[1]["eval_loss"] == ddp[0]["eval_loss"]
+    assert results[1]["resumed_from"] == "a live peer", "the newcomer healed from replica 0, not from storage"
+    assert results[0]["leader"] == 0, "replica 0 took the lead when replica 1 was lost, and kept it"
+    want, _ = trained_rows(tmp_path / "ddp")
+    got, _ = trained_rows(tmp_path / "live")
+    assert got == want and sum(got.values()) == 40 * 2 * cfg.train.micro_batch_size
