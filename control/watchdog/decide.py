@@ -172,7 +172,8 @@ def healthy(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) ->
         return finish(reg, verdict, obs, cfg)
     changed |= note_progress(reg, verdict.heartbeat)
     noted, actions = note_api(reg, verdict, obs.now)
-    changed |= noted
+    replaced, more = note_heals(reg, verdict.heartbeat)
+    changed, actions = changed | noted | replaced, actions + more
     findings = []
     if verdict.status == "RUNNING":
         changed |= reg.mark_running(reg.current.attempt)
@@ -204,6 +205,26 @@ def note_api(reg: RunRecord, verdict: Verdict, now: float) -> tuple[bool, list[A
                                   detail=first_line(verdict.detail)))  # fmt: skip
     message = f"run {reg.name}: {verdict.detail} -- observed, nothing stopped or restarted while it trains"
     return True, [Log("warning", message)]
+
+
+def note_heals(reg: RunRecord, beat: dict[str, Any] | None) -> tuple[bool, list[Any]]:
+    """Live recovery replaced a lost replica inside the job (its heartbeat counts this attempt's heals): one
+    ``replica-replaced`` incident each, observed -- training never stopped, nothing is for the watchdog to do."""
+    attempt = reg.current.attempt
+    if not beat or beat.get("attempt") != attempt or not beat.get("heals"):
+        return False, []
+    seen = sum(1 for i in reg.incidents if i.kind == "replica-replaced" and i.attempt == attempt)
+    heal = beat.get("last_heal") or {}
+    detail = (f"replica {heal.get('rank')} replaced at step {heal.get('step')}: healed from a live peer in "
+              f"{heal.get('heal_s')}s, {heal.get('lost_steps', 0)} steps lost, training never stopped")  # fmt: skip
+    for _ in range(int(beat["heals"]) - seen):  # a pass sees the last heal; earlier ones since the last pass, counted
+        reg.incidents.append(Incident(kind="replica-replaced", detected_by="live recovery (in job)",
+                                      detected_at=heal.get("at", beat.get("time", 0.0)), attempt=attempt,
+                                      action="observed", failed_step=heal.get("step"), held_s=heal.get("heal_s"),
+                                      detail=detail))  # fmt: skip
+    if int(beat["heals"]) <= seen:
+        return False, []
+    return True, [Log("info", f"run {reg.name}: {detail}")]
 
 
 def finish(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) -> Decision:

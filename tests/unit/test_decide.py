@@ -364,6 +364,38 @@ ROWS = [
         {"incidents[1].cleared_at": NOW, "incidents[1].held_s": 60.0},
     ),
     Row(
+        "live recovery replaced a replica inside the job: an observed incident, nothing stopped or restarted",
+        record(),
+        ok(JobView("ok", "RUNNING"), beat(heals=1, last_heal={"rank": 1, "step": 71, "heal_s": 0.31, "at": NOW - 2})),
+        "ok",
+        [Log, Save],
+        {
+            "incidents[1].kind": "replica-replaced",
+            "incidents[1].action": "observed",
+            "incidents[1].failed_step": 71,
+            "incidents[1].held_s": 0.31,
+            "state": "running",
+        },  # fmt: skip
+    ),
+    Row(
+        "the same heal seen again: no second incident, nothing written",
+        record(
+            incidents=[
+                restarted_at(1),
+                Incident(
+                    kind="replica-replaced",
+                    detected_by="live recovery (in job)",
+                    detected_at=NOW - 2,
+                    attempt=2,
+                    action="observed",
+                ),
+            ]
+        ),  # fmt: skip
+        ok(JobView("ok", "RUNNING"), beat(heals=1, last_heal={"rank": 1, "step": 71, "heal_s": 0.31, "at": NOW - 2})),
+        "ok",
+        [],
+    ),
+    Row(
         "the Jobs API silent and the heartbeat old: suspected, not acted on at the first look",
         record(),
         ok(JobView("unknown", why="ConnectionError: refused"), beat(), beat_age_s=40.0),
