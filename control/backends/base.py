@@ -142,6 +142,11 @@ class Backend:
             "down: its job may still run"
         )
 
+    def job_gone(self, handle: ClusterHandle, submission_id: str) -> bool:
+        """The backend's own evidence that no process of the job is left (its driver gone: Ray ends the workers
+        that depend on it), so nothing of it can write its heartbeat again; False where it cannot see."""
+        return False
+
     def stop_job(self, handle: ClusterHandle, submission_id: str) -> str | None:
         """The Jobs API says the job ended, yet its processes still write its heartbeat (a driver orphaned by its
         wrapper's death): end them where this backend can reach them; what was done, or None where it cannot."""

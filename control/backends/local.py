@@ -341,6 +341,10 @@ class LocalHead(Backend):
         users = ", ".join(others) or "cluster.keep_running"
         return f"stopped the {len(procs)} process(es) of Ray job {submission_id}; the head itself is left up ({users})"
 
+    def job_gone(self, handle: ClusterHandle, submission_id: str) -> bool:
+        """On this host (a local head's drivers run here), no process carries the job's mark."""
+        return elsewhere(handle.spec) is None and not job_processes(submission_id)
+
     def stop_job(self, handle: ClusterHandle, submission_id: str) -> str | None:
         """The job's processes on this host, by their mark (never the head, never another job): SIGTERM (a worker
         checkpoints on it), then SIGKILL what is left."""

@@ -122,10 +122,15 @@ def _seen_to_stop(cfg: Config, reg: RunRecord, incident: Incident) -> None:
     """Nothing new is submitted while the old job's processes still write its heartbeat: they are stopped where the
     backend can reach them (a local head's, by their mark) and must then go quiet; StopUnverified otherwise (a
     failed try, retried after a backoff -- if they finish the run meanwhile, the next look finds it succeeded)."""
+    backend, handle, sid = backend_for(cfg), recorded_handle(reg), reg.current.submission_id
+    if backend.job_gone(handle, sid):  # seen directly: no process of it is left to write its heartbeat (a local
+        # head's killed driver): the restart does not wait out a few heartbeats (3 x heartbeat_every_s + 1 s)
+        run_logger().info("run %s: no process of job %s is left; not waiting on its heartbeat", cfg.name, sid)
+        return
     # A job Ray just ended may still be saving its just-in-time checkpoint (SIGTERM'd workers): given that long
     if poll_until(lambda: still_beating(cfg, reg) is None, cfg.fault_tolerance.preemption_grace_s, every_s=0):
         return
-    done = backend_for(cfg).stop_job(recorded_handle(reg), reg.current.submission_id)
+    done = backend.stop_job(handle, sid)
     if done is not None:
         run_logger().warning("run %s: %s", cfg.name, done)
         if still_beating(cfg, reg) is None:

@@ -159,3 +159,27 @@ def test_provision_announces_the_cluster_in_the_backends_words() -> None:
     started = ClusterHandle("http://127.0.0.1:8265", "http://127.0.0.1:8265", True, "python", local=True)
     assert backend_for(cfg("local")).announce(started) == "started local Ray head; dashboard: http://127.0.0.1:8265"
     assert backend_for(cfg("ray-up")).announce(HANDLE) == "brought up Ray cluster (backend ray-up) at http://h:8265"
+
+
+def test_only_a_local_head_sees_a_job_gone_and_only_when_no_process_of_it_is_left(monkeypatch) -> None:
+    """The watchdog's restart need not wait out a few heartbeats when the backend sees the job's processes gone."""
+    import subprocess
+    import sys
+
+    from control.backends import localhost
+
+    monkeypatch.setattr(localhost, "host_identity", lambda: {"hostname": "here", "boot_id": "b", "net_ns": "n",
+                                                             "pid_ns": "p"})  # fmt: skip
+    here = ClusterHandle("http://h:8265", "http://h:8265", True, "python", spec={"host": localhost.host_identity()})
+    marked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={"UNBROKEN_SUBMISSION": "sid-live"})  # fmt: skip
+    try:
+        assert backend_for(cfg("local")).job_gone(here, "sid-live") is False, "a process of it is left"
+        assert backend_for(cfg("local")).job_gone(here, "sid-gone") is True
+        elsewhere = ClusterHandle("http://h:8265", "http://h:8265", True, "python", spec={"host": OTHER_HOST})
+        assert backend_for(cfg("local")).job_gone(elsewhere, "sid-gone") is False, "another host: cannot see"
+        for name in ("address", "ray-up", "kuberay"):
+            assert backend_for(cfg(name)).job_gone(here, "sid-gone") is False
+    finally:
+        marked.kill()
+        marked.wait()
