@@ -52,7 +52,6 @@ class Solo:
 
     def __init__(self, device, keep: int, checkpoints_dir: str):
         self._device, self.keep, self.dir = device, keep, checkpoints_dir
-        self.on_report: Any = None  # the trainer's hook: a checkpoint landed (step)
 
     def prepare_model(self, model):
         return model.to(self._device)
@@ -72,8 +71,6 @@ class Solo:
         for _, url in list_checkpoints(self.dir)[self.keep :]:  # newest first: all but the newest ``keep``
             fs, path = fs_and_path(url)
             fs.rm(path, recursive=True)
-        if self.on_report is not None:
-            self.on_report(metrics["step"])
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         return list(values)

@@ -245,7 +245,7 @@ class LiveTrainer(Trainer):
         row: dict[str, Any] = {"step": step}
         if step % t.log_every_steps == 0 or last:
             row |= {"loss": a.loss, "grad_norm": a.grad_norm, "lr": self.scheduler.get_last_lr()[0]}
-            row |= self.throughput.row(self.loop) | {"participants": len(self.participants)}
+            row |= self.throughput.row(self.loop) | {"participants": len(self.participants), "heals": len(self.heals)}
         if step % t.eval_every_steps == 0 or last:
             row["eval_loss"] = self._eval_during_training()
         if a.preempt and preemption.requested():

@@ -27,8 +27,16 @@ from typing import Any, Protocol
 log = logging.getLogger("unbroken.tracking")
 
 # The row columns trackers are given, under the names they show them as.
-METRICS = {"loss": "train/loss", "eval_loss": "eval/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-           "tokens_per_s": "perf/tokens_per_s", "ckpt_stall_s": "perf/checkpoint_stall_s"}  # fmt: skip
+METRICS = {
+    "loss": "train/loss",
+    "eval_loss": "eval/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "ckpt_stall_s": "perf/checkpoint_stall_s",
+    "participants": "live/participants",
+    "heals": "live/heals",
+}  # fmt: skip  (live/: live recovery's)
 
 
 @dataclass

@@ -41,6 +41,8 @@ GAUGES: dict[str, tuple[str | None, str]] = {
     "unbroken_checkpoint_stall_seconds": ("perf/checkpoint_stall_s", "training time the last checkpoint blocked"),
     "unbroken_mfu": (None, "model FLOPs utilisation (0..1); only on GPUs whose peak is known"),
     "unbroken_restarts": (None, "restarts behind the training process: watchdog restarts + in-job restarts"),
+    "unbroken_replicas_participating": ("live/participants", "live recovery: replicas that trained the last step"),
+    "unbroken_replicas_healed": ("live/heals", "live recovery: lost replicas replaced and healed from a peer"),
     "unbroken_job_attempt": (None, "the job attempt training (1, then one more per watchdog restart)"),
 }
 
