@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from ray_jobs.storage import Layout
 from ray_jobs.train.rowtrace import ENV, trained_rows
 from tests.chaos.harness import (
     REPORT,
@@ -71,15 +70,16 @@ def test_a_killed_and_a_sigtermed_worker_are_replaced_live_and_the_run_ends_bit_
     REPORT.append({"scenario": "live: SIGTERM a worker", "detected_by": "the worker (leaves at a step)",
                    "detection_s": None, "recovery_s": _degraded_at(logs, termed_at) - termed_at,
                    "lost_steps": 0})  # fmt: skip
-    assert first - killed_at <= 3.0, f"the first step without the killed replica came {first - killed_at:.1f}s late"
-    assert at_kill > 0
+    # The survivor never waited for the replacement: it trained steps alone before the newcomer healed from it.
+    alone = [int(m) for m in re.findall(r"step (\d+) trained by replicas \[\d\] of 2", logs) if int(m) > at_kill]
+    healed = [int(m) for m in re.findall(r"healed from a live peer at step (\d+)", logs)]
+    assert alone and any(h > alone[0] for h in healed), (at_kill, alone, healed)
     # Every row of the uninterrupted run, each once; the uninterrupted run's weights and logged values, bit for bit.
     want, _ = trained_rows(uninterrupted[1])
     got, _ = trained_rows(tmp_path / "rows")
     assert got == want
     assert final_weights_hash(cfg) == baseline
     check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))
-    assert (tmp_path / "storage").exists() and Layout(cfg.storage).final_model(cfg.name)
 
 
 def _beat(cfg) -> dict:
