@@ -142,10 +142,10 @@ class Backend:
             "down: its job may still run"
         )
 
-    def job_gone(self, handle: ClusterHandle, submission_id: str) -> bool:
+    def job_gone(self, handle: ClusterHandle, submission_id: str) -> bool | None:
         """The backend's own evidence that no process of the job is left (its driver gone: Ray ends the workers
-        that depend on it), so nothing of it can write its heartbeat again; False where it cannot see."""
-        return False
+        that depend on it), so nothing of it can write its heartbeat again; None where it cannot see."""
+        return None
 
     def stop_job(self, handle: ClusterHandle, submission_id: str) -> str | None:
         """The Jobs API says the job ended, yet its processes still write its heartbeat (a driver orphaned by its

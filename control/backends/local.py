@@ -215,6 +215,18 @@ def _alive(pid: int) -> bool:
 
 
 # -- stopping it ----------------------------------------------------------------------------------------------
+# Detached actors Ray Train starts from a job's driver (so they carry its environment) and keeps for the cluster
+# after the job ends: Ray Data's autoscaling coordinator (seen here alive 20 s after its job's driver was killed).
+DETACHED_HELPERS = ("ray::_AutoscalingCoordinatorActor",)
+
+
+def _detached_helper(p: psutil.Process) -> bool:
+    try:
+        return " ".join(p.cmdline()).strip().startswith(DETACHED_HELPERS)
+    except psutil.Error:
+        return True  # gone meanwhile
+
+
 def _is_raylet(p: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         return p.name() == "raylet"
@@ -341,9 +353,12 @@ class LocalHead(Backend):
         users = ", ".join(others) or "cluster.keep_running"
         return f"stopped the {len(procs)} process(es) of Ray job {submission_id}; the head itself is left up ({users})"
 
-    def job_gone(self, handle: ClusterHandle, submission_id: str) -> bool:
-        """On this host (a local head's drivers run here), no process carries the job's mark."""
-        return elsewhere(handle.spec) is None and not job_processes(submission_id)
+    def job_gone(self, handle: ClusterHandle, submission_id: str) -> bool | None:
+        """On this host (a local head's drivers run here), no process carries the job's mark but Ray's detached
+        helpers, which outlive the job that started them and never run its code; None elsewhere."""
+        if elsewhere(handle.spec):
+            return None
+        return not [p for p in job_processes(submission_id) if not _detached_helper(p)]
 
     def stop_job(self, handle: ClusterHandle, submission_id: str) -> str | None:
         """The job's processes on this host, by their mark (never the head, never another job): SIGTERM (a worker

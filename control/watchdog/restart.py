@@ -123,8 +123,11 @@ def _seen_to_stop(cfg: Config, reg: RunRecord, incident: Incident) -> None:
     backend can reach them (a local head's, by their mark) and must then go quiet; StopUnverified otherwise (a
     failed try, retried after a backoff -- if they finish the run meanwhile, the next look finds it succeeded)."""
     backend, handle, sid = backend_for(cfg), recorded_handle(reg), reg.current.submission_id
-    if backend.job_gone(handle, sid):  # seen directly: no process of it is left to write its heartbeat (a local
-        # head's killed driver): the restart does not wait out a few heartbeats (3 x heartbeat_every_s + 1 s)
+    # Seen directly where the backend can: no process of it is left to write its heartbeat (a local head's killed
+    # driver; Ray ends its workers within a few seconds): the restart does not wait out a few heartbeats
+    window = 3 * cfg.fault_tolerance.heartbeat_every_s + 1.0
+    seen = backend.job_gone(handle, sid)
+    if seen or (seen is not None and poll_until(lambda: backend.job_gone(handle, sid), window, every_s=0.2)):
         run_logger().info("run %s: no process of job %s is left; not waiting on its heartbeat", cfg.name, sid)
         return
     # A job Ray just ended may still be saving its just-in-time checkpoint (SIGTERM'd workers): given that long

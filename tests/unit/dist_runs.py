@@ -99,18 +99,20 @@ def lighthouse(timeout_ms: int = 1000):
 def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out) -> None:
     import torch.distributed as dist
 
-    from ray_jobs.job import worker_config
-    from ray_jobs.train.worker import run_worker
+    from ray_jobs.train.live_trainer import LiveTrainer
 
     port = _free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                       TORCHFT_LIGHTHOUSE=address)  # fmt: skip
     dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        t = run_worker(worker_config(cfg, manifest, model) | {"group": 1}, LiveRanks(rank, world))
+    t = LiveTrainer(cfg, manifest, model, LiveRanks(rank, world), attempt=0, group=1)
+    try:  # as ``train_rank`` (no export: a LoRA export merges the adapters into the leader's weights)
+        t.resume_or_start()
+        t.fit()
         out[rank] = {"step": t.loop.step, "weights": full_weights_hash(t), "resumed_from": t.resumed_from,
                      "heals": t.heals, "leader": t.leader, "eval_loss": t.last_eval}  # fmt: skip
     finally:
+        t.close()
         dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from ray_jobs.config import Config, ConfigError, load_config
+from ray_jobs.config.model import LoraConfig
 from ray_jobs.data.staging import stage
 from ray_jobs.model.builtin import build_builtin
 from ray_jobs.model.loading import load_tokenizer
@@ -64,15 +65,20 @@ def setup(tmp_path_factory) -> tuple[Config, dict, str]:
     return cfg, stage(cfg.data, load_tokenizer(model), model, cfg.storage).manifest, model
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_replica_killed_mid_run_is_healed_from_its_peer_and_the_run_ends_as_ddp_does(
-    setup, tmp_path, monkeypatch
+    setup, lora, tmp_path, monkeypatch
 ) -> None:
     cfg, manifest, model = setup
+    cfg = cfg.model_copy(deep=True)
+    if lora:  # the adapters only cross to the newcomer (the base weights are its own, from the same folder)
+        cfg.model.lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     monkeypatch.setenv(ENV, str(tmp_path / "ddp"))
-    ddp = run_world(train_rank, 2, cfg.model_copy(update={"name": "ddp"}), manifest, model, None)
+    kind = "lora" if lora else "full"
+    ddp = run_world(train_rank, 2, cfg.model_copy(update={"name": f"ddp-{kind}"}), manifest, model, None)
 
     live = cfg.model_copy(deep=True)
-    live.name, live.fault_tolerance.live_recovery = "live", True
+    live.name, live.fault_tolerance.live_recovery = f"live-{kind}", True
     monkeypatch.setenv(ENV, str(tmp_path / "live"))
     monkeypatch.setenv("UNBROKEN_INJECT_DELAY", "step:0.1")  # long enough for a newcomer to join mid-run
     house = lighthouse()
