@@ -132,8 +132,8 @@ class LiveTrainer(Trainer):
         return self._apply(grads, v, started)
 
     def _compute(self, place: int, size: int):
-        """This replica's shares of the step: the gradient summed over them (one flat tensor, summed over the
-        quorum in ``_step`` via ``_vector``'s partner) and (loss, tokens)."""
+        """This replica's shares of the step: their gradients summed (one flat tensor), then summed over the
+        quorum; and this replica's (loss, tokens), which ``_step`` sums over the quorum with the step's flags."""
         import torch
 
         self.model.train()
