@@ -23,6 +23,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from ray_jobs.train.runtime import LocalRuntime
+
 log = logging.getLogger("unbroken.train")
 
 # torchft logs every quorum and commit at INFO (~8 lines a step); unbroken logs the changes that matter itself.
@@ -42,25 +44,18 @@ def shares_of(participant: int, participants: int, replicas: int) -> list[int]:
     return [j for j in range(replicas) if j % participants == participant]
 
 
-class Solo:
+class Solo(LocalRuntime):
     """The one-worker view the loop's unchanged parts run on (resume, checkpoints, eval, export): rank 0 of 1, no
     collectives, nothing reported to Ray Train -- its report is a barrier over every worker, which a replica being
     replaced would hold up (Ray 2.60's torchft example skips it for the same reason). So old checkpoints are
     deleted here instead of by Ray's ``CheckpointConfig``: the newest ``num_to_keep`` stay."""
 
-    rank, world_size = 0, 1
-
     def __init__(self, device, keep: int, checkpoints_dir: str):
-        self._device, self.keep, self.dir = device, keep, checkpoints_dir
-
-    def prepare_model(self, model):
-        return model.to(self._device)
+        super().__init__(str(device))
+        self.keep, self.dir = keep, checkpoints_dir
 
     def shard_model(self, model):
         raise RuntimeError("live recovery runs DDP only (config validation refuses fsdp)")
-
-    def device(self):
-        return self._device
 
     def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
         if checkpoint_url is None:
@@ -71,18 +66,6 @@ class Solo:
         for _, url in list_checkpoints(self.dir)[self.keep :]:  # newest first: all but the newest ``keep``
             fs, path = fs_and_path(url)
             fs.rm(path, recursive=True)
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        return list(values)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def preemption_notice(self) -> dict[str, Any] | None:
-        return None  # Ray Train's preemption watcher is off for replica groups: a lost replica is replaced live
 
 
 class Replica:

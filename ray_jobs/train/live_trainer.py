@@ -239,22 +239,19 @@ class LiveTrainer(Trainer):
         log.info("replica %d leads (heartbeat, metrics, checkpoints) from step %d", self.ray_rank, self.loop.step)
 
     # -- after a step -----------------------------------------------------------------------------------------------
+    def _extra_columns(self) -> dict[str, Any]:
+        return {"participants": len(self.participants), "heals": len(self.heals)}
+
     def _after_step(self, a: Agreed) -> None:
-        t, step = self.cfg.train, self.loop.step
-        last = step == t.max_steps
-        row: dict[str, Any] = {"step": step}
-        if step % t.log_every_steps == 0 or last:
-            row |= {"loss": a.loss, "grad_norm": a.grad_norm, "lr": self.scheduler.get_last_lr()[0]}
-            row |= self.throughput.row(self.loop) | {"participants": len(self.participants), "heals": len(self.heals)}
-        if step % t.eval_every_steps == 0 or last:
-            row["eval_loss"] = self._eval_during_training()
+        row, last = self._step_row(a)
         if a.preempt and preemption.requested():
             self._leave(row)
         self._log(row)
         if self.leader == self.ray_rank:
             if self.checkpointer.write_done():
                 self.checkpointer.commit(wait=False)
-            self.checkpointer.save_if_due(step, last, self.checkpointer.time_due(), self._checkpoint_metrics())
+            self.checkpointer.save_if_due(self.loop.step, last, self.checkpointer.time_due(),
+                                          self._checkpoint_metrics())  # fmt: skip
 
     def _leave(self, row: dict[str, Any]) -> None:
         """This SIGTERMed replica leaves at this step boundary, its step committed, and is replaced live; when every

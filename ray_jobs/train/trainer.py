@@ -262,15 +262,25 @@ class Trainer:
         every_part = v[2] >= self.rt.world_size
         return Agreed(v[0] / self.rt.world_size, int(v[1]), grad_norm, every_part, v[3] > 0, v[4] > 0, notice)
 
-    def _after_step(self, a: Agreed) -> None:
+    def _step_row(self, a: Agreed) -> tuple[dict[str, Any], bool]:
+        """The step's metrics row (logged columns on log steps, the eval loss on eval steps), and whether it is the
+        last step."""
         t, step = self.cfg.train, self.loop.step
         last = step == t.max_steps
         row: dict[str, Any] = {"step": step}
         if step % t.log_every_steps == 0 or last:
             row |= {"loss": a.loss, "grad_norm": a.grad_norm, "lr": self.scheduler.get_last_lr()[0]}
-            row |= self.throughput.row(self.loop)
+            row |= self.throughput.row(self.loop) | self._extra_columns()
         if step % t.eval_every_steps == 0 or last:
             row["eval_loss"] = self._eval_during_training()
+        return row, last
+
+    def _extra_columns(self) -> dict[str, Any]:
+        return {}  # live recovery's: who took part, who healed
+
+    def _after_step(self, a: Agreed) -> None:
+        row, last = self._step_row(a)
+        step = self.loop.step
         if a.write_done:
             self.checkpointer.commit(wait=False)
         if a.preempt:
