@@ -88,12 +88,13 @@ class LiveRanks:
         return self._device
 
 
-def lighthouse(timeout_ms: int = 1000):
-    """A torchft lighthouse as Ray Train's TorchftConfig starts one (ray_jobs/job.py ``lighthouse``)."""
+def lighthouse(cfg: Config):
+    """A torchft lighthouse with the settings the job gives Ray Train's TorchftConfig (``ray_jobs.job.lighthouse``)."""
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=timeout_ms, join_timeout_ms=timeout_ms,
-                            quorum_tick_ms=50)  # fmt: skip
+    from ray_jobs.job import lighthouse as settings
+
+    return LighthouseServer(bind="[::]:0", **settings(cfg))
 
 
 def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out) -> None:

@@ -81,7 +81,7 @@ def test_a_replica_killed_mid_run_is_healed_from_its_peer_and_the_run_ends_as_dd
     live.name, live.fault_tolerance.live_recovery = f"live-{kind}", True
     monkeypatch.setenv(ENV, str(tmp_path / "live"))
     monkeypatch.setenv("UNBROKEN_INJECT_DELAY", "step:0.1")  # long enough for a newcomer to join mid-run
-    house = lighthouse()
+    house = lighthouse(live)
     with mp.Manager() as m:
         out = m.dict()
         replicas = [start_live(r, 2, house.address(), live, manifest, model, out) for r in range(2)]
