@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo smollm2 gpu-wheels gpu-check test test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
+.PHONY: setup demo smollm2 gpu-wheels gpu-stash gpu-site gpu-check gpu-ray test test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
 
 setup: $(STAMP)
 
@@ -80,19 +80,48 @@ clean:
 # installs them into a folder of their own and runs every leg at full size, one JSON line each into $(GPU_OUT).
 GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection typing_extensions transformers huggingface_hub \
 	tokenizers safetensors peft accelerate httpx2 httpcore2 truststore h11 click hf-xet regex anyio idna tqdm
+# The Ray legs' (bench/gpu/ray_train.py) on top: what Ray needs that the machine lacks, torchft, and Ray itself (79 MB:
+# over one call's 64 MiB with the rest, so `make gpu-wheels` cuts it in two parts under .whl-ray/, 28 MiB to travel
+# with .whl/ to `make gpu-check`, the rest alone to `make gpu-ray` on the same warm machine; each is stashed there in
+# $(GPU_RAY_PARTS)).
+GPU_RAY_WHEELS := ray jsonschema jsonschema-specifications referencing rpds-py protobuf googleapis-common-protos \
+	torchft opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
+	opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common \
+	opentelemetry-exporter-http-transport
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 GPU_OUT ?= .unbroken/gpu-check.jsonl
 GPU_SITE ?= /tmp/unbroken-gpu-site
 GPU_SIZE ?= 1b
+GPU_LEGS ?= throughput,lora,checkpoint,resume,precision
+GPU_VARIANTS ?=
+GPU_RAY_PARTS ?= /tmp/unbroken-ray-parts
 
 gpu-wheels:
-	rm -rf .whl && mkdir -p .whl
-	specs=$$(for n in $(GPU_WHEELS); do grep -iE "^$$(echo $$n | sed 's/[-_]/[-_]/g')==" constraints.txt; done); \
+	rm -rf .whl .whl-ray && mkdir -p .whl .whl-ray
+	specs=$$(for n in $(GPU_WHEELS) $(GPU_RAY_WHEELS); do grep -iE "^$$(echo $$n | sed 's/[-_]/[-_]/g')==" constraints.txt; done); \
 	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(GPU_PLATFORMS) -d .whl $$specs
-	@du -sh .whl
+	cd .whl && for w in ray-*.whl; do head -c 28M $$w > ../.whl-ray/$$w.part-aa && \
+		tail -c +$$((28 * 1048576 + 1)) $$w > ../.whl-ray/$$w.part-ab && rm $$w; done
+	@du -sh .whl .whl-ray/*
 
-gpu-check:
+gpu-stash:
+	mkdir -p $(GPU_RAY_PARTS) && for p in .whl-ray/*.part-*; do [ -f "$$p" ] && cp "$$p" $(GPU_RAY_PARTS)/; done; true
+
+gpu-site: gpu-stash
 	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
 	mkdir -p $(dir $(GPU_OUT))
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 -m bench.gpu --size $(GPU_SIZE) --out $(GPU_OUT)
+
+gpu-check: gpu-site
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 -m bench.gpu --size $(GPU_SIZE) --legs $(GPU_LEGS) \
+		$(if $(GPU_VARIANTS),--variants $(GPU_VARIANTS)) --out $(GPU_OUT)
+
+# The Ray legs, once both parts of Ray's wheel are in $(GPU_RAY_PARTS) (one carried by each call); .whl/ installed
+# by an earlier `make gpu-check` on the same machine is kept.
+gpu-ray: gpu-stash
+	[ -d $(GPU_SITE)/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+		--upgrade --target $(GPU_SITE) .whl/*.whl
+	mkdir -p $(dir $(GPU_OUT))
+	cd $(GPU_RAY_PARTS) && for w in $$(ls *.part-aa | sed 's/.part-aa$$//'); do cat $$w.part-* > /tmp/$$w && \
+		python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) /tmp/$$w; done
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 -m bench.gpu.ray_train --size $(GPU_SIZE) --out $(GPU_OUT)

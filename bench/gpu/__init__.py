@@ -20,5 +20,6 @@ project's ``Trainer`` driven through ``LocalRuntime`` -- the loop Ray Train runs
 - ``env``: the device, versions, and that neither Ray nor Prefect was imported.
 
 On the lent GPU machine (no Ray, no Prefect, no pydantic): ``make gpu-wheels`` here, then ``make gpu-check`` there
-(README, "On a GPU"). ``make test`` runs every leg at ``--size toy`` on the CPU (tests/unit/test_gpu_kit.py).
+(README, "On a GPU"). The product's Ray Train path on the same machine is ``bench/gpu/ray_train.py`` (``make
+gpu-ray``), in a process of its own: these legs never import Ray. ``make test`` runs every leg at ``--size toy`` on the CPU (tests/unit/test_gpu_kit.py).
 """
