@@ -68,6 +68,33 @@ class Solo(LocalRuntime):
             fs.rm(path, recursive=True)
 
 
+class StepStuck(RuntimeError):
+    """A step this replica could not commit for too long: it leaves (Ray Train replaces it, or the job fails with
+    this cause) instead of retrying forever."""
+
+
+class Retries:
+    """How long one step has failed to commit, and when to give up. A replica whose own heal failed gives up after
+    ``10 x replica_timeout_s``: it is the one that cannot catch up, and once it leaves the others step without it.
+    Any replica gives up after ``60 x replica_timeout_s``: the quorum cannot form at all. (Seen on an H100, two
+    replicas sharing the GPU: a heal over NCCL that failed at every quorum held both at one step for minutes.)"""
+
+    def __init__(self, rank: int, replica_timeout_s: float, clock=time.monotonic):
+        self.rank, self.clock, self.since = rank, clock, None
+        self.behind_s, self.any_s = 10 * replica_timeout_s, 60 * replica_timeout_s
+
+    def failed(self, step: int, cause: BaseException | None, heal_failed: bool) -> None:
+        """Record a failed try at ``step``; raise :class:`StepStuck` once this replica has waited long enough."""
+        now = self.clock()
+        self.since = now if self.since is None else self.since
+        waited = now - self.since
+        if waited >= (self.behind_s if heal_failed else self.any_s):
+            why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]}" if cause else "no cause given"
+            raise StepStuck(f"replica {self.rank}: step {step} not committed for {waited:.0f}s"
+                            f"{' (its heal from a live peer failed)' if heal_failed else ''}; last cause: {why}. "
+                            "Leaving the quorum so Ray Train replaces this replica")  # fmt: skip
+
+
 class Replica:
     """This worker's torchft Manager: the quorum before each step, the sum over it, the commit, the heal."""
 
@@ -88,18 +115,29 @@ class Replica:
             pg = ProcessGroupNCCL(timeout=timeout)
         else:
             pg = ProcessGroupGloo(timeout=timeout)
-        self.rank, self.heals = rank, 0
+        self.rank, self.heals, self.heal_failed = rank, 0, False
+        replica = self
+
+        class Transport(PGTransport):  # torchft logs a heal that failed and carries on: remember it (Retries)
+            def recv_checkpoint(self, *args, **kwargs):
+                try:
+                    return super().recv_checkpoint(*args, **kwargs)
+                except Exception:
+                    replica.heal_failed = True
+                    raise
+
         self.manager = Manager(
             pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
             use_async_quorum=False,  # the step's shares depend on who is in it: know the quorum before computing
             init_sync=False,  # every replica starts from the same seed or the same checkpoint
             timeout=timeout, quorum_timeout=timeout * 2, rank=0, world_size=1, replica_id=f"unbroken_{rank}",
-            checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device(device)),
+            checkpoint_transport=Transport(pg, timeout=timeout, device=torch.device(device)),
         )  # fmt: skip
 
     def quorum(self) -> tuple[int, int]:
         """Join this step's quorum (healing first when behind: the state is loaded before this returns); this
         replica's place in it and its size."""
+        self.heal_failed = False
         self.manager.start_quorum()
         return self.manager.participating_rank() or 0, max(1, self.manager.num_participants())
 
@@ -113,6 +151,17 @@ class Replica:
 
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         return tensor
+
+    def failure(self) -> BaseException | None:
+        """Why this step failed on this replica (the first error reported in it), or None."""
+        err = self.manager.errored()
+        return getattr(err, "original_exception", err)
+
+    def fail(self, e: Exception) -> None:
+        """Fail this step (every replica's commit then says False), unless an error already did: its cause is the
+        one the log should name."""
+        if self.manager.errored() is None:
+            self.manager.report_error(e)
 
     def commit(self) -> bool:
         """True when every replica of the quorum summed this step's shares: apply it. False: redo it."""

@@ -25,7 +25,7 @@ from ray_jobs.storage import read_json
 from ray_jobs.train import faults, preemption, rowtrace
 from ray_jobs.train.eval import eval_loss
 from ray_jobs.train.heartbeat import start_heartbeat
-from ray_jobs.train.live import Replica, Solo, shares_of, timed_heal, virtual_slots
+from ray_jobs.train.live import Replica, Retries, Solo, shares_of, timed_heal, virtual_slots
 from ray_jobs.train.model import clip_grads, to_device
 from ray_jobs.train.trainer import Agreed, Trainer
 
@@ -116,6 +116,7 @@ class LiveTrainer(Trainer):
     def _step(self) -> Agreed:
         faults.on_step()
         started = time.monotonic()
+        retries = Retries(self.ray_rank, self.cfg.fault_tolerance.replica_timeout_s)
         while True:
             place, size = self._quorum or self._join()
             self._quorum = None
@@ -124,10 +125,10 @@ class LiveTrainer(Trainer):
             consistent = self._consistent(v, size)
             if self.replica.commit() and consistent:
                 break
-            err = self.replica.manager.errored()
-            cause = getattr(err, "original_exception", err)
+            cause = self.replica.failure()
             log.warning("replica %d: step %d not committed (%s: %s); computing it again", self.ray_rank,
                         self.loop.step + 1, type(cause).__name__, str(cause).splitlines()[0][:200] if cause else "")  # fmt: skip
+            retries.failed(self.loop.step + 1, cause, self.replica.heal_failed)  # raises StepStuck when stuck
             self._discard()
         return self._apply(grads, v, started)
 
@@ -183,7 +184,7 @@ class LiveTrainer(Trainer):
         """Every replica of the quorum stands at this step (else the lower one heals at the next quorum)."""
         ok = int(v[2]) == self.loop.step * size and int(v[HEAD : HEAD + self.replicas].sum()) == size
         if not ok:
-            self.replica.manager.report_error(RuntimeError("the quorum's replicas are at different steps"))
+            self.replica.fail(RuntimeError("the quorum's replicas are at different steps"))
         return ok
 
     def _discard(self) -> None:

@@ -97,7 +97,8 @@ def lighthouse(cfg: Config):
     return LighthouseServer(bind="[::]:0", **settings(cfg))
 
 
-def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out) -> None:
+def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out,
+                heal_fails: bool = False) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from ray_jobs.train.live_trainer import LiveTrainer
@@ -106,20 +107,33 @@ def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                       TORCHFT_LIGHTHOUSE=address)  # fmt: skip
     dist.init_process_group("gloo", rank=0, world_size=1)
+    if heal_fails:  # the state a peer sends never arrives (as over NCCL between two replicas on one GPU)
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        def broken(*args, **kwargs):
+            raise ConnectionError("injected: the heal's transfer broke")
+
+        PGTransport.recv_checkpoint = broken
     t = LiveTrainer(cfg, manifest, model, LiveRanks(rank, world), attempt=0, group=1)
     try:  # as ``train_rank`` (no export: a LoRA export merges the adapters into the leader's weights)
         t.resume_or_start()
         t.fit()
         out[rank] = {"step": t.loop.step, "weights": full_weights_hash(t), "resumed_from": t.resumed_from,
                      "heals": t.heals, "leader": t.leader, "eval_loss": t.last_eval}  # fmt: skip
+    except Exception as e:
+        out[rank] = {"error": f"{type(e).__name__}: {e}"}
+        raise
     finally:
         t.close()
         dist.destroy_process_group()
 
 
-def start_live(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out):
-    """Replica ``rank`` of ``world`` as its own process (killed with ``.kill()``, waited with ``.join()``)."""
+def start_live(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out,
+               heal_fails: bool = False):  # fmt: skip
+    """Replica ``rank`` of ``world`` as its own process (killed with ``.kill()``, waited with ``.join()``);
+    ``heal_fails``: every heal it should receive from a peer breaks in transit."""
     ctx = mp.get_context("spawn")
-    p = ctx.Process(target=_live_entry, args=(rank, world, address, cfg, manifest, model, out), daemon=False)
+    p = ctx.Process(target=_live_entry, args=(rank, world, address, cfg, manifest, model, out, heal_fails),
+                    daemon=False)  # fmt: skip
     p.start()
     return p

@@ -16,7 +16,7 @@ from ray_jobs.config.model import LoraConfig
 from ray_jobs.data.staging import stage
 from ray_jobs.model.builtin import build_builtin
 from ray_jobs.model.loading import load_tokenizer
-from ray_jobs.train.live import shares_of, virtual_slots
+from ray_jobs.train.live import Retries, StepStuck, shares_of, virtual_slots
 from ray_jobs.train.rowtrace import ENV, trained_rows
 from tests.conftest import ROOT, tiny_overrides
 from tests.unit.dist_runs import lighthouse, run_world, start_live, train_rank
@@ -65,44 +65,113 @@ def setup(tmp_path_factory) -> tuple[Config, dict, str]:
     return cfg, stage(cfg.data, load_tokenizer(model), model, cfg.storage).manifest, model
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_a_replica_killed_mid_run_is_healed_from_its_peer_and_the_run_ends_as_ddp_does(
-    setup, lora, tmp_path, monkeypatch
-) -> None:
+@pytest.fixture(scope="module")
+def ddp_runs(setup, tmp_path_factory):
+    """The ordinary two-worker DDP run of a variant (its result and row-trace folder), run once per module."""
     cfg, manifest, model = setup
-    cfg = cfg.model_copy(deep=True)
-    if lora:  # the adapters only cross to the newcomer (the base weights are its own, from the same folder)
-        cfg.model.lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    monkeypatch.setenv(ENV, str(tmp_path / "ddp"))
-    kind = "lora" if lora else "full"
-    ddp = run_world(train_rank, 2, cfg.model_copy(update={"name": f"ddp-{kind}"}), manifest, model, None)
+    done: dict[str, tuple[dict, object]] = {}
 
-    live = cfg.model_copy(deep=True)
-    live.name, live.fault_tolerance.live_recovery = f"live-{kind}", True
-    monkeypatch.setenv(ENV, str(tmp_path / "live"))
-    monkeypatch.setenv("UNBROKEN_INJECT_DELAY", "step:0.1")  # long enough for a newcomer to join mid-run
+    def run(kind: str, variant: Config):
+        if kind not in done:
+            trace = tmp_path_factory.mktemp(f"ddp-{kind}")
+            with pytest.MonkeyPatch.context() as mp_:
+                mp_.setenv(ENV, str(trace))
+                ddp = run_world(
+                    train_rank, 2, variant.model_copy(update={"name": f"ddp-{kind}"}), manifest, model, None
+                )
+            done[kind] = (ddp[0], trace)
+        return done[kind]
+
+    return run
+
+
+def kill_and_replace(live: Config, manifest: dict, model: str, trace, heal_fails: bool = False) -> dict:
+    """Two live replicas; replica 1 killed (SIGKILL) at step 12 and started again; every replica's result."""
     house = lighthouse(live)
     with mp.Manager() as m:
         out = m.dict()
         replicas = [start_live(r, 2, house.address(), live, manifest, model, out) for r in range(2)]
-        trace = tmp_path / "live"
         deadline = time.monotonic() + 120
         while not any('"step": 12,' in p.read_text() for p in trace.glob("rows-*-1.jsonl")):
             assert time.monotonic() < deadline and replicas[1].is_alive(), "replica 1 never reached step 12"
             time.sleep(0.02)
         replicas[1].kill()  # SIGKILL
         replicas[1].join()
-        replicas[1] = start_live(1, 2, house.address(), live, manifest, model, out)
+        replicas[1] = start_live(1, 2, house.address(), live, manifest, model, out, heal_fails)
         for p in replicas:
             p.join(timeout=120)
-            assert p.exitcode == 0
-        results = dict(out)
+        results = dict(out) | {"exitcodes": [p.exitcode for p in replicas]}
     house.shutdown()
+    return results
 
-    assert results[0]["weights"] == results[1]["weights"] == ddp[0]["weights"], "bit-identical to the DDP run"
-    assert results[0]["eval_loss"] == results[1]["eval_loss"] == ddp[0]["eval_loss"]
+
+def live_variant(cfg: Config, name: str, monkeypatch, trace, **ft) -> Config:
+    live = cfg.model_copy(deep=True)
+    live.name, live.fault_tolerance.live_recovery = name, True
+    for k, v in ft.items():
+        setattr(live.fault_tolerance, k, v)
+    monkeypatch.setenv(ENV, str(trace))
+    monkeypatch.setenv("UNBROKEN_INJECT_DELAY", "step:0.1")  # long enough for a newcomer to join mid-run
+    return live
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_replica_killed_mid_run_is_healed_from_its_peer_and_the_run_ends_as_ddp_does(
+    setup, ddp_runs, lora, tmp_path, monkeypatch
+) -> None:
+    cfg, manifest, model = setup
+    cfg = cfg.model_copy(deep=True)
+    if lora:  # the adapters only cross to the newcomer (the base weights are its own, from the same folder)
+        cfg.model.lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    kind = "lora" if lora else "full"
+    ddp, ddp_trace = ddp_runs(kind, cfg)
+    live = live_variant(cfg, f"live-{kind}", monkeypatch, tmp_path / "live")
+    results = kill_and_replace(live, manifest, model, tmp_path / "live")
+
+    assert results["exitcodes"] == [0, 0]
+    assert results[0]["weights"] == results[1]["weights"] == ddp["weights"], "bit-identical to the DDP run"
+    assert results[0]["eval_loss"] == results[1]["eval_loss"] == ddp["eval_loss"]
     assert results[1]["resumed_from"] == "a live peer", "the newcomer healed from replica 0, not from storage"
     assert results[0]["leader"] == 0, "replica 0 took the lead when replica 1 was lost, and kept it"
-    want, _ = trained_rows(tmp_path / "ddp")
+    want, _ = trained_rows(ddp_trace)
     got, _ = trained_rows(tmp_path / "live")
     assert got == want and sum(got.values()) == 40 * 2 * cfg.train.micro_batch_size
+
+
+def test_a_replica_whose_heal_keeps_failing_leaves_with_the_cause_and_the_survivor_finishes(
+    setup, ddp_runs, tmp_path, monkeypatch
+) -> None:
+    cfg, manifest, model = setup
+    ddp, ddp_trace = ddp_runs("full", cfg)
+    live = live_variant(cfg, "live-heal-fails", monkeypatch, tmp_path / "live", replica_timeout_s=0.5)
+    results = kill_and_replace(live, manifest, model, tmp_path / "live", heal_fails=True)
+
+    assert results["exitcodes"][1] != 0, "the newcomer that cannot heal does not retry forever"
+    error = results[1]["error"]
+    assert error.startswith("StepStuck: replica 1: step ") and "(its heal from a live peer failed)" in error
+    assert "ConnectionError: injected: the heal's transfer broke" in error, "the log names the heal's own failure"
+    assert results["exitcodes"][0] == 0 and results[0]["step"] == 40
+    assert results[0]["weights"] == ddp["weights"], "the survivor computed every share alone: DDP's bits"
+    got, _ = trained_rows(tmp_path / "live")
+    want, _ = trained_rows(ddp_trace)
+    assert got == want, "no row of a failed try was applied"
+
+
+@pytest.mark.parametrize(
+    ("tries", "heal_failed", "gives_up_at"),
+    [
+        ([0, 5, 9.9], True, None),  # a heal failing for less than 10 x replica_timeout_s: try again
+        ([0, 5, 10], True, 10),  # ... for that long: this replica leaves
+        ([0, 30, 59], False, None),  # any other failure: 60 x replica_timeout_s
+        ([100, 130, 160], False, 160),  # counted from the step's first failed try
+    ],
+)
+def test_a_step_that_cannot_commit_is_given_up_after_a_bound(tries, heal_failed, gives_up_at) -> None:
+    clock = iter(tries)
+    retries = Retries(1, 1.0, clock=lambda: next(clock))
+    for t in tries:
+        if t == gives_up_at:
+            with pytest.raises(StepStuck, match=r"replica 1: step 7 not committed for \d+s.*last cause: OSError: gone"):
+                retries.failed(7, OSError("gone"), heal_failed)
+        else:
+            retries.failed(7, OSError("gone"), heal_failed)
