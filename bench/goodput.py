@@ -128,8 +128,13 @@ class Faults(threading.Thread):
             after = [r for r in final if r["time"] > f["at"]]
             new = next((r for r in after if r["step"] > f["step"]), None)
             resumed = after[0]["step"] - 1 if after else f["step"]
+            # Live recovery: how long the survivors stepped without the lost replica (until it healed and took part)
+            short = [r for r in after if r.get("participants", 0) < r.get("replicas", 2)]
+            whole = next((r for r in after if short and r["time"] > short[0]["time"]
+                          and r.get("participants") == r.get("replicas", 2)), None)  # fmt: skip
             out.append({"fault": f["fault"], "at_step": f["step"], "lost_steps": max(0, f["step"] - resumed),
-                        "to_new_step_s": round(new["time"] - f["at"], 1) if new else None})  # fmt: skip
+                        "to_new_step_s": round(new["time"] - f["at"], 1) if new else None,
+                        "degraded_s": round(whole["time"] - f["at"], 1) if whole else None})  # fmt: skip
         return out
 
 
