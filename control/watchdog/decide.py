@@ -98,7 +98,8 @@ def decide(reg: RunRecord, obs: Observations, cfg: Config) -> Decision:
     incident = reg.open_incident()
     if incident is not None:
         return handle_incident(reg, incident, cfg, now, [])
-    verdict = classify(obs.job, reg.current, obs.heartbeat, cfg, now, reg.cluster.address, obs.error, obs.beat_age_s)
+    verdict = classify(obs.job, reg.current, obs.heartbeat, cfg, now, reg.cluster.address, obs.error, obs.beat_age_s,
+                       obs.job_gone)  # fmt: skip
     seen = confirm(reg, verdict, cfg, now)
     if seen == "healthy":
         return healthy(reg, verdict, obs, cfg)

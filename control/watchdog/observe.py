@@ -35,6 +35,7 @@ class Observations:
     disk: tuple[int, int] | None = None  # free/total bytes of a local storage path
     final_model: str | None = None  # the run's final model folder (a search's: its winner's), once the job succeeded
     beat_age_s: float | None = None  # the heartbeat's age by the storage's clock (None: judged by its own ``time``)
+    job_gone: bool | None = None  # the backend's evidence that no process of the job is left (asked when the API fails)
 
 
 def current_heartbeat(storage: str, run: str, attempt: int) -> dict[str, Any] | None:
@@ -101,7 +102,8 @@ def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
     view = jobsapi.read_job(address, attempt.submission_id)
     ended = view.api == "ok" and view.status in ("FAILED", "STOPPED")
     error = job_failure(address, attempt.submission_id) if ended else None
-    verdict = classify(view, attempt, beat, cfg, now, address, error, age)
+    gone = job_gone(cfg, reg) if view.api != "ok" else None
+    verdict = classify(view, attempt, beat, cfg, now, address, error, age, gone)
     extra: dict[str, Any] = {}
     if verdict.trouble:
         extra["metrics_step"] = last_step(cfg.storage, cfg.name)
@@ -109,7 +111,14 @@ def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
         extra["final_model"] = final_model(cfg.storage, cfg.name)
     elif view.status == "RUNNING":
         extra["health"], extra["disk"] = backend_for(cfg).health(recorded_handle(reg)), disk_usage(cfg.storage)
-    return Observations(now, view, beat, error, beat_age_s=age, **extra)
+    return Observations(now, view, beat, error, beat_age_s=age, job_gone=gone, **extra)
+
+
+def job_gone(cfg: Config, reg: RunRecord) -> bool | None:
+    """What the run's backend sees of its current job's processes (None: it cannot see them from here)."""
+    if reg.cluster is None:
+        return None
+    return backend_for(cfg).job_gone(recorded_handle(reg), reg.current.submission_id)
 
 
 def recorded_handle(reg: RunRecord) -> ClusterHandle:

@@ -36,7 +36,7 @@ def restart(cfg: Config, reg: RunRecord, lease: leases.Lease, stand_down) -> Out
     ``stand_down(reg, verdict, observations)``: what to do when the trouble is gone on the second look."""
     again = look(cfg, reg, time.time())  # decided maybe a backoff ago: look again
     verdict = classify(again.job, reg.current, again.heartbeat, cfg, again.now, reg.cluster.address, again.error,
-                       again.beat_age_s)  # fmt: skip
+                       again.beat_age_s, again.job_gone)  # fmt: skip
     if not verdict.trouble:
         return stand_down(reg, verdict, again)
     incident = reg.open_incident()

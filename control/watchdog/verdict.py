@@ -40,10 +40,11 @@ class Verdict:
     status: str = ""
     phase: str = ""  # the job's phase as its heartbeat reports it (``starting`` before the first one)
     silent: bool = False  # a stall seen only as a heartbeat gone quiet: to be confirmed like an ambiguous sign
+    gone: bool = False  # the backend's own evidence: no process of the job is left (a sign that needs no confirming)
 
     @property
     def definitive(self) -> bool:
-        return self.kind in DEFINITIVE and not self.silent
+        return (self.kind in DEFINITIVE and not self.silent) or self.gone
 
     @property
     def trouble(self) -> bool:
@@ -73,24 +74,15 @@ def classify(
     address: str = "",
     error: dict[str, Any] | None = None,
     beat_age_s: float | None = None,
+    job_gone: bool | None = None,
 ) -> Verdict:
-    """One observation -> a verdict."""
+    """One observation -> a verdict. ``job_gone``: the backend's own evidence, asked only when the Jobs API cannot
+    tell, that no process of the job is left (a local head's host: its process table) -- with the heartbeat quiet too,
+    two channels agree and the silent API is acted on at once, not after ``confirm_s``."""
     sid = attempt.submission_id
     age = heartbeat_age(beat, now, beat_age_s)
-    alive = age is not None and age <= fresh_s(cfg)
-    if view.api != "ok" and (beat or {}).get("phase") == "done":  # everything it owed is on storage: its heartbeat
-        return Verdict("succeeded", f"the Jobs API cannot tell ({view.why}), but the job's heartbeat says it exported "
-                       "its final model", status="SUCCEEDED", heartbeat=beat)  # fmt: skip
-    if view.api == "unknown":
-        if alive:
-            return _api_fails(f"the Jobs API at {address} gave no answer ({view.why})", beat, age)
-        return Verdict("cluster-unreachable", f"the Jobs API at {address} gave no answer: {view.why}", heartbeat=beat)
-    if view.api == "missing":
-        if still_submitting(attempt, cfg, now):
-            return Verdict("running", status="SUBMITTING", heartbeat=beat)
-        if alive:
-            return _api_fails(view.why, beat, age)
-        return Verdict("job-lost", view.why, heartbeat=beat)
+    if view.api != "ok":
+        return _unanswered(view, attempt, beat, cfg, now, address, age, job_gone)
     if view.status == "SUCCEEDED":
         return Verdict("succeeded", status=view.status, heartbeat=beat)
     if view.status in ("FAILED", "STOPPED"):
@@ -102,6 +94,29 @@ def classify(
             detail += f" [{error['type']}: {error['message']}]"
         return Verdict("job-failed", detail, error=error, heartbeat=beat, status=view.status)
     return stall_verdict(view.status, attempt, beat, cfg, now, age)
+
+
+def _unanswered(view: JobView, attempt: Attempt, beat: dict[str, Any] | None, cfg: Config, now: float, address: str,
+                age: float | None, job_gone: bool | None) -> Verdict:  # fmt: skip
+    """The Jobs API cannot tell (no answer, or it does not know the job): what the other channels make of it."""
+    alive = age is not None and age <= fresh_s(cfg)
+    job_gone = job_gone and attempt.status != "SUBMITTED"  # never seen yet: its processes may not be started yet
+    if (beat or {}).get("phase") == "done":  # everything it owed is on storage: its heartbeat says so
+        return Verdict("succeeded", f"the Jobs API cannot tell ({view.why}), but the job's heartbeat says it exported "
+                       "its final model", status="SUCCEEDED", heartbeat=beat)  # fmt: skip
+    if view.api == "missing" and still_submitting(attempt, cfg, now):
+        return Verdict("running", status="SUBMITTING", heartbeat=beat)
+    why = f"the Jobs API at {address} gave no answer ({view.why})" if view.api == "unknown" else view.why
+    if alive:
+        return _api_fails(why, beat, age)
+    if view.api == "unknown":
+        return Verdict("cluster-unreachable", f"the Jobs API at {address} gave no answer: {view.why}{_gone(job_gone)}",
+                       heartbeat=beat, gone=bool(job_gone))  # fmt: skip
+    return Verdict("job-lost", f"{view.why}{_gone(job_gone)}", heartbeat=beat, gone=bool(job_gone))
+
+
+def _gone(job_gone: bool | None) -> str:
+    return "; no process of the job is left on its host (the backend's own evidence)" if job_gone else ""
 
 
 def _api_fails(why: str, beat: dict[str, Any], age: float) -> Verdict:

@@ -404,6 +404,39 @@ ROWS = [
         {"suspect.kind": "cluster-unreachable", "suspect.beat_time": NOW - 1},
     ),
     Row(
+        "the Jobs API silent, the heartbeat old, and the backend sees no process of the job (a local head's host): "
+        "two channels agree, acted on at the first look (the restart waits out its backoff)",
+        record(),
+        ok(JobView("unknown", why="ConnectionError: refused"), beat(), beat_age_s=40.0, job_gone=True, metrics_step=70),
+        "waiting",
+        [Save, Log],
+        {"incidents[-1].kind": "cluster-unreachable", "incidents[-1].detected_at": NOW, "state": "recovering"},
+    ),
+    Row(
+        "the backend sees no process of a job never seen running yet (its driver may not have started): suspected",
+        record("SUBMITTED", "submitted"),
+        ok(JobView("unknown", why="ConnectionError: refused"), job_gone=True),
+        "observing",
+        [Save],
+        {"suspect.kind": "cluster-unreachable", "state": "submitted"},
+    ),
+    Row(
+        "the backend sees no process of the job but its heartbeat is fresh: the fresh heartbeat still vetoes",
+        record(),
+        ok(JobView("unknown", why="ConnectionError: refused"), beat(), beat_age_s=1.0, job_gone=True),
+        "ok",
+        [Log, Save],
+        {"incidents[1].kind": "api-unreachable", "incidents[1].action": "observed", "state": "running"},
+    ),
+    Row(
+        "the cluster forgot the job and the backend sees none of its processes: lost, acted on at once",
+        record(),
+        ok(JobView("missing", why="no such job"), job_gone=True, metrics_step=70),
+        "waiting",
+        [Save, Log],
+        {"incidents[-1].kind": "job-lost"},
+    ),
+    Row(
         "a suspicion whose heartbeat moved meanwhile is not confirmed: it starts over (the job lives)",
         record(
             suspect=Suspect(
