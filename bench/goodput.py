@@ -1,20 +1,22 @@
 """Goodput under a steady fault rate: the demo trained while faults arrive on a seeded schedule, with live recovery
-off and on, side by side in one run, each beside a real ``unbroken watchdog``.
+off, on, and on with a standby worker, side by side in one run, each beside a real ``unbroken watchdog``.
 
-    .venv/bin/python bench/goodput.py [--cycle worker|mixed] [--every-s 60] [--steps 2500] [--modes off,on]
+    .venv/bin/python bench/goodput.py [--cycle worker|mixed] [--every-s 60] [--steps 2500] [--modes off,on,standby]
 
 - **uninterrupted**: ``unbroken run configs/demo.yaml`` per mode, no fault: its first-to-last-step time is the
   reference, and its final weights the ones every faulted run must end with;
 - **faulted**: the same run while, from its first step on, a fault arrives every ``--every-s`` seconds, in a cycle:
   ``worker`` = kill -9 a train worker; ``mixed`` = kill -9 a worker, SIGTERM a worker, kill -9 the job's driver (the
-  worker picked by a seeded draw). A fault due while its target does not exist (a restart in progress) waits for it.
+  worker picked by a seeded draw, once the job has all its workers). A fault due while its target does not exist (a
+restart in progress) waits for it.
 
 Goodput = the uninterrupted run's first-to-last-step time / the faulted run's (the share of wall time that trains new
 steps). Per fault: seconds from the fault to the first *new* committed step (a step never committed before) and the
 steps lost (committed, then trained again after a resume). The runs log every step (``train.log_every_steps=1``) so
 the metrics log times every commit; everything else is the demo's config, ``fault_tolerance.max_failures=-1`` (a
 worker fault never ends the job: Ray Train restarts the group, or live recovery replaces the worker),
-``max_restarts=1000`` (a steady fault rate, not a crash loop) and ``fault_tolerance.live_recovery`` per mode.
+``max_restarts=1000`` (a steady fault rate, not a crash loop) and, per mode, ``fault_tolerance.live_recovery`` and
+``fault_tolerance.standby_replicas`` (``standby``: one standby worker beside the demo's two).
 """
 
 from __future__ import annotations
@@ -41,11 +43,19 @@ PORTS = {"cluster.dashboard_port": 8299, "cluster.head_port": 6399}  # not the d
 CYCLES = {"worker": ["kill9-worker"], "mixed": ["kill9-worker", "sigterm-worker", "kill9-driver"]}
 
 
-def sets(storage: Path, name: str, args, live: bool) -> list[str]:
+# mode -> (fault_tolerance.live_recovery, fault_tolerance.standby_replicas)
+MODES = {"off": (False, 0), "on": (True, 0), "standby": (True, 1)}
+
+
+def sets(storage: Path, name: str, args, mode: str) -> list[str]:
+    live, standby = MODES[mode]
     over = {"name": name, "storage": storage, "data.cache_dir": storage.parent / "node-cache",
             "train.max_steps": args.steps, "train.log_every_steps": 1, "fault_tolerance.max_failures": -1,
             "fault_tolerance.max_restarts": 1000,  # a steady fault rate is the point here, not a crash loop
-            "fault_tolerance.live_recovery": str(live).lower(), "cluster.keep_running": "true", **PORTS}  # fmt: skip
+            "fault_tolerance.live_recovery": str(live).lower(), "fault_tolerance.standby_replicas": standby,
+            "cluster.keep_running": "true", **PORTS}  # fmt: skip
+    if standby:  # three workers within this 2-core machine's Ray (each still trains on one torch thread)
+        over["cluster.cpus_per_worker"] = 0.5
     return [a for k, v in over.items() for a in ("--set", f"{k}={v}")]
 
 
@@ -86,6 +96,7 @@ class Faults(threading.Thread):
         super().__init__(daemon=True)
         self.storage, self.run_name, self.cycle, self.every_s = storage, run, cycle, every_s
         self.rng, self.done, self.log = random.Random(seed), threading.Event(), []
+        self.workers = 2
 
     def run(self) -> None:
         wait_for("the first step", lambda: rows(self.storage, self.run_name) or self.done.is_set(), 900)
@@ -115,13 +126,14 @@ class Faults(threading.Thread):
                     return pid
             else:
                 found = workers(self.run_name)
-                if len(found) >= 2:
+                if len(found) >= self.workers:  # the job whole again (a replacement started)
                     return self.rng.choice(found)
             time.sleep(0.2)
         return None
 
-    def costs(self) -> list[dict]:
-        """Per fault: seconds to the first new committed step, and the steps lost (trained again)."""
+    def costs(self, workers: int) -> list[dict]:
+        """Per fault: seconds to the first new committed step, the steps lost (trained again), and with live recovery
+        the seconds until a step had all ``workers`` again (the replacement healed and took part)."""
         final = rows(self.storage, self.run_name)
         out = []
         for f in self.log:
@@ -129,23 +141,23 @@ class Faults(threading.Thread):
             new = next((r for r in after if r["step"] > f["step"]), None)
             resumed = after[0]["step"] - 1 if after else f["step"]
             # Live recovery: how long the survivors stepped without the lost replica (until it healed and took part)
-            short = [r for r in after if r.get("participants", 0) < r.get("replicas", 2)]
+            short = [r for r in after if r.get("participants", workers) < workers]
             whole = next((r for r in after if short and r["time"] > short[0]["time"]
-                          and r.get("participants") == r.get("replicas", 2)), None)  # fmt: skip
+                          and r.get("participants") == workers), None)  # fmt: skip
             out.append({"fault": f["fault"], "at_step": f["step"], "lost_steps": max(0, f["step"] - resumed),
                         "to_new_step_s": round(new["time"] - f["at"], 1) if new else None,
                         "degraded_s": round(whole["time"] - f["at"], 1) if whole else None})  # fmt: skip
         return out
 
 
-def one_run(storage: Path, name: str, args, live: bool, cycle: list[str] | None) -> dict:
+def one_run(storage: Path, name: str, args, mode: str, cycle: list[str] | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PYTHONUNBUFFERED": "1"}
     # A watchdog beside every run, faulted or not: its passes take CPU from training on a small machine alike
     dog = Timed([str(VENV_BIN / "unbroken"), "watchdog", "--storage", str(storage), "--interval", "1"], env)
     faults = Faults(storage, name, cycle or [], args.every_s, args.seed) if cycle else None
-    flow = Timed([str(VENV_BIN / "unbroken"), "run", str(DEMO), *sets(storage, name, args, live)], env)
+    flow = Timed([str(VENV_BIN / "unbroken"), "run", str(DEMO), *sets(storage, name, args, mode)], env)
     if faults:
-        faults.steps_total = args.steps
+        faults.steps_total, faults.workers = args.steps, 2 + MODES[mode][1]
         faults.start()
     try:
         reg_path = storage / "runs" / name / "run.json"
@@ -164,7 +176,7 @@ def one_run(storage: Path, name: str, args, live: bool, cycle: list[str] | None)
         raise SystemExit(f"run {name} ended {state}; faults {faults.log if faults else []}:\n" + "\n".join(tails))
     final = rows(storage, name)
     return {"first": final[0]["time"], "last": final[-1]["time"], "steps": final[-1]["step"],
-            "weights": weights(storage, name), "faults": faults.costs() if faults else [],
+            "weights": weights(storage, name), "faults": faults.costs(faults.workers) if faults else [],
             "state": state}  # fmt: skip
 
 
@@ -173,7 +185,7 @@ def main() -> None:
     ap.add_argument("--cycle", choices=sorted(CYCLES), default="worker")
     ap.add_argument("--every-s", type=float, default=60.0)
     ap.add_argument("--steps", type=int, default=2500)
-    ap.add_argument("--modes", default="off,on")
+    ap.add_argument("--modes", default="off,on,standby")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out: dict = {}
@@ -190,9 +202,8 @@ def main() -> None:
 
 def run_modes(storage: Path, args, out: dict) -> None:
     for mode in args.modes.split(","):
-        live = mode == "on"
-        straight = one_run(storage, f"straight-{mode}", args, live, None)
-        faulted = one_run(storage, f"faulted-{mode}", args, live, CYCLES[args.cycle])
+        straight = one_run(storage, f"straight-{mode}", args, mode, None)
+        faulted = one_run(storage, f"faulted-{mode}", args, mode, CYCLES[args.cycle])
         base = straight["last"] - straight["first"]
         took = faulted["last"] - faulted["first"]
         out[mode] = {"uninterrupted_s": round(base, 1), "faulted_s": round(took, 1), "goodput": round(base / took, 3),
@@ -207,7 +218,7 @@ def run_modes(storage: Path, args, out: dict) -> None:
 def report(args, out: dict) -> None:
     print(f"\ncycle {args.cycle} every {args.every_s:.0f}s, {args.steps} steps")
     print(f"{'mode':6}{'uninterrupted s':>17}{'faulted s':>11}{'goodput':>9}  faults (kind: s to a new step, lost)")
-    for mode in [m for m in out if m in ("off", "on")]:
+    for mode in [m for m in out if m in MODES]:
         r = out[mode]
         faults = "; ".join(f"{f['fault']}: {f['to_new_step_s']}s, {f['lost_steps']}" for f in r["faults"])
         print(f"{mode:6}{r['uninterrupted_s']:>17}{r['faulted_s']:>11}{r['goodput']:>9}  {faults}"

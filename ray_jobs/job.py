@@ -102,7 +102,7 @@ def scaling_config(cfg: Config):
     c = cfg.cluster
     elastic = {"elastic_resize_monitor_interval_s": c.resize_check_s} if c.elastic else {}
     return ScalingConfig(
-        num_workers=(c.min_workers, c.max_workers) if c.elastic else c.max_workers,
+        num_workers=cfg.workers if c.elastic else cfg.workers[1],  # live recovery's standbys included
         use_gpu=c.use_gpu,
         resources_per_worker={"CPU": c.cpus_per_worker},
         **elastic,

@@ -13,7 +13,7 @@ process group is set up here (NCCL when ``cluster.use_gpu``, else gloo) and each
 checkpoint, as Ray Train's workers do.
 
 What needs Ray is refused before anything is prepared (:func:`local_problems`): elastic world sizes, several
-machines, a warm start from a series (the registry's). Not here either: the run registry, the watchdog, Ray Train's
+machines, live recovery, a warm start from a series (the registry's). Not here either: the run registry, the watchdog, Ray Train's
 restarts of a failed worker group, preemption notices -- a local run that dies is resumed by running it again.
 """
 
@@ -53,6 +53,10 @@ def local_problems(cfg: Config, world_size: int, local_world_size: int, cuda_dev
     if c.use_gpu and cuda_devices < local_world_size:
         out.append(f"cluster.use_gpu: {local_world_size} process(es) need as many CUDA devices; this machine has "
                    f"{cuda_devices}")  # fmt: skip
+    if cfg.fault_tolerance.live_recovery:
+        out.append("fault_tolerance.live_recovery: needs Ray Train (it replaces a lost worker's replica group while "
+                   "the others step on); local mode runs a fixed set of processes that end together (set it to "
+                   "false, or use `unbroken run`)")  # fmt: skip
     if cfg.model.init_from != "base":
         out.append(f"model.init_from: {cfg.model.init_from} starts from the series' registry, which local mode does "
                    "not read; use `unbroken run`, or name the model folder in model.name_or_path")  # fmt: skip

@@ -43,8 +43,10 @@ def resources(health: Health) -> dict[str, float]:
 def resource_problems(cfg: Config, total: dict[str, float]) -> list[str]:
     """Why the cluster's resources cannot hold the fewest workers the run needs."""
     c = cfg.cluster
-    fewest = c.min_workers
-    what = f"cluster.num_workers={c.num_workers}" if not c.elastic else f"cluster.num_workers.min={fewest}"
+    fewest = cfg.workers[0]  # live recovery's standbys are workers too
+    what = f"cluster.num_workers={c.num_workers}" if not c.elastic else f"cluster.num_workers.min={c.min_workers}"
+    if fewest > c.min_workers:
+        what += f" + fault_tolerance.standby_replicas={fewest - c.min_workers}"
     need_cpu = fewest * c.cpus_per_worker
     problems = []
     if total.get("CPU", 0) < need_cpu:

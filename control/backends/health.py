@@ -128,9 +128,9 @@ def assess(health: Health, cfg: Config, expected_nodes: int, storage: tuple[int,
                            + (f" (dead: {', '.join(sorted(set(gone)))})" if gone else "")))  # fmt: skip
     if cfg.cluster.use_gpu:
         total = sum(n.gpus for n in alive)
-        if total < cfg.cluster.min_workers:
+        if total < cfg.workers[0]:
             out.append(Finding("gpus-missing", f"the cluster has {total:g} GPUs; cluster.num_workers needs at least "
-                               f"{cfg.cluster.min_workers} (one per worker)"))  # fmt: skip
+                               f"{cfg.workers[0]} (one per worker, standbys included)"))  # fmt: skip
     for n in alive:
         if n.gpus_visible is not None and n.gpus_visible < n.gpus:
             out.append(Finding("gpus-missing", f"node {n.ip} gives Ray {n.gpus:g} GPUs but only {n.gpus_visible} "

@@ -92,7 +92,7 @@ def labels(cfg: Config, run: str) -> dict[str, str]:
 
 def raycluster_manifest(cfg: Config, run: str) -> dict[str, Any]:
     """The RayCluster unbroken creates for ``run`` (ray.io/v1, fields of the KubeRay CRD API reference)."""
-    k, c = cfg.cluster.kuberay, cfg.cluster
+    k = cfg.cluster.kuberay
     head = _container(cfg, "ray-head", k.head_cpus, k.head_memory, 0)
     worker = _container(cfg, "ray-worker", k.worker_cpus, k.worker_memory, k.gpus_per_worker)
     return {
@@ -116,9 +116,9 @@ def raycluster_manifest(cfg: Config, run: str) -> dict[str, Any]:
             "workerGroupSpecs": [
                 {
                     "groupName": "workers",
-                    "replicas": c.max_workers,  # one pod per training worker
-                    "minReplicas": c.min_workers,
-                    "maxReplicas": c.max_workers,
+                    "replicas": cfg.workers[1],  # one pod per training worker (live recovery's standbys too)
+                    "minReplicas": cfg.workers[0],
+                    "maxReplicas": cfg.workers[1],
                     "rayStartParams": {},
                     "template": _pod(cfg, run, worker, worker=True),
                 }

@@ -58,6 +58,12 @@ class FaultToleranceConfig(Section):
     micro-batches (the rows of each step, and at two workers its bits, are the uninterrupted run's); the newcomer
     receives the whole training state from a live peer, not from storage. Storage checkpoints stay for what it
     cannot cover (the driver, the head, every worker at once)."""
+    standby_replicas: int = Field(0, ge=0)
+    """With ``live_recovery``: workers beyond ``cluster.num_workers`` that take part in every step's quorum and
+    optimizer step but compute no share while every data rank has its worker (a warm standby: it holds the whole
+    training state). When a worker is lost, a standby computes its share from the next step on -- no step runs with
+    a worker computing two shares while Ray Train starts the replacement, which becomes the new standby. Each costs a
+    worker's resources (and its optimizer step), never a changed result: the step's rows and bits are the same."""
     replica_timeout_s: float = Field(1.0, gt=0)
     """With ``live_recovery``: a replica silent this long (torchft's lighthouse heartbeat) leaves the next step's
     quorum, and the others step without it. Lower recovers sooner; too low drops a replica that is only slow."""

@@ -63,6 +63,12 @@ class Config(Section):
         return bool(PLACEHOLDER.search(self.name))
 
     @property
+    def workers(self) -> tuple[int, int]:
+        """(fewest, most) training processes the job runs: ``cluster.num_workers`` plus live recovery's standbys."""
+        extra = self.fault_tolerance.standby_replicas if self.fault_tolerance.live_recovery else 0
+        return self.cluster.min_workers + extra, self.cluster.max_workers + extra
+
+    @property
     def series_name(self) -> str:
         return self.series.name or series_of(self.name)
 
@@ -91,6 +97,9 @@ class Config(Section):
             raise ValueError("model.lora with train.parallelism=fsdp is not supported yet; use ddp for LoRA")
         if self.fault_tolerance.live_recovery and (p := live_recovery_problem(self)):
             raise ValueError(f"fault_tolerance.live_recovery: {p}")
+        if self.fault_tolerance.standby_replicas and not self.fault_tolerance.live_recovery:
+            raise ValueError("fault_tolerance.standby_replicas: needs fault_tolerance.live_recovery=true (a standby is "
+                             "a live replica that steps with the others)")  # fmt: skip
         problem = batch_split_problem(self.cluster.min_workers, self.cluster.max_workers, self.train.grad_accum_steps)
         if problem:
             raise ValueError(f"cluster.num_workers: {problem}")

@@ -2,7 +2,8 @@
 
 Every worker runs this loop on a one-worker view of the run (:class:`~.live.Solo`): it reads every data rank's rows
 and computes, each step, the shares of the replicas it stands for -- its own when all are there, a lost one's too
-while Ray Train replaces it. A step is applied only when torchft commits it (every replica of the quorum summed the
+while Ray Train replaces it. A standby (``fault_tolerance.standby_replicas``: workers beyond the data ranks) takes
+part in every step and computes no share until a worker is lost; then it computes that worker's. A step is applied only when torchft commits it (every replica of the quorum summed the
 same step); one a failure interrupted is computed again, from the same cursor, never half-applied.
 
 One replica *leads*: it writes the heartbeat, the metrics log, the trackers' rows and the storage checkpoints, and
@@ -35,7 +36,8 @@ HEAD = 4  # the step's sum: loss, tokens, the step each replica is at, how many 
 
 class LiveTrainer(Trainer):
     def __init__(self, cfg, manifest: dict[str, Any], model_path: str, rt, attempt: int, group: int = 0):
-        self.ray_rank, self.replicas = rt.rank, rt.world_size
+        # replicas: the data ranks, whose shares make every step; workers: the processes (standbys included)
+        self.ray_rank, self.replicas, self.workers = rt.rank, cfg.cluster.max_workers, rt.world_size
         self.leader: int | None = None  # the Ray rank of the replica that writes (module docstring)
         self.participants: list[int] = []
         self.history: list[dict[str, Any]] = []  # this attempt's logged rows, kept by every replica
@@ -52,7 +54,7 @@ class LiveTrainer(Trainer):
         solo.dir = self.layout.checkpoints_dir(cfg.name)
         self.attempt, self.per = attempt, self.plan.micro_batches // self.replicas
         if self.trace is not None:  # one group per job (its replicas train each step together), ranks as Ray's
-            self.trace = rowtrace.RowTrace(os.environ[rowtrace.ENV], group, self.ray_rank, self.replicas)
+            self.trace = rowtrace.RowTrace(os.environ[rowtrace.ENV], group, self.ray_rank, self.workers)
 
     def _load_data(self) -> None:
         super()._load_data()  # as one worker: every data rank's rows (this replica may compute anyone's share)
@@ -63,10 +65,11 @@ class LiveTrainer(Trainer):
 
     def live_state(self) -> dict[str, Any]:
         """The heartbeat's live-recovery fields: who took part in the last step, who healed."""
-        missing = self.replicas - len(self.participants) if self.participants else 0
+        missing = self.workers - len(self.participants) if self.participants else 0
         last = self.heals[-1] if self.heals else None
-        return {"replicas": self.replicas, "participants": len(self.participants) or self.replicas,
-                "healing": missing > 0, "heals": len(self.heals), "last_heal": last}  # fmt: skip
+        return {"replicas": self.workers, "participants": len(self.participants) or self.workers,
+                "standby": self.workers - self.replicas, "healing": missing > 0, "heals": len(self.heals),
+                "last_heal": last}  # fmt: skip
 
     # -- joining: heal from a live peer, or resume from storage like any run ---------------------------------------
     def resume_or_start(self, explicit_checkpoint: str | None = None) -> None:
@@ -146,6 +149,9 @@ class LiveTrainer(Trainer):
             g = torch.cat([p.grad.reshape(-1) for p in self._params()])
             flat = g if flat is None else flat.add_(g)  # two shares: g0 + g1, what the quorum's sum gives
             loss, tokens = loss + share_loss, tokens + share_tokens
+        if flat is None:  # a standby while every data rank has its worker: zeros to the sum (x + 0 is exact)
+            params = self._params()
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
         return self.replica.sum(flat), (loss, tokens)
 
     def _share(self, slots: list[int]) -> tuple[float, int]:
@@ -173,16 +179,16 @@ class LiveTrainer(Trainer):
     def _vector(self, local: tuple[float, int]):
         import torch
 
-        v = torch.zeros(HEAD + 2 * self.replicas, dtype=torch.float64, device=self.device)
+        v = torch.zeros(HEAD + 2 * self.workers, dtype=torch.float64, device=self.device)
         v[0], v[1], v[2], v[3] = local[0], local[1], self.loop.step, float(preemption.requested())
         v[HEAD + self.ray_rank] = 1.0
         if self.healed and self.replacement:  # (a replica that only joined late, or missed a commit, heals too)
-            v[HEAD + self.replicas + self.ray_rank] = max(self.healed["heal_s"], 1e-6)
+            v[HEAD + self.workers + self.ray_rank] = max(self.healed["heal_s"], 1e-6)
         return v
 
     def _consistent(self, v, size: int) -> bool:
         """Every replica of the quorum stands at this step (else the lower one heals at the next quorum)."""
-        ok = int(v[2]) == self.loop.step * size and int(v[HEAD : HEAD + self.replicas].sum()) == size
+        ok = int(v[2]) == self.loop.step * size and int(v[HEAD : HEAD + self.workers].sum()) == size
         if not ok:
             self.replica.fail(RuntimeError("the quorum's replicas are at different steps"))
         return ok
@@ -197,7 +203,11 @@ class LiveTrainer(Trainer):
         offset = 0
         grads.div_(self.replicas)
         for p in self._params():
-            p.grad.copy_(grads[offset : offset + p.numel()].view_as(p.grad))
+            g = grads[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:  # a standby computed no share: its gradients are the quorum's sum alone
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
             offset += p.numel()
         self.cursors = self.plan.after(self.cursors)
         grad_norm = clip_grads(self.model, self.cfg.train.max_grad_norm)
@@ -211,20 +221,20 @@ class LiveTrainer(Trainer):
         self.loop.elapsed_s += time.monotonic() - started
         self.last_step_at = time.time()
         self.first_step_at = self.first_step_at or self.last_step_at
-        self._took_part([r for r in range(self.replicas) if v[HEAD + r] > 0], v)
+        self._took_part([r for r in range(self.workers) if v[HEAD + r] > 0], v)
         self.sigtermed = int(v[3])
         return Agreed(float(v[0]) / self.replicas, int(v[1]), float(grad_norm), False, False, self.sigtermed > 0)
 
     def _took_part(self, participants: list[int], v) -> None:
         """Who took part, who healed, and who leads from here (the same on every replica)."""
-        for r in range(self.replicas):
-            if v[HEAD + self.replicas + r] > 0:
-                self.heals.append({"rank": r, "step": self.loop.step - 1, "heal_s": float(v[HEAD + self.replicas + r]),
+        for r in range(self.workers):
+            if v[HEAD + self.workers + r] > 0:
+                self.heals.append({"rank": r, "step": self.loop.step - 1, "heal_s": float(v[HEAD + self.workers + r]),
                                    "at": time.time(), "lost_steps": 0})  # fmt: skip
         self.healed = None
         if participants != self.participants:  # (the time: Ray shows a worker's log lines without one)
             log.warning("step %d trained by replicas %s of %d (committed at %.3f)", self.loop.step, participants,
-                        self.replicas, self.last_step_at)  # fmt: skip
+                        self.workers, self.last_step_at)  # fmt: skip
         self.participants = participants
         leader = self.leader if self.leader in participants else min(participants)
         if leader == self.ray_rank and self.leader != self.ray_rank:

@@ -6,7 +6,9 @@ kill -9 and SIGTERM of real workers: tests/chaos/test_live_recovery.py.)"""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -85,19 +87,21 @@ def ddp_runs(setup, tmp_path_factory):
     return run
 
 
-def kill_and_replace(live: Config, manifest: dict, model: str, trace, heal_fails: bool = False) -> dict:
-    """Two live replicas; replica 1 killed (SIGKILL) at step 12 and started again; every replica's result."""
+def kill_and_replace(
+    live: Config, manifest: dict, model: str, trace, heal_fails: bool = False, workers: int = 2
+) -> dict:
+    """``workers`` live replicas; replica 1 killed (SIGKILL) at step 12 and started again; every replica's result."""
     house = lighthouse(live)
     with mp.Manager() as m:
         out = m.dict()
-        replicas = [start_live(r, 2, house.address(), live, manifest, model, out) for r in range(2)]
+        replicas = [start_live(r, workers, house.address(), live, manifest, model, out) for r in range(workers)]
         deadline = time.monotonic() + 120
         while not any('"step": 12,' in p.read_text() for p in trace.glob("rows-*-1.jsonl")):
             assert time.monotonic() < deadline and replicas[1].is_alive(), "replica 1 never reached step 12"
             time.sleep(0.02)
         replicas[1].kill()  # SIGKILL
         replicas[1].join()
-        replicas[1] = start_live(1, 2, house.address(), live, manifest, model, out, heal_fails)
+        replicas[1] = start_live(1, workers, house.address(), live, manifest, model, out, heal_fails)
         for p in replicas:
             p.join(timeout=120)
         results = dict(out) | {"exitcodes": [p.exitcode for p in replicas]}
@@ -155,6 +159,28 @@ def test_a_replica_whose_heal_keeps_failing_leaves_with_the_cause_and_the_surviv
     got, _ = trained_rows(tmp_path / "live")
     want, _ = trained_rows(ddp_trace)
     assert got == want, "no row of a failed try was applied"
+
+
+def test_with_a_standby_a_lost_worker_costs_no_step_trained_short_handed(setup, ddp_runs, tmp_path, monkeypatch):
+    cfg, manifest, model = setup
+    ddp, ddp_trace = ddp_runs("full", cfg)
+    live = live_variant(cfg, "live-standby", monkeypatch, tmp_path / "live", standby_replicas=1)
+    live.train.log_every_steps = 1  # every step's participants in the metrics log
+    results = kill_and_replace(live, manifest, model, tmp_path / "live", workers=3)
+
+    assert results["exitcodes"] == [0, 0, 0]
+    assert results[0]["weights"] == results[1]["weights"] == results[2]["weights"] == ddp["weights"], "DDP's bits"
+    got, _ = trained_rows(tmp_path / "live")
+    want, _ = trained_rows(ddp_trace)
+    assert got == want, "every row of every step once: the standby computed the lost worker's share"
+    rows = [
+        json.loads(ln) for ln in (Path(live.storage) / "runs" / live.name / "metrics.jsonl").read_text().splitlines()
+    ]
+    took_part = [r["participants"] for r in rows if "participants" in r]
+    assert len(took_part) == 40, took_part
+    # (the first step may go before every worker has joined; from the kill on, the standby always took the share)
+    assert min(took_part[12:]) == 2, f"never one worker for two shares: {took_part}"
+    assert results[1]["resumed_from"] == "a live peer", "the replacement healed from a peer and stood by"
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,8 @@ def test_what_needs_ray_is_named(tmp_path):
     assert len(odd) == 1 and odd[0].startswith("cluster.num_workers: the data is laid out for 4 workers")
     gpu = local_problems(cfg_of(tmp_path, **{"cluster.use_gpu": True}), 2, 2, 1)
     assert len(gpu) == 1 and gpu[0].startswith("cluster.use_gpu:")
+    live = local_problems(cfg_of(tmp_path, **{"fault_tolerance.live_recovery": True}), 2, 2, 0)
+    assert len(live) == 1 and live[0].startswith("fault_tolerance.live_recovery: needs Ray Train")
     warm = local_problems(cfg_of(tmp_path, **{"model.init_from": "series-champion"}), 1, 1, 0)
     assert len(warm) == 1 and warm[0].startswith("model.init_from:")
     with pytest.raises(ConfigError, match="cluster.use_gpu"):  # this machine has no CUDA device
