@@ -109,7 +109,7 @@ class Replica:
         for name in QUIET:  # their errors too: the loop logs each failed step once, with its cause
             logging.getLogger(name).setLevel(logging.CRITICAL)
         timeout = timedelta(seconds=timeout_s)
-        if device.type == "cuda":  # not run here (no GPU on this project's machines): torchft's NCCL group
+        if device.type == "cuda":  # torchft's NCCL group (run once, two replicas sharing an H100: heals failed there)
             from torchft import ProcessGroupNCCL
 
             pg = ProcessGroupNCCL(timeout=timeout)

@@ -3,8 +3,9 @@
 Every worker runs this loop on a one-worker view of the run (:class:`~.live.Solo`): it reads every data rank's rows
 and computes, each step, the shares of the replicas it stands for -- its own when all are there, a lost one's too
 while Ray Train replaces it. A standby (``fault_tolerance.standby_replicas``: workers beyond the data ranks) takes
-part in every step and computes no share until a worker is lost; then it computes that worker's. A step is applied only when torchft commits it (every replica of the quorum summed the
-same step); one a failure interrupted is computed again, from the same cursor, never half-applied.
+part in every step and computes no share until a worker is lost; then it computes that worker's. A step is applied
+only when torchft commits it (every replica of the quorum summed the same step); one a failure interrupted is
+computed again, from the same cursor, never half-applied.
 
 One replica *leads*: it writes the heartbeat, the metrics log, the trackers' rows and the storage checkpoints, and
 exports at the end. The leader stays while it takes part; when it is lost the lowest live replica takes over and
