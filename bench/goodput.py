@@ -138,16 +138,23 @@ class Faults(threading.Thread):
         out = []
         for f in self.log:
             after = [r for r in final if r["time"] > f["at"]]
-            new = next((r for r in after if r["step"] > f["step"]), None)
-            resumed = after[0]["step"] - 1 if after else f["step"]
+            lost, to_new = fault_cost(after, f["at"], f["step"])
             # Live recovery: how long the survivors stepped without the lost replica (until it healed and took part)
             short = [r for r in after if r.get("participants", workers) < workers]
             whole = next((r for r in after if short and r["time"] > short[0]["time"]
                           and r.get("participants") == workers), None)  # fmt: skip
-            out.append({"fault": f["fault"], "at_step": f["step"], "lost_steps": max(0, f["step"] - resumed),
-                        "to_new_step_s": round(new["time"] - f["at"], 1) if new else None,
+            out.append({"fault": f["fault"], "at_step": f["step"], "lost_steps": lost,
+                        "to_new_step_s": round(to_new, 1) if to_new is not None else None,
                         "degraded_s": round(whole["time"] - f["at"], 1) if whole else None})  # fmt: skip
         return out
+
+
+def fault_cost(after: list[dict], at: float, step: int) -> tuple[int, float | None]:
+    """What a fault at ``at`` (the run then at ``step``) cost, from the rows committed after it: the steps trained
+    again (a resume to an older step), and the seconds to the first new committed step (None: none came)."""
+    new = next((r for r in after if r["step"] > step), None)
+    resumed = after[0]["step"] - 1 if after else step
+    return max(0, step - resumed), (new["time"] - at if new else None)
 
 
 def one_run(storage: Path, name: str, args, mode: str, cycle: list[str] | None) -> dict:

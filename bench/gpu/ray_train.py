@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
-import json
 import os
 import signal
 import sys
@@ -37,6 +35,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench import goodput  # noqa: E402
+from bench.goodput import fault_cost  # noqa: E402
 from bench.gpu import kit  # noqa: E402
 
 LEGS = ("ray-ddp", "ray-restart", "ray-live")
@@ -194,12 +194,10 @@ class Killer:
     def costs(self) -> dict[str, Any]:
         if self.fault is None:
             return {"killed": False}
-        after = [r for r in rows(self.cfg) if r["time"] > self.fault["at"]]
-        new = next((r for r in after if r["step"] > self.fault["step"]), None)
-        resumed = after[0]["step"] - 1 if after else self.fault["step"]
-        return {"killed": True, "killed_after_step": self.fault["step"],
-                "lost_steps": max(0, self.fault["step"] - resumed),
-                "to_new_step_s": round(new["time"] - self.fault["at"], 2) if new else None}  # fmt: skip
+        at, step = self.fault["at"], self.fault["step"]
+        lost, to_new = fault_cost([r for r in rows(self.cfg) if r["time"] > at], at, step)
+        return {"killed": True, "killed_after_step": step, "lost_steps": lost,
+                "to_new_step_s": round(to_new, 2) if to_new is not None else None}  # fmt: skip
 
 
 def train_workers() -> list[int]:
@@ -214,12 +212,8 @@ def train_workers() -> list[int]:
 
 
 def rows(cfg) -> list[dict[str, Any]]:
-    path = Path(cfg.storage) / "runs" / cfg.name / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(ValueError):  # a line being appended
-            out.append(json.loads(line))
-    return [r for r in out if "loss" in r]
+    """The run's committed training steps from its metrics log (bench/goodput.py reads it)."""
+    return [r for r in goodput.rows(Path(cfg.storage), cfg.name) if "loss" in r]
 
 
 def checkpoints(cfg) -> list[str]:
@@ -229,9 +223,8 @@ def checkpoints(cfg) -> list[str]:
     return [url for _, url in ckpt.list_checkpoints(Layout(cfg.storage).checkpoints_dir(cfg.name))]
 
 
-def final_sha(cfg) -> str | None:
-    path = Path(cfg.storage) / "runs" / cfg.name / "final" / "model.safetensors"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+def final_sha(cfg) -> str:
+    return goodput.weights(Path(cfg.storage), cfg.name)
 
 
 if __name__ == "__main__":
