@@ -41,6 +41,22 @@ def test_what_cannot_run_live_is_refused_by_name_before_any_cluster_work(overrid
     assert "fault_tolerance.live_recovery: " + says in str(e.value)
 
 
+def test_a_standby_without_live_recovery_is_refused_by_name(tmp_path, capsys) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["fault_tolerance.standby_replicas=1"])
+    assert "fault_tolerance.standby_replicas: needs fault_tolerance.live_recovery=true" in str(e.value)
+    from unbroken.cli import main
+
+    assert main(["train", str(DEMO), "--local", "--set", "fault_tolerance.standby_replicas=1",
+                 "--set", f"storage={tmp_path}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: invalid ")
+        and "- fault_tolerance.standby_replicas: needs" in err
+        and len(err.splitlines()) == 2
+    )
+
+
 @pytest.mark.parametrize(
     ("participants", "replicas", "shares"),
     [
