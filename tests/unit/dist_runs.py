@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import time
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -97,11 +99,44 @@ def lighthouse(cfg: Config):
     return LighthouseServer(bind="[::]:0", **settings(cfg))
 
 
+HOLD_AT = 20  # the step before which an original replica waits while its ``hold`` file exists
+
+
+def _gate(hold: str | None, asked: str | None) -> None:
+    """Test timing (no number changes): an original replica waits before step ``HOLD_AT`` while the file ``hold``
+    exists; a replacement touches ``asked`` as it asks to join. The test lifts the hold once the replacement asked,
+    so the survivors cannot finish the run before a slow-starting replacement (a loaded machine) joins it."""
+    from torchft import Manager
+
+    from ray_jobs.train.live_trainer import LiveTrainer
+
+    if hold:
+        step = LiveTrainer._step
+
+        def held(self):
+            deadline = time.monotonic() + 120
+            while self.loop.step == HOLD_AT and os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return step(self)
+
+        LiveTrainer._step = held
+    if asked:
+        start_quorum = Manager.start_quorum
+
+        def asks(self, *args, **kwargs):
+            Path(asked).touch()
+            return start_quorum(self, *args, **kwargs)
+
+        Manager.start_quorum = asks
+
+
 def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out,
-                heal_fails: bool = False) -> None:  # fmt: skip
+                heal_fails: bool = False, gate: tuple[str | None, str | None] = (None, None)) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from ray_jobs.train.live_trainer import LiveTrainer
+
+    _gate(*gate)
 
     port = _free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
@@ -129,11 +164,12 @@ def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict
 
 
 def start_live(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out,
-               heal_fails: bool = False):  # fmt: skip
+               heal_fails: bool = False, gate: tuple[str | None, str | None] = (None, None)):  # fmt: skip
     """Replica ``rank`` of ``world`` as its own process (killed with ``.kill()``, waited with ``.join()``);
-    ``heal_fails``: every heal it should receive from a peer breaks in transit."""
+    ``heal_fails``: every heal it should receive from a peer breaks in transit; ``gate``: (hold, asked), see
+    ``_gate``."""
     ctx = mp.get_context("spawn")
-    p = ctx.Process(target=_live_entry, args=(rank, world, address, cfg, manifest, model, out, heal_fails),
+    p = ctx.Process(target=_live_entry, args=(rank, world, address, cfg, manifest, model, out, heal_fails, gate),
                     daemon=False)  # fmt: skip
     p.start()
     return p

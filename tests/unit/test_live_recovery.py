@@ -106,23 +106,36 @@ def ddp_runs(setup, tmp_path_factory):
 def kill_and_replace(
     live: Config, manifest: dict, model: str, trace, heal_fails: bool = False, workers: int = 2
 ) -> dict:
-    """``workers`` live replicas; replica 1 killed (SIGKILL) at step 12 and started again; every replica's result."""
+    """``workers`` live replicas; replica 1 killed (SIGKILL) at step 12 and started again; every replica's result.
+    The survivors wait before step HOLD_AT until the replacement has asked to join (``dist_runs._gate``)."""
     house = lighthouse(live)
+    trace.mkdir(parents=True, exist_ok=True)
+    hold, asked = trace / "hold", trace / "asked"
+    hold.touch()
     with mp.Manager() as m:
         out = m.dict()
-        replicas = [start_live(r, workers, house.address(), live, manifest, model, out) for r in range(workers)]
-        deadline = time.monotonic() + 120
-        while not any('"step": 12,' in p.read_text() for p in trace.glob("rows-*-1.jsonl")):
-            assert time.monotonic() < deadline and replicas[1].is_alive(), "replica 1 never reached step 12"
-            time.sleep(0.02)
+        replicas = [start_live(r, workers, house.address(), live, manifest, model, out, gate=(str(hold), None))
+                    for r in range(workers)]  # fmt: skip
+        wait_for(lambda: any('"step": 12,' in p.read_text() for p in trace.glob("rows-*-1.jsonl")), replicas[1])
         replicas[1].kill()  # SIGKILL
         replicas[1].join()
-        replicas[1] = start_live(1, workers, house.address(), live, manifest, model, out, heal_fails)
+        replicas[1] = start_live(
+            1, workers, house.address(), live, manifest, model, out, heal_fails, (None, str(asked))
+        )
+        wait_for(asked.exists, replicas[1])
+        hold.unlink()
         for p in replicas:
             p.join(timeout=120)
         results = dict(out) | {"exitcodes": [p.exitcode for p in replicas]}
     house.shutdown()
     return results
+
+
+def wait_for(ready, replica) -> None:
+    deadline = time.monotonic() + 120
+    while not ready():
+        assert time.monotonic() < deadline and replica.is_alive(), f"{replica.name}: never got there"
+        time.sleep(0.02)
 
 
 def live_variant(cfg: Config, name: str, monkeypatch, trace, **ft) -> Config:
