@@ -8,6 +8,7 @@ from ray_jobs.config.base import Section
 from ray_jobs.config.checkpoint import CheckpointConfig
 from ray_jobs.config.cluster import ClusterConfig
 from ray_jobs.config.data import DataConfig
+from ray_jobs.config.engine import engine_problems
 from ray_jobs.config.fault_tolerance import FaultToleranceConfig
 from ray_jobs.config.model import BUILTIN_PREFIX, ModelConfig
 from ray_jobs.config.series import (
@@ -95,6 +96,8 @@ class Config(Section):
             raise ValueError(f"series.name: name {self.name!r} is only placeholders; name the series")
         if self.model.lora is not None and self.train.parallelism == "fsdp":
             raise ValueError("model.lora with train.parallelism=fsdp is not supported yet; use ddp for LoRA")
+        if problems := engine_problems(self):
+            raise ValueError("\n  - ".join(problems))
         if self.fault_tolerance.live_recovery and (p := live_recovery_problem(self)):
             raise ValueError(f"fault_tolerance.live_recovery: {p}")
         if self.fault_tolerance.standby_replicas and not self.fault_tolerance.live_recovery:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -57,3 +57,13 @@ class TrainConfig(Section):
     (``save_pretrained``'s ``max_shard_size``)."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """``ddp`` replicates the model on every worker; ``fsdp`` shards it (FSDP2) for models too big for one device."""
+    engine: Literal["native", "hf"] = "native"
+    """Who runs each step: ``native``, unbroken's own loop; ``hf``, Hugging Face ``transformers.Trainer`` (its
+    forward, loss and backward, its options through ``train.hf_args``) inside the same job -- unbroken still feeds the
+    data from its cursor, owns the optimizer, the schedule, the checkpoints, the heartbeat and the metrics, so a
+    killed ``hf`` run resumes exactly as a native one does."""
+    hf_args: dict[str, Any] = Field(default_factory=dict)
+    """With ``engine: hf``: any other ``transformers.TrainingArguments`` field by its name (e.g.
+    ``label_smoothing_factor``, ``neftune_noise_alpha``), checked against the installed transformers when the config
+    is loaded; the fields unbroken sets from its own config (learning rate, batch sizes, steps, precision, saving,
+    logging, seed) are refused naming the field to set instead."""

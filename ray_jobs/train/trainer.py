@@ -84,10 +84,13 @@ class Trainer:
             # This rank's shards are fetched (checksum-verified) and decoded into the node cache while the model
             # loads: the job warms its own cache, no separate Ray job before it.
             warming = pool.submit(self._load_data)
-            self.model = build_model(self.cfg, self.model_path, self.rt)
+            self.model = self._build_model()
             warming.result()
         self.warmup = self.cache.counters()  # a cold cache shows misses here; a warm one, a restart's, none
         log.info("rank %d node cache warm-up: %s", self.rt.rank, self.warmup)
+
+    def _build_model(self):
+        return build_model(self.cfg, self.model_path, self.rt)  # the hf engine's leaves the wrapping to HF
 
     def _load_data(self) -> None:
         seq_len, t = self.manifest["seq_len"], self.cfg.train
@@ -168,13 +171,16 @@ class Trainer:
         self.throughput.restart(self.loop.tokens_seen)
         preemption.training(True)
         try:
-            while self.loop.step < end:
-                self._after_step(self._step())
+            self._train_to(end)
             self._finish_checkpoints(stop_at is None)
         finally:
             self._stop_training(own_heartbeat)
         self._log_trained(first)
         return self.loop
+
+    def _train_to(self, end: int) -> None:
+        while self.loop.step < end:
+            self._after_step(self._step())
 
     def _finish_checkpoints(self, done: bool) -> None:
         if done:
@@ -191,7 +197,10 @@ class Trainer:
         """One optimizer step, its outcome agreed by every rank, and the loop state advanced."""
         faults.on_step()
         started = time.monotonic()
-        agreed = self._agree(*self.train_step())
+        return self._advance(self._agree(*self.train_step()), started)
+
+    def _advance(self, agreed: Agreed, started: float) -> Agreed:
+        """The loop state after a step every rank agreed on (started at ``started``, monotonic)."""
         self.loop.step += 1
         if self.trace is not None:
             self.trace.step_done(self.loop.step)

@@ -60,6 +60,10 @@ def _make_trainer(cfg, loop_config: dict[str, Any], rt: Runtime, heartbeat, atte
         from ray_jobs.train.live_trainer import LiveTrainer
 
         return LiveTrainer(cfg, manifest, model_path, rt, attempt, loop_config.get("group", 0))
+    if cfg.train.engine == "hf":
+        from ray_jobs.train.hf import HfTrainer
+
+        return HfTrainer(cfg, manifest, model_path, rt, heartbeat)
     return Trainer(cfg, manifest, model_path, rt, heartbeat)
 
 

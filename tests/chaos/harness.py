@@ -94,14 +94,15 @@ def wait_job(handle: ClusterHandle, sid: str, timeout_s: float = 300) -> str:
     raise TimeoutError(f"job {sid} did not finish in {timeout_s}s; logs:\n{job_logs(handle, sid)[-5000:]}")
 
 
-def uninterrupted_run(root: Path) -> tuple[str, Path]:
+def uninterrupted_run(root: Path, **extra: object) -> tuple[str, Path]:
     """The chaos config trained once without interruption, and the hash of its final weights: what every broken run
     -- on the chaos suite's head, the multinode hosts, a ``ray up`` cluster -- must match bit for bit (same seed, same
     world size). Trained by two gloo processes under ``torchrun`` (``ray_jobs.local``: the loop Ray Train runs,
     without Ray), with its row trace (which rows every step trained, ray_jobs/train/rowtrace.py) in ``root/rows``;
     its checkpoints stay under ``root/storage/ray/baseline``, its TensorBoard and MLflow runs (both on) under
-    ``root/storage`` (:func:`baseline_metrics`). Returns (hash, row trace folder)."""
-    cfg = chaos_config(root / "storage", "baseline", **TRACKING)  # what a resumed run's trackers must show too
+    ``root/storage`` (:func:`baseline_metrics`). ``extra``: overrides of a variant's baseline (``train.engine``).
+    Returns (hash, row trace folder)."""
+    cfg = chaos_config(root / "storage", "baseline", **TRACKING, **extra)  # what a resumed run's trackers show too
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
     spec = write_job_spec(cfg, 1, staged.manifest_url, model_path, None)

@@ -36,6 +36,7 @@ from tests.chaos.harness import (
     rank0_pid,
     start_run,
     train_worker_pids,
+    uninterrupted_run,
     until_finished,
     wait_for,
 )
@@ -156,6 +157,30 @@ def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, base
     for log in watchdogs:  # named by each (its log and its printed outcome) -- once, not once a pass
         said = log.read_text().count("from-a-newer-release/run.json: schema_version 99 is newer than this unbroken")
         assert 1 <= said <= 2, said
+
+
+def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_identical(
+    ray_cluster, watched, watchdogs, tmp_path
+) -> None:
+    """``train.engine: hf`` (HF's Trainer computes each step): kill -9 of a train worker after a checkpoint (Ray Train
+    restarts the group in the job), then kill -9 of the job's driver (the watchdog restarts the run) -- it ends
+    bit-identical to its uninterrupted hf run, each step once in TensorBoard and MLflow."""
+    hf_baseline = uninterrupted_run(tmp_path / "hf-baseline", **{"train.engine": "hf"})
+    cfg = chaos_config(watched, "hf-faults", **(WATCHED | TRACKING | {"train.engine": "hf",
+                       "fault_tolerance.max_failures": 1}))  # fmt: skip
+    start_run(ray_cluster, cfg, env={"UNBROKEN_INJECT_DELAY": "step:0.05"})
+    started_and_checkpointed(cfg)
+    worker = rank0_pid(cfg)
+    os.kill(worker, signal.SIGKILL)
+    wait_for("the restarted group past its next checkpoint", lambda: rank0_pid(cfg) != worker
+             and heartbeat_step(cfg) > 90, timeout_s=180)  # fmt: skip
+    pid = wait_for("the job driver", lambda: driver_pid(cfg))
+    fault_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+
+    reg = until_finished(cfg, watchdogs)
+    check_recovered(cfg, reg, hf_baseline[0], "job-failed", fault_at, "kill -9 a worker, then the driver (hf)")
+    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(hf_baseline))
 
 
 def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, watched, watchdogs) -> None:

@@ -55,10 +55,11 @@ def full_weights_hash(trainer) -> str:
 
 def train_rank(rank: int, cfg: Config, manifest: dict, model: str, stop_at: int | None) -> dict[str, Any]:
     """One rank of a run: resume or start, train (to ``stop_at``), and say where it resumed and what it read."""
+    from ray_jobs.train.hf import HfTrainer
     from ray_jobs.train.runtime import TorchRuntime
     from ray_jobs.train.trainer import Trainer
 
-    t = Trainer(cfg, manifest, model, TorchRuntime())
+    t = (HfTrainer if cfg.train.engine == "hf" else Trainer)(cfg, manifest, model, TorchRuntime())
     t.resume_or_start()
     t.fit(stop_at=stop_at)
     return {"step": t.loop.step, "resumed_from": t.resumed_from, "bytes_resumed": t.bytes_resumed,
