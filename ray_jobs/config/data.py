@@ -14,7 +14,7 @@ class DataConfig(Section):
     """Training source: a JSONL or Parquet file, or a folder of them, as a local path or any fsspec URL (``s3://...``)."""
     eval: str | None = None
     """Optional separate eval source; when empty, ``eval_fraction`` of ``train`` is held out by record hash."""
-    format: Literal["pairs", "text", "chat", "alpaca", "sharegpt", "prompt_completion", "auto"] = "pairs"
+    format: Literal["pairs", "text", "chat", "alpaca", "sharegpt", "prompt_completion", "preference", "auto"] = "pairs"
     """The records' shape. ``pairs``: prompt/completion fields (``input_field``/``target_field``), tokenized as one
     text, the prompt masked from the loss; ``text``: one text field, all of it learned, a document longer than
     ``seq_len`` cut into pieces; ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat
@@ -22,7 +22,8 @@ class DataConfig(Section):
     (``instruction``, optional ``input``, ``output``, optional ``system``; a chat when the tokenizer has a template,
     else the Alpaca prompt as ``pairs``), ``sharegpt`` (``conversations: [{from: human|gpt|system, value}]``, as
     ``chat``), ``prompt_completion`` (TRL's ``prompt``/``completion``: strings as ``pairs``, message lists as
-    ``chat``). ``auto``: the shape is detected from the first records of ``train`` (logged, and part of the dataset
+    ``chat``), ``preference`` (TRL's ``prompt``/``chosen``/``rejected``: three strings, or three message lists; one
+    staged row per record, no packing; trained by DPO, ``train.engine: hf``). ``auto``: the shape is detected from the first records of ``train`` (logged, and part of the dataset
     id)."""
     train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     """``chat``: learn every assistant turn of a conversation (the default), or only the final one."""

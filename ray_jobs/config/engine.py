@@ -22,30 +22,38 @@ OWNED = {
     "logging_steps": "train.log_every_steps", "report_to": "tracking", "resume_from_checkpoint": "a run's --resume",
     "ignore_data_skip": "nothing (unbroken's cursor resumes the data)", "fsdp": "train.parallelism",
     "deepspeed": "nothing yet (DeepSpeed under the hf engine is not built)",
-    "per_device_eval_batch_size": "train.micro_batch_size", "dataloader_num_workers": "nothing (rows come from "
-    "the node cache)", "remove_unused_columns": "nothing (unbroken's rows are already model inputs)",
+    "use_liger_kernel": "nothing yet (liger-kernel is not installed with unbroken)",
+    "per_device_eval_batch_size": "train.micro_batch_size", "max_length": "data.seq_len",
+    "precompute_ref_log_probs": "nothing (the reference log-probs are computed with each batch)",
+    "padding_free": "nothing (rows come staged)", "truncation_mode": "data.too_long",
+    "dataloader_num_workers": "nothing (rows come from the node cache)",
+    "remove_unused_columns": "nothing (unbroken's rows are already model inputs)",
 }  # fmt: skip
 
 
 @functools.cache
-def _fields() -> dict[str, Any]:
+def _fields(dpo: bool) -> dict[str, Any]:
     import dataclasses
     import typing
 
-    from transformers import TrainingArguments
+    if dpo:
+        from trl import DPOConfig as TrainingArguments
+    else:
+        from transformers import TrainingArguments
 
     hints = typing.get_type_hints(TrainingArguments)
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
 
 
-def hf_args_problems(hf_args: dict[str, Any]) -> list[str]:
-    """One line per ``train.hf_args`` entry that is not a TrainingArguments field, is unbroken's to set, or whose
-    value does not fit the field's type."""
+def hf_args_problems(hf_args: dict[str, Any], dpo: bool = False) -> list[str]:
+    """One line per ``train.hf_args`` entry that is not a field of TrainingArguments (``dpo``: TRL's DPOConfig), is
+    unbroken's to set, or whose value does not fit the field's type."""
     from pydantic import TypeAdapter, ValidationError
 
     if not hf_args:
         return []
-    fields, problems = _fields(), []
+    fields, problems = _fields(dpo), []
+    what = "trl.DPOConfig" if dpo else "transformers.TrainingArguments"
     for name, value in hf_args.items():
         where = f"train.hf_args.{name}"
         if name in OWNED:
@@ -53,7 +61,7 @@ def hf_args_problems(hf_args: dict[str, Any]) -> list[str]:
         elif name not in fields:
             near = difflib.get_close_matches(name, list(fields), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            problems.append(f"{where}: not a field of transformers.TrainingArguments{hint}")
+            problems.append(f"{where}: not a field of {what}{hint}")
         else:
             try:
                 TypeAdapter(fields[name]).validate_python(value)
@@ -65,12 +73,18 @@ def hf_args_problems(hf_args: dict[str, Any]) -> list[str]:
 def engine_problems(cfg: Any) -> list[str]:
     """Why the config's engine cannot run it: the ``hf`` engine steps with HF's DDP (accelerate), one replica per
     worker, so FSDP and live recovery (the native loop's) are refused by name."""
-    t = cfg.train
+    t, problems = cfg.train, []
+    if cfg.data.format == "preference":
+        if t.engine != "hf":
+            problems.append("data.format: preference records are trained by DPO (TRL's DPOTrainer), which needs "
+                            "train.engine=hf")  # fmt: skip
+        if cfg.data.too_long == "truncate":
+            problems.append("data.too_long: truncate cannot cut a preference pair; use reject or drop")
     if t.engine != "hf":
-        return ["train.hf_args: only read with train.engine=hf"] if t.hf_args else []
-    problems = []
+        return problems + (["train.hf_args: only read with train.engine=hf"] if t.hf_args else [])
     if t.parallelism == "fsdp":
         problems.append("train.engine: hf runs DDP only (train.parallelism=fsdp needs the native engine)")
     if cfg.fault_tolerance.live_recovery:
         problems.append("train.engine: hf cannot run fault_tolerance.live_recovery (the native loop's replicas)")
-    return problems + hf_args_problems(t.hf_args)
+    # auto may detect preference records: their DPOConfig (TrainingArguments' fields and DPO's) is checked then
+    return problems + hf_args_problems(t.hf_args, dpo=cfg.data.format in ("preference", "auto"))

@@ -52,6 +52,7 @@ class Record:
     shown: str = ""
     messages: list[dict] | None = None  # a conversation's messages (``data.too_long=truncate`` renders fewer)
     templated: bool = False  # ``text`` was written by the chat template, special tokens included
+    pair: Record | None = None  # a preference record's rejected answer (this one holds the chosen)
 
 
 @dataclass
@@ -170,18 +171,24 @@ def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos:
         rec = Record(file, pos, "", text, text, [(0, len(text))], split)
     else:
         s = shape(obj, data, render is not None)
-        if s.messages is not None:
-            msgs = s.messages
-            r = _render(render, msgs)
-            rec = Record(file, pos, r.prompt, msgs[-1]["content"], r.text, r.learn, split,
-                         shown=msgs[-2]["content"], messages=msgs, templated=True)  # fmt: skip
-        else:
-            end = len(s.prompt) + len(s.target)
-            rec = Record(file, pos, s.prompt, s.target, s.prompt + s.target, [(len(s.prompt), end)], split, s.shown)
-    limit = record_char_limit(data)
-    if limit is not None and len(rec.text) > limit:
-        raise RecordProblem(f"record is {len(rec.text)} characters, over data.max_record_chars ({limit})")
+        rec = _shaped(s.messages, s.prompt, s.target, s.shown, render, file, pos, split)
+        if s.rejected or s.rejected_messages:
+            rec.pair = _shaped(s.rejected_messages, s.prompt, s.rejected, s.shown, render, file, pos, split)
+    limit, chars = record_char_limit(data), len(rec.text) + (len(rec.pair.text) if rec.pair else 0)
+    if limit is not None and chars > limit:
+        raise RecordProblem(f"record is {chars} characters, over data.max_record_chars ({limit})")
     return rec
+
+
+def _shaped(msgs: list[dict] | None, prompt: str, target: str, shown: str, render: Renderer | None, file: str,
+            pos: int, split: str) -> Record:  # fmt: skip
+    """The Record of a shaped record: a conversation rendered by the chat template, else prompt + target."""
+    if msgs is not None:
+        r = _render(render, msgs)
+        return Record(file, pos, r.prompt, msgs[-1]["content"], r.text, r.learn, split, shown=msgs[-2]["content"],
+                      messages=msgs, templated=True)  # fmt: skip
+    end = len(prompt) + len(target)
+    return Record(file, pos, prompt, target, prompt + target, [(len(prompt), end)], split, shown)
 
 
 def _render(render: Renderer | None, msgs: list[dict]) -> Rendered:

@@ -35,6 +35,8 @@ class Shaped:
     prompt: str = ""
     target: str = ""
     shown: str = ""
+    rejected: str = ""  # a preference record's rejected answer (``target`` is the chosen one) ...
+    rejected_messages: list[dict] | None = None  # ... or its conversation ending in the rejected reply
 
 
 # Stanford Alpaca's prompt (github.com/tatsu-lab/stanford_alpaca, train.py), for a tokenizer with no chat template.
@@ -47,9 +49,9 @@ ALPACA_INPUT_HEAD = (
 )
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 # Shapes whose records are all conversations (the tokenizer must have a chat template), and those that are
-# conversations only when it has one (alpaca), or when a record is a list of messages (prompt_completion).
+# conversations only when it has one (alpaca), or when a record is a list of messages (prompt_completion, preference).
 CHAT_ONLY = ("chat", "sharegpt")
-CHAT_IF_TEMPLATE = ("alpaca", "prompt_completion")
+CHAT_IF_TEMPLATE = ("alpaca", "prompt_completion", "preference")
 
 
 def shape(obj: dict, data: DataConfig, templated: bool) -> Shaped:
@@ -66,6 +68,8 @@ def shape(obj: dict, data: DataConfig, templated: bool) -> Shaped:
         return Shaped(messages=_sharegpt(obj))
     if fmt == "prompt_completion":
         return _prompt_completion(obj, templated)
+    if fmt == "preference":
+        return _preference(obj, templated)
     raise ValueError(f"data.format={fmt} has no record shape (resolve_format names auto's before staging)")
 
 
@@ -182,6 +186,28 @@ def _prompt_completion(obj: dict, templated: bool) -> Shaped:
                         f"{type(prompt).__name__} and {type(completion).__name__}")  # fmt: skip
 
 
+def _preference(obj: dict, templated: bool) -> Shaped:
+    """TRL's preference shape: a prompt with a chosen and a rejected answer -- three strings, or three lists of
+    messages (the prompt's conversation, then each answer's assistant turn)."""
+    keys = ("prompt", "chosen", "rejected")
+    for key in keys:
+        if key not in obj:
+            raise _missing(key, "preference")
+    kinds = {type(obj[k]) for k in keys}
+    if kinds == {str}:
+        p, c, r = (string_field(obj, k) for k in keys)
+        return Shaped(prompt=p, target=c, rejected=r)
+    if kinds == {list}:
+        if not templated:
+            raise RecordProblem("a conversational preference record (lists of messages) needs a tokenizer with a chat "
+                                "template")  # fmt: skip
+        p, c, r = (message_list(obj, k) for k in keys)
+        return Shaped(messages=conversation(p + c), rejected_messages=conversation(p + r))
+    got = ", ".join(type(obj[k]).__name__ for k in keys)
+    raise RecordProblem(f"fields 'prompt', 'chosen' and 'rejected' must all be strings or all lists of messages, got "
+                        f"{got}")  # fmt: skip
+
+
 # Detection (data.format=auto) ------------------------------------------------------------------------------------
 
 SNIFF_BYTES = 1 << 20  # of a JSONL file read to detect its shape, whatever its size or the length of its lines
@@ -190,7 +216,8 @@ SNIFF_RECORDS = 5
 
 def _rules(data: DataConfig) -> list[tuple[str, tuple[str, ...]]]:
     """(format, the fields that tell it), first match wins."""
-    return [("chat", (data.messages_field,)), ("sharegpt", ("conversations",)), ("alpaca", ("instruction", "output")),
+    return [("preference", ("prompt", "chosen", "rejected")), ("chat", (data.messages_field,)),
+            ("sharegpt", ("conversations",)), ("alpaca", ("instruction", "output")),
             ("prompt_completion", ("prompt", "completion")), ("pairs", (data.input_field, data.target_field)),
             ("text", (data.text_field,))]  # fmt: skip
 

@@ -34,15 +34,15 @@ _COUNTS = ("records", "rejects", "dropped", "truncated", "documents", "pieces", 
 class Spill:
     """The resumable state of one dataset's staging, in ``folder``."""
 
-    def __init__(self, folder: Path, dataset_id: str, seq_len: int, pad_id: int):
+    def __init__(self, folder: Path, dataset_id: str, seq_len: int, pad_id: int, packer: type = Packer):
         self.folder, self.seq_len = folder, seq_len
         folder.mkdir(parents=True, exist_ok=True)
         self.progress = self._load(dataset_id)
-        self.packers = {s: Packer(seq_len, pad_id, self.progress["packers"].get(s)) for s in SPLITS}
+        self.packers = {s: packer(seq_len, pad_id, self.progress["packers"].get(s)) for s in SPLITS}
         self._files = {}
         if any(self._size(name) < size for name, size in self.progress["sizes"].items()):
             self.progress = self._fresh(dataset_id)  # files shorter than progress says (a host crash): start over
-            self.packers = {s: Packer(seq_len, pad_id) for s in SPLITS}
+            self.packers = {s: packer(seq_len, pad_id) for s in SPLITS}
         shutil.rmtree(self.doc_dir, ignore_errors=True)
         for name, size in self.progress["sizes"].items():
             with open(self._path(name), "ab") as f:
@@ -76,7 +76,7 @@ class Spill:
             self._rejects(split, result.token_rejects[split])
             for part in result.segments(split):
                 for ex in part.read() if isinstance(part, DocPieces) else [part]:
-                    c[f"{split}_examples"] += len(ex.lengths)
+                    c[f"{split}_examples"] += len(ex.lengths) // getattr(self.packers[split], "per_example", 1)
                     if split == "train":
                         c["train_tokens"] += int(ex.lengths.sum())
                     self._rows(split, self.packers[split].add(ex))

@@ -171,7 +171,7 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # the spill names source files (rejects do): the same bytes under other names are another staging
     where = hashlib.sha256(json.dumps({k: [f.url for f in v] for k, v in sources.items()}).encode()).hexdigest()[:8]
-    spill = Spill(Path(data.work_dir) / f"{ds_id}-{where}", ds_id, data.seq_len, pad)
+    spill = Spill(Path(data.work_dir) / f"{ds_id}-{where}", ds_id, data.seq_len, pad, packer_for(data))
     # long documents' pieces: beside the spill when workers run here; through Ray's object store on a cluster
     work = BatchWork(tokenizer, tokenizer_name, data, None if on == "cluster" else str(spill.doc_dir))
     work.render()  # a chat format with no chat template fails here, before any source is read
@@ -257,6 +257,14 @@ def _write_shards(spill: Spill, data: DataConfig, out_dir: str, writing: Progres
         out[split] = spill.write_split(split, _shards(spill, split, data), out_dir, told)
         before += spill.rows(split)
     return out
+
+
+def packer_for(data: DataConfig) -> type:
+    """How examples become rows: packed several to a row, or one preference record per row."""
+    from ray_jobs.data.pack import Packer
+    from ray_jobs.data.preference import PairPacker
+
+    return PairPacker if data.format == "preference" else Packer
 
 
 def _shards(spill: Spill, split: str, data: DataConfig) -> int:

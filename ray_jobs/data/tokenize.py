@@ -77,11 +77,15 @@ class Tokenized:
         self.rejects: list[Reject] = []
         self.truncated = 0
         kept_ids, kept_labels = [], []
-        for rec, (ids, offsets) in zip(records, encode_records(tokenizer, records), strict=True):
-            example = self._fitted(rec, *self._example(rec, ids, offsets))
-            if example is not None:
-                kept_ids.append(example[0])
-                kept_labels.append(example[1])
+        if records and records[0].pair is not None:  # preference records: chosen and rejected, kept or rejected whole
+            both = [r for rec in records for r in (rec, rec.pair)]
+            kept_ids, kept_labels = self._fit_pairs(records, encode_records(tokenizer, both))
+        else:
+            for rec, (ids, offsets) in zip(records, encode_records(tokenizer, records), strict=True):
+                example = self._fitted(rec, *self._example(rec, ids, offsets))
+                if example is not None:
+                    kept_ids.append(example[0])
+                    kept_labels.append(example[1])
         self.flat = Examples._join(kept_ids, kept_labels)
 
     def _fitted(self, rec: Record, ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -102,6 +106,32 @@ class Tokenized:
                 return fitted
             problem += f", and {why}"
         return self._reject(rec, f"{problem}; dropped (data.too_long={self.too_long})", dropped=True)
+
+    def _fit_pairs(self, records: list[Record], encoded: list) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The examples of preference ``records`` (``encoded``: every record's chosen then rejected text), chosen then
+        rejected for each kept record (``ray_jobs.data.preference``); a record either of whose answers does not fit
+        (or holds an unrepresentable character) is rejected whole, naming which answer."""
+        ids, labels = [], []
+        for k, rec in enumerate(records):
+            pair = [self._example(r, *encoded[2 * k + j]) for j, r in enumerate((rec, rec.pair))]
+            problem = next(filter(None, (self._pair_problem(*x, side) for x, side in zip(pair, ("chosen", "rejected"),
+                                                                                      strict=True))), None)  # fmt: skip
+            if problem:
+                dropped = self.too_long == "drop" and "longer than" in problem
+                self._reject(rec, problem + (f"; dropped (data.too_long={self.too_long})" if dropped else ""), dropped)
+                continue
+            ids += [x[0] for x in pair]
+            labels += [x[1] for x in pair]
+        return ids, labels
+
+    def _pair_problem(self, ids: np.ndarray, labels: np.ndarray, side: str) -> str | None:
+        if self.unk is not None and bool((ids == self.unk).any()):
+            return f"the {side} answer {UNREPRESENTABLE}"
+        if len(ids) > self.seq_len:
+            return f"prompt + {side} answer is {len(ids)} tokens, longer than data.seq_len ({self.seq_len})"
+        if not bool((labels != IGNORE_INDEX).any()):
+            return f"the {side} answer has no tokens"
+        return None
 
     def _reject(self, rec: Record, reason: str, dropped: bool = False) -> None:
         self.rejects.append(Reject(rec.file, rec.line, reason, rec.text[:200], position_unit(rec.file), dropped))

@@ -14,11 +14,18 @@ So :class:`HfTrainer` is the native :class:`~ray_jobs.train.trainer.Trainer` wit
   the checkpointer (async, sealed by its manifest, reported to Ray Train), SIGTERM and drain notices;
 - resume is the native resume (newest valid checkpoint, a torn one skipped) before HF starts, which then trains the
   steps left; its ``set_seed`` at construction is undone (the RNG a checkpoint restored is put back).
+
+Preference records (``data.format: preference``, :mod:`ray_jobs.data.preference`) are trained by TRL's
+``DPOTrainer`` the same way: its loss (``beta``, ``loss_type``... through ``train.hf_args``, checked against
+``DPOConfig``) on unbroken's rows; the reference is the base model -- the adapters disabled under LoRA, else a frozen
+copy loaded from the same folder; its reward accuracy and margin go to the metrics log (``reward_accuracy``,
+``reward_margin``; ``eval_reward_accuracy`` on eval steps), and eval is DPO's loss on the held-out pairs.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ray_jobs.checkpoint.state import rng_state, set_rng_state
 from ray_jobs.train import faults
@@ -44,7 +51,17 @@ class HfTrainer(Trainer):
     """The native trainer whose steps HF's ``Trainer`` computes (module docstring)."""
 
     def _build_model(self):
+        self.preference = self.manifest["staging_config"]["format"] == "preference"
+        self._engine, self._window, self._eval_extra = None, {}, {}
         return build_model(self.cfg, self.model_path, _Unwrapped(self.rt))
+
+    def engine(self):
+        """HF's (or TRL's) trainer, built once, after the resume (so it trains the steps left)."""
+        if self._engine is None:
+            rng = rng_state()  # HF's Trainer seeds every RNG as it is built: a resumed run's state comes back after
+            self._engine = hf_trainer(self, self.cfg.train.max_steps - self.loop.step)
+            set_rng_state(rng)
+        return self._engine
 
     def _train_to(self, end: int) -> None:
         if self.loop.step >= end:
@@ -52,14 +69,15 @@ class HfTrainer(Trainer):
         self._step_loss, self._step_tokens, self._grad_norm = 0.0, 0, 0.0
         self._step_started = time.monotonic()
         self.stop_at = end
-        rng = rng_state()  # HF's Trainer seeds every RNG as it is built: a resumed run's state comes back after
-        hf = hf_trainer(self, end - self.loop.step)
-        set_rng_state(rng)
-        hf.train()
+        self.engine().train()
 
     def hf_step_end(self) -> bool:
         """After HF's optimizer step: the native step's end (agree, advance, log, eval, checkpoint, preemption);
         True when training should stop here."""
+        if self.preference:  # TRL's per-micro-batch numbers, kept until the next logged row (not in TRL's own lists)
+            for key, values in self._engine._metrics["train"].items():
+                self._window.setdefault(key, []).extend(values)
+            self._engine._metrics["train"].clear()
         agreed = self._agree(self._step_loss, self._step_tokens, self._grad_norm)
         self.cursors = self.plan.after(self.cursors)
         self._advance(agreed, self._step_started)
@@ -68,12 +86,74 @@ class HfTrainer(Trainer):
         self._step_started = time.monotonic()
         return self.loop.step >= self.stop_at
 
+    def _extra_columns(self) -> dict[str, Any]:
+        window, self._window = self._window, {}
+        return _rewards(window)
+
+    def _eval_at_start(self) -> None:
+        if self.loop.step == 0:
+            self.last_eval = self.evaluate()
+            self._log({"step": 0, "eval_loss": self.last_eval, **self._eval_extra})
+
+    def _step_row(self, a) -> tuple[dict[str, Any], bool]:
+        row, last = super()._step_row(a)
+        if "eval_loss" in row:
+            row |= self._eval_extra
+        return row, last
+
+    def evaluate(self, rows=None) -> float:
+        """DPO's loss on the held-out pairs (reward accuracy beside it) for preference records, else the native
+        eval (mean loss per target token)."""
+        if not self.preference:
+            return super().evaluate(rows)
+        self._phase("evaluating")
+        loss, metrics = dpo_eval(self, rows or self.eval_rows)
+        self._eval_extra = {"eval_" + k: v for k, v in _rewards(metrics).items() if k == "reward_accuracy"}
+        return loss
+
+
+def _rewards(metrics: dict[str, list[float]]) -> dict[str, float]:
+    """TRL's reward accuracy and margin (per micro-batch, already averaged over the ranks), averaged."""
+    names = {"rewards/accuracies": "reward_accuracy", "rewards/margins": "reward_margin"}
+    return {names[k]: sum(v) / len(v) for k, v in metrics.items() if k in names and v}
+
+
+def dpo_eval(owner: HfTrainer, rows) -> tuple[float, dict[str, list[float]]]:
+    """DPO's mean loss over ``rows`` (each rank its slice, every rank as many batches: TRL gathers inside), and
+    TRL's eval metrics of it."""
+    import numpy as np
+    import torch
+
+    from ray_jobs.data.preference import pair_batch
+    from ray_jobs.train.eval import eval_batches
+
+    engine, rt, t = owner.engine(), owner.rt, owner.cfg.train
+    mine, mb = np.arange(rt.rank, len(rows), rt.world_size), t.micro_batch_size
+    engine.model_wrapped.eval()
+    engine._metrics["eval"].clear()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in range(eval_batches(len(rows), rt.world_size, mb, t.eval_max_batches)):
+            real = b * mb < len(mine)
+            idx = mine[b * mb : b * mb + mb] if real else np.arange(min(mb, len(rows)))
+            batch = engine._prepare_inputs(pair_batch(*rows.take(idx), owner.pad_id))
+            loss = float(engine.compute_loss(engine.model_wrapped, batch))
+            if real:
+                total, count = total + loss * len(idx), count + len(idx)
+    total, count = rt.all_reduce_sum([total, float(count)])
+    metrics = {k: list(v) for k, v in engine._metrics["eval"].items()}
+    engine._metrics["eval"].clear()
+    return total / max(count, 1.0), metrics
+
 
 def hf_trainer(owner: HfTrainer, steps: int):
-    """HF's ``Trainer`` over ``owner``'s model, optimizer, schedule and rows, training ``steps`` optimizer steps."""
+    """HF's ``Trainer`` (TRL's ``DPOTrainer`` for preference records) over ``owner``'s model, optimizer, schedule and
+    rows, training ``steps`` optimizer steps."""
     import transformers
 
-    class Engine(transformers.Trainer):
+    base = _dpo_trainer() if owner.preference else transformers.Trainer
+
+    class Engine(base):
         def get_train_dataloader(self):
             from torch.utils.data import DataLoader
 
@@ -89,10 +169,46 @@ def hf_trainer(owner: HfTrainer, steps: int):
             owner._grad_norm = float(norm) if norm is not None else 0.0
             return norm
 
-    engine = Engine(model=owner.model, args=training_arguments(owner, steps), optimizers=(owner.optimizer,
-                    owner.scheduler), callbacks=[Hooks(owner)])  # fmt: skip
+    kwargs = dict(model=owner.model, args=training_arguments(owner, steps), callbacks=[Hooks(owner)],
+                  optimizers=(owner.optimizer, owner.scheduler))  # fmt: skip
+    if owner.preference:
+        kwargs |= _dpo_kwargs(owner)
+    engine = Engine(**kwargs)
     engine.remove_callback(transformers.PrinterCallback)  # its summary line: unbroken's log says what was trained
+    if owner.preference and owner.lora:
+        _reference_is_the_base(engine)
     return engine
+
+
+def _dpo_trainer():
+    from trl import DPOTrainer
+
+    return DPOTrainer
+
+
+def _dpo_kwargs(owner: HfTrainer) -> dict[str, Any]:
+    """What TRL's DPOTrainer needs beyond HF's: the tokenizer, the reference (a frozen copy of the base for a full
+    fine-tune; under LoRA, none: the adapters disabled), and a dataset -- it insists on one and tokenizes it at
+    construction, while the rows it trains come staged through ``get_train_dataloader``: one placeholder pair."""
+    from datasets import Dataset
+
+    from ray_jobs.model.loading import load_model_fp32, load_tokenizer
+
+    out = {"processing_class": load_tokenizer(owner.model_path),
+           "train_dataset": Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}])}  # fmt: skip
+    if not owner.lora:
+        ref = load_model_fp32(owner.model_path, owner.cfg.data.cache_dir).to(owner.device).eval()
+        out["ref_model"] = ref.requires_grad_(False)
+    return out
+
+
+def _reference_is_the_base(engine) -> None:
+    """TRL keeps a frozen copy of the adapters as the reference ("ref"); made after a resume, that copy would be the
+    trained adapters. Without it TRL disables the adapters for the reference: the base model, whatever the step."""
+    model = engine.accelerator.unwrap_model(engine.model)
+    if "ref" in model.peft_config:
+        model.delete_adapter("ref")
+        model.set_adapter("default")
 
 
 def training_arguments(owner: HfTrainer, steps: int):
@@ -104,6 +220,8 @@ def training_arguments(owner: HfTrainer, steps: int):
 
     cfg, device = owner.cfg, owner.device
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+    if owner.preference:
+        from trl import DPOConfig as TrainingArguments
     return TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="unbroken-hf-"),  # HF writes nothing there: saving is unbroken's
         max_steps=steps, per_device_train_batch_size=cfg.train.micro_batch_size,
@@ -141,6 +259,8 @@ def Batches(owner: HfTrainer):  # noqa: N802 -- a dataset class, built lazily (t
         def __iter__(self):
             import torch
 
+            from ray_jobs.data.preference import pair_batch
+
             plan, cursors = owner.plan, list(owner.cursors)
             while True:
                 for micro in range(plan.micro_batches):
@@ -148,6 +268,11 @@ def Batches(owner: HfTrainer):  # noqa: N802 -- a dataset class, built lazily (t
                     owner.rows_materialized += len(idx)
                     if owner.trace is not None:
                         owner.trace.add(epochs, plan.identify(v, idx))
+                    if owner.preference:
+                        batch = pair_batch(*plan.take(v, idx), owner.pad_id)
+                        owner._step_tokens += int(batch["attention_mask"].sum())
+                        yield batch
+                        continue
                     ids, labels, pos = (torch.from_numpy(a) for a in plan.take(v, idx))
                     owner._step_tokens += int((ids != owner.pad_id).sum())
                     yield {"input_ids": ids, "labels": labels, "position_ids": pos, "use_cache": False}

@@ -14,7 +14,8 @@ DATA = ROOT / "configs" / "data"
 
 
 @pytest.mark.parametrize(("generator", "data", "records"), [("make_addition.py", "addition.jsonl", 6000),
-                                                           ("make_chat.py", "chat_json.jsonl", 600)])  # fmt: skip
+                                                           ("make_chat.py", "chat_json.jsonl", 600),
+                                                           ("make_preferences.py", "preferences.jsonl", 1000)])  # fmt: skip
 def test_committed_sample_data_matches_its_generator(generator: str, data: str, records: int) -> None:
     out = subprocess.run([sys.executable, str(DATA / generator)], capture_output=True, check=True).stdout
     assert out == (DATA / data).read_bytes()

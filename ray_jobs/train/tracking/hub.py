@@ -36,7 +36,10 @@ METRICS = {
     "ckpt_stall_s": "perf/checkpoint_stall_s",
     "participants": "live/participants",
     "heals": "live/heals",
-}  # fmt: skip  (live/: live recovery's)
+    "reward_accuracy": "dpo/reward_accuracy",
+    "reward_margin": "dpo/reward_margin",
+    "eval_reward_accuracy": "dpo/eval_reward_accuracy",
+}  # fmt: skip  (live/: live recovery's; dpo/: preference tuning's, train.engine=hf)
 
 
 @dataclass

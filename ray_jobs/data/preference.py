@@ -1,0 +1,69 @@
+"""Preference records (``data.format: preference``): a prompt with a chosen and a rejected answer, staged one record
+per row in the row layout every other shape uses (``[3, seq_len]`` int32), so the node cache, the resumable cursor,
+the row trace and the checkpoints serve DPO unchanged:
+
+- row 0: prompt + chosen answer token ids, padded with the pad id;
+- row 1: its labels: the chosen answer's tokens (EOS included), IGNORE_INDEX on the prompt and the padding;
+- row 2: prompt + rejected answer, each token coded: its id for an answer token, ``-(id + 2)`` for a prompt token,
+  ``-1`` for padding (the pad id may be EOS, which ends an answer: a code cannot be mistaken for it).
+
+:func:`pair_batch` turns rows into what TRL's ``DPOTrainer`` computes its loss on (its ``DataCollatorForPreference``'s
+``input_ids`` / ``attention_mask`` / ``completion_mask``: the chosen half first, then the rejected half).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ray_jobs.data.tokenize import IGNORE_INDEX, Examples
+
+PAD_CODE = -1
+
+
+class PairPacker:
+    """One row per preference record (no packing: DPO compares each pair's two sequences as wholes); fed the
+    examples of :func:`fit_pairs`, chosen then rejected."""
+
+    per_example = 2  # sequences a record's example is made of (the staging counts count records)
+
+    def __init__(self, seq_len: int, pad_id: int, state: dict[str, Any] | None = None):
+        self.seq_len, self.pad_id = seq_len, pad_id
+
+    def state(self) -> dict[str, Any]:
+        return {}  # nothing carried from one batch to the next
+
+    def add(self, ex: Examples) -> np.ndarray:
+        starts = np.concatenate([[0], np.cumsum(ex.lengths)])
+        rows = np.empty((len(ex.lengths) // 2, 3, self.seq_len), dtype=np.int32)
+        for i in range(len(rows)):
+            (c0, c1), (r0, r1) = (starts[2 * i], starts[2 * i + 1]), (starts[2 * i + 1], starts[2 * i + 2])
+            row = rows[i]
+            row[0], row[1], row[2] = self.pad_id, IGNORE_INDEX, PAD_CODE
+            row[0, : c1 - c0], row[1, : c1 - c0] = ex.ids[c0:c1], ex.labels[c0:c1]
+            ids, learned = ex.ids[r0:r1], ex.labels[r0:r1] != IGNORE_INDEX
+            row[2, : r1 - r0] = np.where(learned, ids, -(ids + 2))
+        return rows
+
+    def finish(self) -> np.ndarray:
+        return np.empty((0, 3, self.seq_len), dtype=np.int32)
+
+
+def pair_batch(ids: np.ndarray, labels: np.ndarray, coded: np.ndarray, pad_id: int) -> dict[str, Any]:
+    """TRL's DPO batch of rows ``[B, seq_len]`` each (the three row parts): ``[2B, L]`` tensors, the chosen
+    sequences first, cut to the longest sequence of the batch."""
+    import torch
+
+    chosen_completion = labels != IGNORE_INDEX
+    chosen_len = np.where(chosen_completion.any(1), ids.shape[1] - np.argmax(chosen_completion[:, ::-1], 1), 0)
+    chosen_attention = np.arange(ids.shape[1])[None, :] < chosen_len[:, None]
+    rejected_attention = coded != PAD_CODE
+    rejected_ids = np.where(coded >= 0, coded, np.where(rejected_attention, -coded - 2, pad_id))
+    width = int(max(chosen_len.max(initial=1), rejected_attention.sum(1).max(initial=1)))
+    out = {
+        "input_ids": np.concatenate([np.where(chosen_attention, ids, pad_id), rejected_ids]),
+        "attention_mask": np.concatenate([chosen_attention, rejected_attention]),
+        "completion_mask": np.concatenate([chosen_completion, coded >= 0]),
+    }
+    return {k: torch.from_numpy(np.ascontiguousarray(v[:, :width]).astype(np.int64)) for k, v in out.items()}
