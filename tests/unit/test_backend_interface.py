@@ -166,7 +166,10 @@ def test_only_a_local_head_sees_a_job_gone_and_only_when_no_process_of_it_is_lef
     import subprocess
     import sys
 
+    import psutil
+
     from control.backends import localhost
+    from tests.procs import wait_for
 
     monkeypatch.setattr(localhost, "host_identity", lambda: {"hostname": "here", "boot_id": "b", "net_ns": "n",
                                                              "pid_ns": "p"})  # fmt: skip
@@ -175,7 +178,8 @@ def test_only_a_local_head_sees_a_job_gone_and_only_when_no_process_of_it_is_lef
                               env={"UNBROKEN_SUBMISSION": "sid-live"})  # fmt: skip
     helper = subprocess.Popen(["bash", "-c", "exec -a ray::_AutoscalingCoordinatorActor sleep 60"],
                               env={"UNBROKEN_SUBMISSION": "sid-gone", "PATH": "/usr/bin:/bin"})  # fmt: skip
-    try:
+    try:  # (the helper is bash until its exec: on a loaded machine that can outlast the first look)
+        wait_for("the helper's exec", lambda: " ".join(psutil.Process(helper.pid).cmdline()).startswith("ray::"))
         assert backend_for(cfg("local")).job_gone(here, "sid-live") is False, "a process of it is left"
         # Ray's detached helper a job started outlives it and never runs its code: the job is gone
         assert backend_for(cfg("local")).job_gone(here, "sid-gone") is True
