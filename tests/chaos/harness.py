@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from control import registry
@@ -102,6 +103,12 @@ def uninterrupted_run(root: Path, **extra: object) -> tuple[str, Path]:
     its checkpoints stay under ``root/storage/ray/baseline``, its TensorBoard and MLflow runs (both on) under
     ``root/storage`` (:func:`baseline_metrics`). ``extra``: overrides of a variant's baseline (``train.engine``).
     Returns (hash, row trace folder)."""
+    return start_uninterrupted(root, **extra)()
+
+
+def start_uninterrupted(root: Path, **extra: object) -> Callable[[], tuple[str, Path]]:
+    """:func:`uninterrupted_run` started in the background (a scenario's own baseline trains while its faulted run
+    waits on restarts); the returned function waits for it and returns what ``uninterrupted_run`` does."""
     cfg = chaos_config(root / "storage", "baseline", **TRACKING, **extra)  # what a resumed run's trackers show too
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
@@ -110,9 +117,17 @@ def uninterrupted_run(root: Path, **extra: object) -> tuple[str, Path]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{rowtrace.ENV: str(rows)})
     torchrun = str(Path(sys.executable).parent / "torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ray_jobs.local", "--spec", spec]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"the uninterrupted run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-5000:]}"
-    return final_weights_hash(cfg), rows
+    out = (root / "baseline.log").open("w")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+    def finish() -> tuple[str, Path]:
+        code = p.wait(timeout=600)
+        out.close()
+        log = (root / "baseline.log").read_text()
+        assert code == 0, f"the uninterrupted run failed (exit {code}):\n{log[-5000:]}"
+        return final_weights_hash(cfg), rows
+
+    return finish
 
 
 def baseline_metrics(uninterrupted: tuple[str, Path]) -> dict[str, dict[int, float]]:

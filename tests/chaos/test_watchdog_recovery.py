@@ -35,8 +35,8 @@ from tests.chaos.harness import (
     heartbeat_step,
     rank0_pid,
     start_run,
+    start_uninterrupted,
     train_worker_pids,
-    uninterrupted_run,
     until_finished,
     wait_for,
 )
@@ -165,9 +165,9 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
     """``train.engine: hf`` (HF's Trainer computes each step): kill -9 of a train worker after a checkpoint (Ray Train
     restarts the group in the job), then kill -9 of the job's driver (the watchdog restarts the run) -- it ends
     bit-identical to its uninterrupted hf run, each step once in TensorBoard and MLflow."""
-    hf_baseline = uninterrupted_run(tmp_path / "hf-baseline", **{"train.engine": "hf"})
-    cfg = chaos_config(watched, "hf-faults", **(WATCHED | TRACKING | {"train.engine": "hf",
-                       "fault_tolerance.max_failures": 1}))  # fmt: skip
+    hf = {"train.engine": "hf", "train.max_steps": 160}  # (160 steps: room for two faults after step 50)
+    hf_baseline = start_uninterrupted(tmp_path / "hf-baseline", **hf)  # trains while this run waits on restarts
+    cfg = chaos_config(watched, "hf-faults", **(WATCHED | TRACKING | hf | {"fault_tolerance.max_failures": 1}))
     start_run(ray_cluster, cfg, env={"UNBROKEN_INJECT_DELAY": "step:0.05"})
     started_and_checkpointed(cfg)
     worker = rank0_pid(cfg)
@@ -179,8 +179,9 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
     os.kill(pid, signal.SIGKILL)
 
     reg = until_finished(cfg, watchdogs)
-    check_recovered(cfg, reg, hf_baseline[0], "job-failed", fault_at, "kill -9 a worker, then the driver (hf)")
-    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(hf_baseline))
+    baseline = hf_baseline()
+    check_recovered(cfg, reg, baseline[0], "job-failed", fault_at, "kill -9 a worker, then the driver (hf)")
+    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(baseline))
 
 
 def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, watched, watchdogs) -> None:

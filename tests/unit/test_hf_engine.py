@@ -19,6 +19,7 @@ from ray_jobs.storage import Layout
 from ray_jobs.train.hf import HfTrainer
 from ray_jobs.train.rowtrace import ENV, trained_rows
 from ray_jobs.train.runtime import LocalRuntime
+from ray_jobs.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_overrides
 from tests.unit.dist_runs import run_world, train_rank
 
@@ -112,8 +113,8 @@ def test_an_hf_run_killed_after_a_checkpoint_resumes_bit_identical_logging_each_
 
 def test_two_hf_workers_train_the_native_rows_and_resume_bit_identical(setup, tmp_path, monkeypatch) -> None:
     cfg, manifest, model = setup
-    monkeypatch.setenv(ENV, str(tmp_path / "native"))
-    run_world(train_rank, 2, named(cfg, "n2", "native"), manifest, model, None)
+    monkeypatch.setenv(ENV, str(tmp_path / "native"))  # (one in-process worker: the same rows per step at any size)
+    Trainer(named(cfg, "n1", "native"), manifest, model, LocalRuntime()).fit()
     monkeypatch.setenv(ENV, str(tmp_path / "hf"))
     whole = run_world(train_rank, 2, named(cfg, "hf2"), manifest, model, None)
     monkeypatch.setenv(ENV, str(tmp_path / "hf-cut"))
