@@ -23,6 +23,12 @@ OWNED = {
     "ignore_data_skip": "nothing (unbroken's cursor resumes the data)", "fsdp": "train.parallelism",
     "deepspeed": "nothing yet (DeepSpeed under the hf engine is not built)",
     "use_liger_kernel": "nothing yet (liger-kernel is not installed with unbroken)",
+    "adam_beta1": "nothing (unbroken's AdamW)", "adam_beta2": "nothing (unbroken's AdamW)",
+    "adam_epsilon": "nothing (unbroken's AdamW)", "optim_args": "nothing (unbroken's AdamW)",
+    "optim_target_modules": "nothing (unbroken's AdamW)", "lr_scheduler_kwargs": "train.lr_schedule",
+    "sync_ref_model": "nothing (the reference stays the base model: unbroken's checkpoints do not hold another)",
+    "ref_model_mixup_alpha": "nothing (the reference stays the base model)",
+    "ref_model_sync_steps": "nothing (the reference stays the base model)",
     "per_device_eval_batch_size": "train.micro_batch_size", "max_length": "data.seq_len",
     "precompute_ref_log_probs": "nothing (the reference log-probs are computed with each batch)",
     "padding_free": "nothing (rows come staged)", "truncation_mode": "data.too_long",
@@ -64,7 +70,7 @@ def hf_args_problems(hf_args: dict[str, Any], dpo: bool = False) -> list[str]:
             problems.append(f"{where}: not a field of {what}{hint}")
         else:
             try:
-                TypeAdapter(fields[name]).validate_python(value)
+                TypeAdapter(fields[name]).validate_python(value, strict=True)  # passed to HF as written
             except ValidationError as e:
                 problems.append(f"{where}: {e.errors()[0]['msg']} (got {value!r})")
     return problems

@@ -117,6 +117,8 @@ class Tokenized:
             problem = next(filter(None, (self._pair_problem(*x, side) for x, side in zip(pair, ("chosen", "rejected"),
                                                                                       strict=True))), None)  # fmt: skip
             if problem:
+                if self.too_long == "truncate" and "longer than" in problem:
+                    problem += " (data.too_long=truncate cannot cut a preference pair: rejected)"
                 dropped = self.too_long == "drop" and "longer than" in problem
                 self._reject(rec, problem + (f"; dropped (data.too_long={self.too_long})" if dropped else ""), dropped)
                 continue

@@ -84,7 +84,9 @@ class BatchWork:
         from ray_jobs.data.shapes import uses_template
 
         if self._render is None and uses_template(self.data, self.tokenizer, self.tokenizer_name):
-            self._render = chat_renderer(self.tokenizer, self.tokenizer_name, self.data.train_on)
+            # a preference record's answers are its final replies: earlier assistant turns are the prompt
+            train_on = "last_assistant" if self.data.format == "preference" else self.data.train_on
+            self._render = chat_renderer(self.tokenizer, self.tokenizer_name, train_on)
         return self._render
 
     def __call__(self, piece: SourceBatch | SourceRange, split: str) -> BatchResult:

@@ -128,18 +128,19 @@ def dpo_eval(owner: HfTrainer, rows) -> tuple[float, dict[str, list[float]]]:
     from ray_jobs.train.eval import eval_batches
 
     engine, rt, t = owner.engine(), owner.rt, owner.cfg.train
-    mine, mb = np.arange(rt.rank, len(rows), rt.world_size), t.micro_batch_size
+    # TRL gathers per-pair tensors across ranks (no padding): every rank's batches must be the same size, so each
+    # takes an equal slice and the last len(rows) % world_size pairs are left out (none at one worker)
+    usable = len(rows) - len(rows) % rt.world_size
+    mine, mb = np.arange(rt.rank, usable, rt.world_size), t.micro_batch_size
     engine.model_wrapped.eval()
     engine._metrics["eval"].clear()
     total, count = 0.0, 0
     with torch.no_grad():
-        for b in range(eval_batches(len(rows), rt.world_size, mb, t.eval_max_batches)):
-            real = b * mb < len(mine)
-            idx = mine[b * mb : b * mb + mb] if real else np.arange(min(mb, len(rows)))
+        for b in range(eval_batches(usable, rt.world_size, mb, t.eval_max_batches)):
+            idx = mine[b * mb : b * mb + mb]
             batch = engine._prepare_inputs(pair_batch(*rows.take(idx), owner.pad_id))
             loss = float(engine.compute_loss(engine.model_wrapped, batch))
-            if real:
-                total, count = total + loss * len(idx), count + len(idx)
+            total, count = total + loss * len(idx), count + len(idx)
     total, count = rt.all_reduce_sum([total, float(count)])
     metrics = {k: list(v) for k, v in engine._metrics["eval"].items()}
     engine._metrics["eval"].clear()
@@ -155,9 +156,12 @@ def hf_trainer(owner: HfTrainer, steps: int):
 
     class Engine(base):
         def get_train_dataloader(self):
+            import torch
             from torch.utils.data import DataLoader
 
-            return DataLoader(Batches(owner), batch_size=None)  # already this worker's micro-batches, in order
+            # already this worker's micro-batches, in order; a generator of its own: making the iterator draws a
+            # seed, which from the global RNG would shift a resumed run's dropout and NEFTune noise by one draw
+            return DataLoader(Batches(owner), batch_size=None, generator=torch.Generator())
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -229,8 +233,21 @@ def training_arguments(owner: HfTrainer, steps: int):
         learning_rate=cfg.train.lr, seed=cfg.train.seed, bf16=bf16, use_cpu=device.type == "cpu",
         save_strategy="no", eval_strategy="no", logging_strategy="no", report_to="none", disable_tqdm=True,
         remove_unused_columns=False, dataloader_num_workers=0, ignore_data_skip=True,
-        **cfg.train.hf_args,
+        gradient_checkpointing=False,  # build_model applies train.gradient_checkpointing (DPOConfig defaults to on)
+        **_known(TrainingArguments, cfg.train.hf_args),
     )  # fmt: skip
+
+
+def _known(args_class, hf_args: dict[str, Any]) -> dict[str, Any]:
+    """``hf_args`` when every one is a field of ``args_class``; with ``data.format: auto`` they were checked against
+    DPOConfig (the records could have been preference pairs), so a DPO-only one on other records is named here."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(args_class)}
+    if unknown := sorted(set(hf_args) - fields):
+        raise ValueError(f"train.hf_args: {', '.join(unknown)}: DPO's only, and data.format=auto found records that "
+                         "are not preference pairs")  # fmt: skip
+    return hf_args
 
 
 def Hooks(owner: HfTrainer):  # noqa: N802 -- a callback class, built lazily (transformers is imported on the worker)

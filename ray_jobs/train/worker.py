@@ -56,13 +56,13 @@ def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
 
 def _make_trainer(cfg, loop_config: dict[str, Any], rt: Runtime, heartbeat, attempt: int) -> Trainer:
     manifest, model_path = loop_config["manifest"], loop_config["model_path"]
+    if manifest["staging_config"]["format"] == "preference" and cfg.train.engine != "hf":  # data.format=auto found it
+        raise ValueError("data.format: the records are preference pairs, trained by DPO (TRL's DPOTrainer), which "
+                         "needs train.engine=hf")  # fmt: skip
     if cfg.fault_tolerance.live_recovery:
         from ray_jobs.train.live_trainer import LiveTrainer
 
         return LiveTrainer(cfg, manifest, model_path, rt, attempt, loop_config.get("group", 0))
-    if manifest["staging_config"]["format"] == "preference" and cfg.train.engine != "hf":  # data.format=auto found it
-        raise ValueError("data.format: the records are preference pairs, trained by DPO (TRL's DPOTrainer), which "
-                         "needs train.engine=hf")  # fmt: skip
     if cfg.train.engine == "hf":
         from ray_jobs.train.hf import HfTrainer
 
