@@ -5,7 +5,6 @@ against the installed ``TrainingArguments`` when the config loads."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from ray_jobs.train.runtime import LocalRuntime
 from ray_jobs.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_overrides
 from tests.unit.dist_runs import run_world, train_rank
+from tests.unit.test_trainer import weights_hash
 
 DEMO = ROOT / "configs" / "demo.yaml"
 
@@ -87,11 +87,6 @@ def train(cfg: Config, manifest: dict, model: str, stop_at: int | None = None) -
     return t
 
 
-def weights(t: HfTrainer) -> str:
-    state = t.model.state_dict()
-    return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
-
-
 def test_an_hf_run_killed_after_a_checkpoint_resumes_bit_identical_logging_each_step_once(setup) -> None:
     cfg, manifest, model = setup
     whole = train(named(cfg, "hf-whole"), manifest, model)
@@ -100,7 +95,9 @@ def test_an_hf_run_killed_after_a_checkpoint_resumes_bit_identical_logging_each_
     resumed = train(cut, manifest, model)
 
     assert resumed.resumed_from.endswith("checkpoint-step-00000010")
-    assert weights(resumed) == weights(whole), "HF computed the steps; unbroken's cursor and checkpoint resumed them"
+    assert weights_hash(resumed) == weights_hash(whole), (
+        "HF computed the steps; unbroken's cursor and checkpoint resumed them"
+    )
     assert resumed.last_eval == whole.last_eval
     rows = [json.loads(ln) for ln in Path(Layout(cfg.storage).metrics(cut.name)).read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]

@@ -5,7 +5,6 @@ killed after a checkpoint resumes bit-identical -- full and LoRA (the reference 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -21,8 +20,9 @@ from ray_jobs.model.builtin import build_builtin, train_char_tokenizer
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout
 from ray_jobs.train.hf import HfTrainer
-from ray_jobs.train.runtime import LocalRuntime
 from tests.conftest import ROOT, tiny_overrides
+from tests.unit.test_hf_engine import train as hf_train
+from tests.unit.test_trainer import weights_hash
 
 PLAIN_TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -133,15 +133,7 @@ def train(cfg, manifest: dict, model: str, name: str, stop_at: int | None = None
         c.model = c.model.model_copy(update={"lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}})
         c = type(c).model_validate(c.model_dump())
         c.train.lr = 0.01
-    t = HfTrainer(c, manifest, model, LocalRuntime())
-    t.resume_or_start()
-    t.fit(stop_at=stop_at)
-    return t
-
-
-def weights(t: HfTrainer) -> str:
-    state = t.model.state_dict()
-    return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
+    return hf_train(c, manifest, model, stop_at)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -153,7 +145,9 @@ def test_dpo_raises_held_out_reward_accuracy_and_a_killed_run_resumes_bit_identi
     resumed = train(cfg, manifest, model, f"dpo-cut-{kind}", lora=lora)
 
     assert resumed.resumed_from.endswith("checkpoint-step-00000010")
-    assert weights(resumed) == weights(whole), "TRL computed the steps; unbroken's cursor and checkpoint resumed them"
+    assert weights_hash(resumed) == weights_hash(whole), (
+        "TRL computed the steps; unbroken's cursor and checkpoint resumed them"
+    )
     rows = [json.loads(x) for x in Path(Layout(cfg.storage).metrics(f"dpo-cut-{kind}")).read_text().splitlines()]
     evals = [(r["step"], r["eval_loss"], r.get("eval_reward_accuracy")) for r in rows if "eval_loss" in r]
     assert evals[0][1] == pytest.approx(np.log(2)), "at step 0 the policy is the reference: DPO's loss is ln 2"
