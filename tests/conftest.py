@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.prefect_server import IDLE_SERVICES
+
 pytest_plugins = ["tests.suite_report"]  # per-tier wall time, CPU use and the slowest tests, printed and written
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +21,8 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="unbroken-test-pre
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _service in IDLE_SERVICES:  # no ephemeral server here serves deployments, schedules or automations
+    os.environ.setdefault(f"PREFECT_SERVER_SERVICES_{_service}_ENABLED", "false")
 
 
 def tiny_overrides(root: Path, **extra: object) -> list[str]:
@@ -85,8 +89,9 @@ def uninterrupted(tmp_path_factory) -> tuple[str, Path]:
 @pytest.fixture(scope="session")
 def shared_prefect(tmp_path_factory):
     """One real Prefect server for every CLI run and flow of the session (tests/prefect_server.py), exported as
-    ``PREFECT_API_URL``; the integration and chaos packages use it (their conftest), unit tests keep in-process ones."""
+    ``PREFECT_API_URL``; the integration and chaos packages use it (their conftest), unit tests keep in-process ones.
+    Lean: no test here serves deployments or automations (tests/integration/test_served.py has its own server)."""
     from tests.prefect_server import serving
 
-    with serving(tmp_path_factory.mktemp("prefect-shared"), environ=True) as server:
+    with serving(tmp_path_factory.mktemp("prefect-shared"), environ=True, lean=True) as server:
         yield server

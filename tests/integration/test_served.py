@@ -20,6 +20,7 @@ import yaml
 
 from control import series
 from control.backends.base import jobs_client, reachable
+from control.backends.local import stop_local_head
 from ray_jobs.config import ClusterConfig, load_config
 from ray_jobs.search.trials import read_trials
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
@@ -33,6 +34,9 @@ STEP_DELAY_S = 0.5  # 30 steps: ~15 s of training, for the run a Prefect server 
 DELAY_FILE = Path(tempfile.gettempdir()) / f"unbroken-served-delay-{os.getpid()}"  # read by each job's workers
 FIRST_RUN: list[str] = []  # the run the first dataset event made (later tests compare with it)
 FIRST_LANDING: list[Path] = []
+# Every run here passes the step-delay variable through (the module's one head is started with it: a run passing
+# another set would be refused its ports, rightly); it reaches jobs only because it is passed through.
+PASSTHROUGH = [*ClusterConfig().env_passthrough, "UNBROKEN_INJECT_DELAY_FILE"]
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +57,15 @@ def served(server, tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     storage = root / "storage"
     # Events may name datasets under this module's temp folders only. A run's steps sleep (a sleep changes no weight)
-    # while DELAY_FILE names a delay, so a Prefect server restart lands mid-training; the variable reaches jobs only
-    # because it is passed through.
-    passthrough = [*ClusterConfig().env_passthrough, "UNBROKEN_INJECT_DELAY_FILE"]
+    # while DELAY_FILE names a delay, so a Prefect server restart lands mid-training.
     (root / "data").mkdir()
     shutil.copy(SAMPLE_DATA, root / "data" / "addition.jsonl")  # the scheduled run's data: a test may change it
     extra = {
         "data.train": str(root / "data" / "addition.jsonl"),
         "model.init_from": "series-champion",  # retraining warm-starts from the series' best model so far
         "data.allowed_sources": [str(tmp_path_factory.getbasetemp())],
-        "cluster.env_passthrough": passthrough,
+        "cluster.env_passthrough": PASSTHROUGH,
+        "cluster.keep_running": True,  # one head (8265) for the module's runs, stopped at its end: not one per run
     }
     cfg = load_config(ROOT / "configs" / "demo.yaml", tiny_overrides(storage, name="served", **extra))
     config = root / "served.yaml"
@@ -83,6 +86,7 @@ def served(server, tmp_path_factory):
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+    stop_local_head(cfg.cluster.dashboard_port)
 
 
 def _client_call(fn):
@@ -423,7 +427,8 @@ def test_cancelling_a_search_stops_its_job_and_every_trial(served) -> None:
 
     _, storage, log = served
     long = tiny_overrides(storage, name="cancel-search", **{"train.max_steps": 200000, "train.eval_every_steps": 100,
-                                                            "checkpoint.every_steps": 100})  # fmt: skip
+                                                            "checkpoint.every_steps": 100, "cluster.keep_running": True,
+                                                            "cluster.env_passthrough": PASSTHROUGH})  # fmt: skip
     flow_run = run_deployment("tune/tune", parameters={"overrides": long}, timeout=0)
 
     def a_trial_trains():
