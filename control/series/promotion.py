@@ -114,7 +114,8 @@ def score_of(storage: str, run: str) -> float | None:
 
 def _publish(storage: str, series: str, run: str, score: float, files: dict[str, str]) -> None:
     folder = Layout(storage).final_model(run)
-    if "config.json" not in files or "README.md" not in files:  # README.md is written last (upload_dir)
+    model = "config.json" in files or "adapter_config.json" in files  # a model, or an adapter (train.export)
+    if not model or "README.md" not in files:  # README.md is written last (upload_dir)
         raise FileNotFoundError(f"run {run}'s final folder {folder} is incomplete; not publishing it")
     pointer = ChampionPointer(schema_version=ChampionPointer.SCHEMA, run=run, folder=folder, score=score,
                               files=files, published_at=time.time())  # fmt: skip

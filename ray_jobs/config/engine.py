@@ -21,8 +21,8 @@ OWNED = {
     "eval_steps": "train.eval_every_steps", "logging_strategy": "train.log_every_steps",
     "logging_steps": "train.log_every_steps", "report_to": "tracking", "resume_from_checkpoint": "a run's --resume",
     "ignore_data_skip": "nothing (unbroken's cursor resumes the data)", "fsdp": "train.parallelism",
-    "deepspeed": "nothing yet (DeepSpeed under the hf engine is not built)",
-    "use_liger_kernel": "nothing yet (liger-kernel is not installed with unbroken)",
+    "deepspeed": "nothing (not yet: DeepSpeed owns the optimizer and writes checkpoints of its own, which "
+                 "unbroken's sealed checkpoints and exact resume do not cover)",
     "adam_beta1": "nothing (unbroken's AdamW)", "adam_beta2": "nothing (unbroken's AdamW)",
     "adam_epsilon": "nothing (unbroken's AdamW)", "optim_args": "nothing (unbroken's AdamW)",
     "optim_target_modules": "nothing (unbroken's AdamW)", "lr_scheduler_kwargs": "train.lr_schedule",
@@ -62,7 +62,9 @@ def hf_args_problems(hf_args: dict[str, Any], dpo: bool = False) -> list[str]:
     what = "trl.DPOConfig" if dpo else "transformers.TrainingArguments"
     for name, value in hf_args.items():
         where = f"train.hf_args.{name}"
-        if name in OWNED:
+        if name in OWNED and OWNED[name].startswith("nothing"):
+            problems.append(f"{where}: not passed to HF {OWNED[name].removeprefix('nothing ')}")
+        elif name in OWNED:
             problems.append(f"{where}: unbroken sets this from its own config; set {OWNED[name]} instead")
         elif name not in fields:
             near = difflib.get_close_matches(name, list(fields), n=1)
@@ -86,11 +88,27 @@ def engine_problems(cfg: Any) -> list[str]:
                             "train.engine=hf")  # fmt: skip
         if cfg.data.too_long == "truncate":
             problems.append("data.too_long: truncate cannot cut a preference pair; use reject or drop")
+    if t.export == "adapter" and cfg.model.lora is None:
+        problems.append("train.export: adapter exports LoRA adapters; set model.lora (or train.export=merged)")
     if t.engine != "hf":
         return problems + (["train.hf_args: only read with train.engine=hf"] if t.hf_args else [])
+    if t.hf_args.get("use_liger_kernel") and (p := liger_problem(cfg.cluster.use_gpu)):
+        problems.append(f"train.hf_args.use_liger_kernel: {p}")
     if t.parallelism == "fsdp":
         problems.append("train.engine: hf runs DDP only (train.parallelism=fsdp needs the native engine)")
     if cfg.fault_tolerance.live_recovery:
         problems.append("train.engine: hf cannot run fault_tolerance.live_recovery (the native loop's replicas)")
     # auto may detect preference records: their DPOConfig (TrainingArguments' fields and DPO's) is checked then
     return problems + hf_args_problems(t.hf_args, dpo=cfg.data.format in ("preference", "auto"))
+
+
+def liger_problem(use_gpu: bool) -> str | None:
+    """Why Liger's kernels (HF Trainer's ``use_liger_kernel``, which patches the model with them) cannot run: they
+    are Triton kernels, for CUDA devices, from the ``liger-kernel`` package (``pip install 'unbroken[gpu]'``)."""
+    import importlib.util
+
+    if not use_gpu:
+        return "Liger's kernels are Triton kernels and need a CUDA device; set cluster.use_gpu=true"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "needs the liger-kernel package: pip install 'unbroken[gpu]'"
+    return None

@@ -52,6 +52,10 @@ class TrainConfig(Section):
     weights are not bit-identical."""
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the final export; ``auto`` = the base model's own dtype (training always keeps fp32 weights)."""
+    export: Literal["merged", "adapter"] = "merged"
+    """What ``runs/<run>/final`` holds: ``merged``, a plain HF model (LoRA merged into the weights); ``adapter``
+    (LoRA runs), the PEFT adapter folder alone (``adapter_config.json``, ``adapter_model.safetensors``, the
+    tokenizer) for multi-LoRA serving -- loaded with ``PeftModel.from_pretrained(base, folder)``."""
     export_shard_mb: float = Field(5000.0, gt=0)
     """Largest safetensors file of the final export, in MB; a bigger model is split across files with an index
     (``save_pretrained``'s ``max_shard_size``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from ray_jobs.model.cache import cached_folder
 from ray_jobs.storage import is_local, join, read_json
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter folder
 
 
 def local_folder(name_or_path: str, cache_root: str | Path) -> str:
@@ -32,10 +34,29 @@ def load_tokenizer(name_or_path: str, cache_root: str | Path | None = None):
 
 
 def load_model(name_or_path: str, cache_root: str | Path | None = None, **kwargs):
+    """The model in a folder (or hub id); an adapter folder (``train.export: adapter``) is its base model with the
+    adapters merged in, so a report, a warm start or a test opens either kind of final folder the same way."""
     from transformers import AutoModelForCausalLM
 
     root = cache_root or tempfile.gettempdir()
+    if (base := adapter_base(name_or_path)) is not None:
+        from peft import PeftModel
+
+        model = load_model(base, root, **kwargs)
+        return PeftModel.from_pretrained(model, local_folder(name_or_path, root)).merge_and_unload()
     return AutoModelForCausalLM.from_pretrained(local_folder(name_or_path, root), **kwargs)
+
+
+def adapter_base(name_or_path: str) -> str | None:
+    """The base model an adapter folder was trained on (its ``adapter_config.json``'s ``base_model_name_or_path``:
+    unbroken writes the base model's location the run loaded), None for a plain model folder or a hub id."""
+    if not _looks_like_url(name_or_path):  # a local folder, or a hub id (no adapter folders there)
+        path = Path(name_or_path) / ADAPTER_CONFIG
+        return json.loads(path.read_text())["base_model_name_or_path"] if path.is_file() else None
+    try:
+        return read_json(join(name_or_path, ADAPTER_CONFIG))["base_model_name_or_path"]
+    except FileNotFoundError:
+        return None
 
 
 def load_model_fp32(name_or_path: str, cache_root: str | Path | None = None):
@@ -47,7 +68,10 @@ def load_model_fp32(name_or_path: str, cache_root: str | Path | None = None):
 
 
 def config_dict(name_or_path: str) -> dict[str, Any]:
-    """The model's ``config.json`` as saved, without loading weights (or copying them off storage)."""
+    """The model's ``config.json`` as saved, without loading weights (or copying them off storage); an adapter
+    folder's is its base model's."""
+    if (base := adapter_base(name_or_path)) is not None:
+        return config_dict(base)
     if _looks_like_url(name_or_path) and not is_local(name_or_path):
         return read_json(join(name_or_path, "config.json"))
     from transformers import PretrainedConfig

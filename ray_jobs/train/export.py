@@ -28,7 +28,8 @@ log = logging.getLogger("unbroken.train")
 
 def write_final(cfg: Config, rt: Runtime, model, model_path: str, manifest: dict[str, Any], loop: LoopState,
                 metrics: MetricsLog | None) -> str | None:  # fmt: skip
-    """The final HF folder (merged weights in ``train.export_dtype``, tokenizer, model card) at
+    """The final HF folder (merged weights -- or the adapters, ``train.export: adapter`` -- in
+    ``train.export_dtype``, tokenizer, model card) at
     ``runs/<run>/final``, made from the trained model itself: in place under DDP (rank 0), gathered a tensor at
     a time under FSDP (every rank joins, rank 0 writes); only FSDP + LoRA still builds a second model to merge.
     Its URL on rank 0, None on the others."""
@@ -70,7 +71,10 @@ def _weight_bytes(cfg: Config, model_path: str, model) -> int:
     import torch
 
     itemsize = getattr(torch, export_dtype(cfg, model_path)).itemsize
-    return itemsize * sum(p.numel() for n, p in unwrap(model).named_parameters() if "lora_" not in n)
+    params = unwrap(model).named_parameters()
+    if cfg.train.export == "adapter":  # the trained parameters alone (adapters, modules_to_save)
+        return itemsize * sum(p.numel() for _, p in params if p.requires_grad)
+    return itemsize * sum(p.numel() for n, p in params if "lora_" not in n)
 
 
 def _bytes(folder: str | Path) -> int:
@@ -103,7 +107,7 @@ def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: 
     losses = [r for r in rows if "loss" in r]
     facts = {
         "base model": cfg.model.name_or_path,
-        "method": f"LoRA r={cfg.model.lora.r}, merged" if cfg.model.lora else "full fine-tune",
+        "method": f"LoRA r={cfg.model.lora.r}, {cfg.train.export}" if cfg.model.lora else "full fine-tune",
         "dataset id": manifest["dataset_id"],
         "steps": loop.step,
         "tokens seen": loop.tokens_seen,

@@ -78,9 +78,14 @@ def export_model(cfg: Config, model_path: str, state: dict[str, Any]):
 
 def finish_in_place(cfg: Config, model_path: str, model):
     """The trained model itself made the export: LoRA merged into its layers (peft merges layer by layer), cast to
-    ``train.export_dtype`` parameter by parameter -- no second copy of the model. Tied embeddings stay tied."""
+    ``train.export_dtype`` parameter by parameter -- no second copy of the model. Tied embeddings stay tied. With
+    ``train.export: adapter`` the PeftModel itself, whose ``save_pretrained`` writes the adapters alone, its config
+    naming the base model where this run loaded it (``model_path``: what ``load_model`` opens it with)."""
     import torch
 
+    if cfg.train.export == "adapter":
+        model.peft_config["default"].base_model_name_or_path = model_path
+        return model.to(getattr(torch, export_dtype(cfg, model_path)))
     tied = ties_embeddings(model.get_base_model() if hasattr(model, "get_base_model") else model)
     if cfg.model.lora is not None:
         model = model.merge_and_unload()

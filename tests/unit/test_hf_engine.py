@@ -48,6 +48,18 @@ DEMO = ROOT / "configs" / "demo.yaml"
             ["fault_tolerance.live_recovery=true", "cluster.num_workers=2"],
             "train.engine: hf cannot run fault_tolerance.live_recovery",
         ),  # fmt: skip
+        (
+            ["train.hf_args={use_liger_kernel: true}"],
+            "train.hf_args.use_liger_kernel: Liger's kernels are Triton kernels and need a CUDA device; "
+            "set cluster.use_gpu=true",
+        ),  # fmt: skip
+        (
+            ["train.hf_args={use_liger_kernel: true}", "cluster.use_gpu=true"],
+            "train.hf_args.use_liger_kernel: needs the liger-kernel package: pip install 'unbroken[gpu]'",
+        ),  # fmt: skip (liger-kernel is not installed here: it needs Triton, for CUDA)
+        (["train.export=adapter"], "train.export: adapter exports LoRA adapters; set model.lora"),
+        (["train.hf_args={deepspeed: ds.json}"], "train.hf_args.deepspeed: not passed to HF (not yet: DeepSpeed owns"),
+        (["train.hf_args={adam_beta1: 0.8}"], "train.hf_args.adam_beta1: not passed to HF (unbroken's AdamW)"),
     ],
 )
 def test_what_the_hf_engine_cannot_take_is_refused_by_name_when_the_config_loads(overrides, says) -> None:

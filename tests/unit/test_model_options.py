@@ -12,7 +12,7 @@ import torch
 from ray_jobs.checkpoint import unwrap
 from ray_jobs.config import ConfigError, LoraConfig, ModelConfig, load_config
 from ray_jobs.model.builtin import build_builtin
-from ray_jobs.model.loading import load_model_fp32, meta_model
+from ray_jobs.model.loading import config_dict, load_model_fp32, meta_model
 from ray_jobs.model.lora import all_linear_targets, lora_problems
 from ray_jobs.train.model import apply_lora, build_model
 from ray_jobs.train.runtime import LocalRuntime
@@ -49,6 +49,7 @@ def test_default_lora_on_tied_smollm2_resumes_exactly_and_exports_it_still_tied(
     assert set(newest_checkpoint(cfg)[0]) == trainable, "a LoRA checkpoint holds the adapters only"
     base = resumed.model.get_base_model()
     assert tied(base), "adapters on q/v leave the tied embedding itself alone"
+    adapter = _adapter_export(straight, smollm2)  # before the merged export below merges resumed's model in place
 
     final = Path(resumed.export_final())
     assert json.loads((final / "config.json").read_text())["tie_word_embeddings"] is True
@@ -58,6 +59,24 @@ def test_default_lora_on_tied_smollm2_resumes_exactly_and_exports_it_still_tied(
     original = load_model_fp32(str(smollm2))
     assert torch.equal(lm.lm_head.weight, original.lm_head.weight), "adapters on q/v leave the embedding alone"
     assert not torch.equal(lm.model.layers[0].self_attn.q_proj.weight, original.model.layers[0].self_attn.q_proj.weight)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():  # the adapter on the base answers as the merged export does (both saved as bf16)
+        assert torch.allclose(adapter(ids).logits, lm.float()(ids).logits, atol=0.05)
+
+
+def _adapter_export(trainer, smollm2):
+    """``train.export: adapter`` of a trained LoRA run: the PEFT folder alone (adapters, no base weights), naming
+    the base model; unbroken's loader (a report's, a warm start's) opens it as the base with the adapters merged."""
+    trainer.cfg = named(trainer.cfg, "lora-adapter", train__export="adapter")
+    final = Path(trainer.export_final())
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in final.iterdir()}
+    assert not list(final.glob("model*.safetensors")), "no base weights in an adapter export"
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(smollm2)
+    keys = export_tensors(final)  # adapter_model.safetensors: the only weights file
+    assert keys and all("lora_" in k for k in keys), keys
+    assert "LoRA r=4, adapter" in (final / "README.md").read_text()
+    assert config_dict(str(final))["tie_word_embeddings"] is True, "an adapter folder's config is its base's"
+    return load_model_fp32(str(final)).eval()
 
 
 def test_modules_to_save_lm_head_on_a_tied_model_trains_the_one_shared_matrix(real, smollm2) -> None:

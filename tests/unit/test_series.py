@@ -101,6 +101,29 @@ def _finished_run(c, dataset_id: str, score: float | None, steps=(10, 20, 30), p
         Path(lay.score(c.name)).write_text(json.dumps({"eval_loss": score, "dataset_id": "ds-eval"}))
 
 
+@pytest.mark.parametrize(("files", "published"), [
+    ({"config.json", "model.safetensors", "README.md"}, True),
+    ({"adapter_config.json", "adapter_model.safetensors", "README.md"}, True),  # train.export: adapter
+    ({"config.json", "model.safetensors"}, False),  # README.md, written last, missing: the upload did not finish
+    ({"adapter_model.safetensors", "README.md"}, False),
+])  # fmt: skip
+def test_a_final_folder_is_published_as_champion_only_whole(tmp_path, monkeypatch, files, published) -> None:
+    monkeypatch.setattr(promotion, "_emit", lambda v: None)
+    c = _run(tmp_path, "sums-a")
+    _finished_run(c, "ds-a", 1.0)
+    final = Path(Layout(c.storage).final_model(c.name))
+    for f in final.iterdir():
+        f.unlink()
+    for name in files:
+        (final / name).write_text(name)
+    if published:
+        assert series.finish_run(c.storage, c.name).promoted
+        assert set(series.champion(str(tmp_path), "sums").files) == files
+    else:
+        with pytest.raises(FileNotFoundError, match="final folder .* is incomplete; not publishing it"):
+            series.finish_run(c.storage, c.name)
+
+
 def _run(storage: Path, name: str, **extra):
     return cfg(storage, name=name, **{"series.name": "sums"} | extra)
 
@@ -203,6 +226,16 @@ def test_the_same_dataset_and_recipe_is_trained_once_per_series(tmp_path, monkey
     assert series.already_trained(longer, "ds-a") is None, "another recipe trains again"
     other = cfg(tmp_path, name="other-a")
     assert series.already_trained(other, "ds-a") is None, "another series"
+
+
+def test_a_recipe_hashes_as_it_did_when_runs_were_recorded_so_an_upgrade_retrains_nothing() -> None:
+    """The demo recipe's hash, as series records written by earlier releases hold it: a new train field at its
+    default (``compile``, ``export``) must not change it, or every series would train its data again."""
+    demo = load_config(ROOT / "configs" / "demo.yaml", [])
+    assert series.recipe(demo) == "0dee3b616468c31d"
+    assert series.recipe(demo.model_copy(update={"train": demo.train.model_copy(update={"export": "adapter"})})) != (
+        "0dee3b616468c31d"
+    ), "a field set away from its default is another recipe"
 
 
 def test_a_missing_series_eval_source_is_a_config_error_naming_the_field(tmp_path) -> None:
