@@ -83,7 +83,8 @@ clean:
 # the kit imports into .whl/ (git-ignored; the device tool carries it: carry [".whl"]); `make gpu-check` (there)
 # installs them into a folder of their own and runs every leg at full size, one JSON line each into $(GPU_OUT).
 GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection typing_extensions transformers huggingface_hub \
-	tokenizers safetensors peft accelerate httpx2 httpcore2 truststore h11 click hf-xet regex anyio idna tqdm
+	tokenizers safetensors peft accelerate httpx2 httpcore2 truststore h11 click hf-xet regex anyio idna tqdm \
+	liger-kernel
 # The Ray legs' (bench/gpu/ray_train.py) on top: what Ray needs that the machine lacks, torchft, and Ray itself (79 MB:
 # over one call's 64 MiB with the rest, so `make gpu-wheels` cuts it in two parts under .whl-ray/, 28 MiB to travel
 # with .whl/ to `make gpu-check`, the rest alone to `make gpu-ray` on the same warm machine; each is stashed there in
@@ -96,7 +97,7 @@ GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_
 GPU_OUT ?= .unbroken/gpu-check.jsonl
 GPU_SITE ?= /tmp/unbroken-gpu-site
 GPU_SIZE ?= 1b
-GPU_LEGS ?= throughput,lora,checkpoint,resume,precision
+GPU_LEGS ?= throughput,engine,lora,checkpoint,resume,precision
 GPU_VARIANTS ?=
 GPU_RAY_PARTS ?= /tmp/unbroken-ray-parts
 

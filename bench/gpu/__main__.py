@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu import kit  # noqa: E402
 
-LEGS = ("throughput", "lora", "checkpoint", "resume", "precision")
+LEGS = ("throughput", "engine", "lora", "checkpoint", "resume", "precision")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +59,11 @@ def run(work: Path, size: kit.Size, legs: list[str], variants: str | None, out: 
             ac, compiled, *accum = (int(x) for x in pair.split(":"))
             line = kit.leg_throughput(work, size, model, bool(ac), bool(compiled), matmul["tflops"], *accum)
             kit.emit(line, out)
+    if "engine" in legs:
+        lines = [kit.leg_engine(work, size, model, engine, liger) for engine, liger in kit.engine_variants()]
+        native = lines[0]["tokens_per_s"]
+        for line in lines:  # each against the native loop's rate, measured in the same run
+            kit.emit({**line, "vs_native": round(line["tokens_per_s"] / native, 3) if native else None}, out)
     if "lora" in legs:
         kit.emit(kit.leg_lora(work, size, model), out)
     if "checkpoint" in legs:

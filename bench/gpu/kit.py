@@ -133,12 +133,15 @@ def config(work: Path, name: str, model: Path, size: Size, **extra: Any):
 
 
 def trainer(cfg):
-    """The project's Trainer on this device, resumed or fresh, exactly as ``unbroken train --local`` makes it."""
+    """The project's Trainer on this device -- the ``hf`` engine's for ``train.engine: hf`` -- resumed or fresh,
+    exactly as ``unbroken train --local`` makes it."""
     from ray_jobs.local import prepare
     from ray_jobs.train.runtime import LocalRuntime
     from ray_jobs.train.trainer import Trainer
 
     loop = prepare(cfg)
+    if cfg.train.engine == "hf":
+        from ray_jobs.train.hf import HfTrainer as Trainer  # noqa: N814 (the same constructor)
     t = Trainer(cfg, loop["manifest"], loop["model_path"], LocalRuntime(device()))
     t.resume_or_start()
     return t
@@ -214,6 +217,31 @@ def leg_throughput(
             "mfu_matmul": round(flops / (matmul_tflops * 1e12), 4), "peak_gb": peak_gb()}  # fmt: skip
     release(t)
     _reset_compile()
+    return line
+
+
+def engine_variants() -> list[tuple[str, bool]]:
+    """(engine, Liger) pairs the engine leg times: native and hf everywhere; hf with Liger's kernels on a CUDA device
+    where ``liger-kernel`` is installed (its Triton kernels need one)."""
+    import importlib.util
+
+    liger = device() == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    return [("native", False), ("hf", False), *([("hf", True)] if liger else [])]
+
+
+def leg_engine(work: Path, size: Size, model: Path, engine: str, liger: bool) -> dict:
+    """Tokens/s of one engine on the same rows (``train.engine``; HF's ``use_liger_kernel`` for the Liger variant)."""
+    extra: dict[str, Any] = {"train.engine": engine}
+    if liger:
+        extra["train.hf_args"] = "{use_liger_kernel: true}"
+    cfg = config(work, f"engine-{engine}{'-liger' if liger else ''}", model, size, **extra)
+    t = trainer(cfg)
+    t.fit(stop_at=size.steps)
+    tps, steps = tokens_per_s(t.metrics.rows, size.warm)
+    line = {"leg": "engine", "engine": engine, "liger": liger, "model": size.model, "seq": size.seq,
+            "micro_batch": size.micro_batch, "steps_timed": steps, "tokens_per_s": round(tps, 1),
+            "peak_gb": peak_gb()}  # fmt: skip
+    release(t)
     return line
 
 

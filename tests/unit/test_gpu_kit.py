@@ -20,7 +20,11 @@ def test_every_leg_of_the_kit_runs_at_toy_size(tmp_path):
                if ln.startswith("UNBROKEN_GPU ")]  # fmt: skip
     assert printed == lines
     legs = [ln["leg"] for ln in lines]
-    assert legs == ["matmul", "throughput", "throughput", "lora", "checkpoint", "resume", "resume", "precision", "env"]
+    assert legs == ["matmul", "throughput", "throughput", "engine", "engine", "lora", "checkpoint", "resume", "resume",
+                    "precision", "env"]  # fmt: skip
+    native, hf = (lines.pop(3) for _ in range(2))  # the engine leg: on a CPU, no Liger variant (Triton needs CUDA)
+    assert (native["engine"], hf["engine"], native["liger"], hf["liger"]) == ("native", "hf", False, False)
+    assert native["vs_native"] == 1.0 and hf["vs_native"] > 0 and hf["tokens_per_s"] > 0 and hf["steps_timed"] == 3
 
     assert lines[0]["tflops"] > 0
     for tp in lines[1:3]:
