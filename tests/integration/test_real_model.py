@@ -1,6 +1,7 @@
 """A real pretrained chat model (SmolLM2-135M-Instruct, tied embeddings, ChatML) through the whole pipeline:
-``unbroken run`` on a real local Ray cluster, full and LoRA fine-tunes, and a kill -9 of a worker mid-run that
-still ends bit-identical. Steps are kept few and short (seq 128, micro-batch 2): a real model costs seconds a step.
+``unbroken run`` on a real local Ray cluster, full (HF's Trainer computing the steps) and LoRA fine-tunes, and a
+kill -9 of a worker mid-run that still ends bit-identical. Steps are kept few and short (seq 128, micro-batch 2):
+a real model costs seconds a step.
 """
 
 from __future__ import annotations
@@ -133,12 +134,15 @@ def real_documents(path: Path) -> Path:
     return path
 
 
-def test_full_finetune_of_the_real_model_end_to_end(cluster, smollm2, tmp_path) -> None:
+def test_full_finetune_of_the_real_model_end_to_end_with_the_hf_engine(cluster, smollm2, tmp_path) -> None:
+    """The chat recipe as a full fine-tune whose steps Hugging Face's ``Trainer`` computes (``train.engine: hf``):
+    the export loads, stays tied and answers; eval loss falls."""
     storage = tmp_path / "storage"
     full = {"model.lora": "null", "train.lr": 5e-5, "train.max_steps": 4, "train.eval_every_steps": 2,
-            "checkpoint.every_steps": 0}  # fmt: skip
+            "checkpoint.every_steps": 0, "train.engine": "hf"}  # fmt: skip
     r = run_cli("run", str(RECIPE), *sets(overrides(storage, "full", smollm2, cluster, **full)))
     assert r.returncode == 0, r.explain()
+    assert read_registry(storage, "full")["config"]["train"]["engine"] == "hf"
     assert_loads_and_answers(storage / "runs" / "full" / "final")
     assert_eval_loss_fell(storage, "full")
 
