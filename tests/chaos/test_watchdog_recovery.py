@@ -159,15 +159,26 @@ def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, base
         assert 1 <= said <= 2, said
 
 
+# The hf engine's two trainers: HF's Trainer on the demo rows (SFT), TRL's DPOTrainer on the demo preference pairs.
+HF_RECIPES = {
+    "sft": {},
+    "dpo": {"data.train": str(ROOT / "configs" / "data" / "preferences.jsonl"), "data.format": "preference",
+            "data.seq_len": 32, "train.hf_args": "{beta: 0.1}"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", list(HF_RECIPES))
 def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_identical(
-    ray_cluster, watched, watchdogs, tmp_path
+    ray_cluster, watched, watchdogs, tmp_path, recipe
 ) -> None:
-    """``train.engine: hf`` (HF's Trainer computes each step): kill -9 of a train worker after a checkpoint (Ray Train
-    restarts the group in the job), then kill -9 of the job's driver (the watchdog restarts the run) -- it ends
-    bit-identical to its uninterrupted hf run, each step once in TensorBoard and MLflow."""
-    hf = {"train.engine": "hf", "train.max_steps": 160}  # (160 steps: room for two faults after step 50)
+    """``train.engine: hf`` (HF's Trainer -- or TRL's DPOTrainer on preference pairs -- computes each step): kill -9
+    of a train worker after a checkpoint (Ray Train restarts the group in the job), then kill -9 of the job's driver
+    (the watchdog restarts the run) -- it ends bit-identical to its uninterrupted hf run, each step once in
+    TensorBoard and MLflow."""
+    hf = {"train.engine": "hf", "train.max_steps": 160, **HF_RECIPES[recipe]}  # (room for two faults after step 50)
     hf_baseline = start_uninterrupted(tmp_path / "hf-baseline", **hf)  # trains while this run waits on restarts
-    cfg = chaos_config(watched, "hf-faults", **(WATCHED | TRACKING | hf | {"fault_tolerance.max_failures": 1}))
+    cfg = chaos_config(watched, f"hf-{recipe}-faults",
+                       **(WATCHED | TRACKING | hf | {"fault_tolerance.max_failures": 1}))  # fmt: skip
     start_run(ray_cluster, cfg, env={"UNBROKEN_INJECT_DELAY": "step:0.05"})
     started_and_checkpointed(cfg)
     worker = rank0_pid(cfg)
@@ -180,7 +191,7 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
 
     reg = until_finished(cfg, watchdogs)
     baseline = hf_baseline()
-    check_recovered(cfg, reg, baseline[0], "job-failed", fault_at, "kill -9 a worker, then the driver (hf)")
+    check_recovered(cfg, reg, baseline[0], "job-failed", fault_at, f"kill -9 a worker, then the driver (hf {recipe})")
     check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(baseline))
 
 
