@@ -92,7 +92,7 @@ def engine_problems(cfg: Any) -> list[str]:
         problems.append("train.export: adapter exports LoRA adapters; set model.lora (or train.export=merged)")
     if t.engine != "hf":
         return problems + (["train.hf_args: only read with train.engine=hf"] if t.hf_args else [])
-    if t.hf_args.get("use_liger_kernel") and (p := liger_problem(cfg.cluster.use_gpu)):
+    if t.hf_args.get("use_liger_kernel") and (p := liger_problem(cfg.cluster.use_gpu, cfg.cluster.backend_name)):
         problems.append(f"train.hf_args.use_liger_kernel: {p}")
     if t.parallelism == "fsdp":
         problems.append("train.engine: hf runs DDP only (train.parallelism=fsdp needs the native engine)")
@@ -102,13 +102,15 @@ def engine_problems(cfg: Any) -> list[str]:
     return problems + hf_args_problems(t.hf_args, dpo=cfg.data.format in ("preference", "auto"))
 
 
-def liger_problem(use_gpu: bool) -> str | None:
+def liger_problem(use_gpu: bool, backend: str) -> str | None:
     """Why Liger's kernels (HF Trainer's ``use_liger_kernel``, which patches the model with them) cannot run: they
-    are Triton kernels, for CUDA devices, from the ``liger-kernel`` package (``pip install 'unbroken[gpu]'``)."""
+    are Triton kernels, for CUDA devices, from the ``liger-kernel`` package (``pip install 'unbroken[gpu]'``). Whether
+    it is installed is known here only for a local head (this machine's environment); a remote cluster's workers
+    say so themselves when HF's Trainer starts (its ImportError names the package)."""
     import importlib.util
 
     if not use_gpu:
         return "Liger's kernels are Triton kernels and need a CUDA device; set cluster.use_gpu=true"
-    if importlib.util.find_spec("liger_kernel") is None:
+    if backend == "local" and importlib.util.find_spec("liger_kernel") is None:
         return "needs the liger-kernel package: pip install 'unbroken[gpu]'"
     return None

@@ -73,6 +73,9 @@ def test_hf_args_without_the_hf_engine_are_refused_and_valid_ones_pass() -> None
         load_config(DEMO, ["train.hf_args={label_smoothing_factor: 0.1}"])
     cfg = load_config(DEMO, ["train.engine=hf", "train.hf_args={label_smoothing_factor: 0.1}"])
     assert cfg.train.hf_args == {"label_smoothing_factor": 0.1}
+    # Liger on a remote cluster's GPUs: whether its workers have liger-kernel is theirs to say, not this machine's
+    remote = ["cluster.use_gpu=true", "cluster.address=http://10.0.0.7:8265", "train.hf_args={use_liger_kernel: true}"]
+    assert load_config(DEMO, ["train.engine=hf", *remote]).train.hf_args == {"use_liger_kernel": True}
 
 
 @pytest.fixture(scope="module")
