@@ -24,6 +24,7 @@ from ray_jobs.config import Config
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import (
     Layout,
+    StorageFull,
     exists,
     fs_and_path,
     join,
@@ -132,13 +133,36 @@ def active_runs(storage: str, unreadable: list[tuple[str, str]] | None = None) -
                 unreadable.append((run, str(e)))
             continue
         is_active = reg is not None and reg.watched
-        if is_active != (run in indexed):  # heals a crash between run.json and the index, and builds it
-            _index(storage, run, is_active)
+        if is_active and run not in indexed:  # heals a crash between run.json and the index, and builds it
+            _index(storage, run, True)
+        elif not is_active and run in indexed:
+            _unmark_if_unwatched(storage, run)
         if is_active:
             active.append(run)
     if not built:  # only once every run was looked at: a scan cut short is redone next time
         write_bytes_atomic(join(Layout(storage).active_index(), ".built"), b"")
     return active
+
+
+def _unmark_if_unwatched(storage: str, run: str) -> None:
+    """A marker whose record is missing or not watched: a crash between the two writes of ``save`` -- or a save in
+    flight this very moment (its marker written, its run.json not yet: a new run's first attempt, or a finished run
+    started again), which must never lose its marker, or no watchdog would ever look at the run again. Every save
+    that makes a run watched holds the run's lease (``begin_attempt``, ``adopt``, the watchdog's), so the marker goes
+    only under that lease, on a fresh read; while someone holds it the marker stays for the next pass."""
+    try:
+        lease = leases.acquire(storage, run, ttl_s=30)
+    except StorageFull:  # no room for a lease: the marker stays (a pass must go on for the other runs)
+        return
+    if lease is None:
+        return
+    with lease:
+        try:
+            reg = load(storage, run)
+        except (RecordError, ValueError):  # unreadable now: named by the next pass, its marker kept
+            return
+        if reg is None or not reg.watched:
+            _index(storage, run, False)
 
 
 # Fields a run cannot change between attempts: its checkpoints would not fit (shapes, the data layout) or resuming

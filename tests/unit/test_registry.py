@@ -94,6 +94,42 @@ def test_the_watchdog_reads_only_active_runs_registries_however_many_runs_finish
     assert registry.active_runs(storage) == ["old-active"]
 
 
+@pytest.mark.parametrize("before", ["a new run", "a finished run started again"])
+def test_a_watchdog_pass_inside_a_flows_save_never_drops_the_runs_marker(tmp_path: Path, monkeypatch, before) -> None:
+    """The race CI once lost a run to: the flow's save had written the run's index marker but not yet its run.json
+    when a watchdog pass listed the marker, read no record (or the finished one) and "healed" the index -- no watchdog
+    looked at the run again. The marker goes only under the run's lease, which the flow holds while it saves."""
+    c = cfg(tmp_path)
+    registry.active_runs(c.storage)  # the index is built
+    if before != "a new run":
+        registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
+        registry.end_attempt(c, 1, "FAILED", "boom")
+        assert registry.active_runs(c.storage) == []
+    seen: list[list[str]] = []
+    real = registry.write_json_atomic
+
+    def write_during_a_pass(url, *a, **k):
+        if url.endswith("/run.json"):
+            seen.append(registry.active_runs(c.storage))  # a watchdog's pass between the marker and run.json
+        return real(url, *a, **k)
+
+    monkeypatch.setattr(registry, "write_json_atomic", write_during_a_pass)
+    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
+    monkeypatch.undo()
+    assert seen == [[]], "the pass did not see a run it could not read yet"
+    assert registry.active_runs(c.storage) == ["r"], "the next pass does"
+
+
+def test_a_marker_left_by_a_crash_before_the_first_run_json_is_dropped(tmp_path: Path) -> None:
+    from ray_jobs.storage import Layout, write_bytes_atomic
+
+    storage = str(tmp_path)
+    registry.active_runs(storage)
+    write_bytes_atomic(f"{Layout(storage).active_index()}/gone", b"")  # its lease free: nobody is saving it
+    assert registry.active_runs(storage) == []
+    assert [p.name for p in Path(Layout(storage).active_index()).iterdir()] == [".built"]
+
+
 def test_mark_running_takes_the_lease_once_not_once_a_poll(tmp_path: Path, monkeypatch) -> None:
     c = cfg(tmp_path)
     registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
