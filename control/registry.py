@@ -20,7 +20,7 @@ from control.backends import backend_class
 from control.backends import record as cluster_record
 from control.records.base import RecordError
 from control.records.run import ACTIVE, STATES, Attempt, ClusterRecord, Incident, RunRecord
-from ray_jobs.config import Config
+from ray_jobs.config import Config, without_later_defaults
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import (
     Layout,
@@ -200,12 +200,9 @@ def check_compatible(cfg: Config, dataset_id: str) -> None:
     reg = load(cfg.storage, cfg.name)
     if reg is None or not reg.config:
         return
-    new = mask_tree(json.loads(cfg.model_dump_json()))  # as run.json holds it: masked
-    changed = [
-        f"{f}: {_pick(reg.config, f)!r} -> {_pick(new, f)!r}"
-        for f in FIXED_FIELDS
-        if _pick(reg.config, f) != _pick(new, f)
-    ]
+    # as run.json holds it (masked); a field added since the run was recorded counts at its default
+    old, new = without_later_defaults(reg.config), without_later_defaults(mask_tree(json.loads(cfg.model_dump_json())))
+    changed = [f"{f}: {_pick(old, f)!r} -> {_pick(new, f)!r}" for f in FIXED_FIELDS if _pick(old, f) != _pick(new, f)]
     if reg.dataset_id not in (None, dataset_id):
         changed.insert(0, f"dataset: {reg.dataset_id} -> {dataset_id}")
     if changed:

@@ -17,7 +17,7 @@ from typing import TypeVar
 from control import lease as leases
 from control import registry
 from control.records.series import EvalPin, SeriesRecord, SeriesRun
-from ray_jobs.config import Config
+from ray_jobs.config import Config, without_later_defaults
 from ray_jobs.search.trials import trials
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout, exists, write_json_atomic
@@ -57,18 +57,13 @@ def mutate(storage: str, series: str, change: Callable[[SeriesRecord], T]) -> T:
         return out
 
 
-ADDED_LATER = {"compile": False, "export": "merged"}  # train fields newer than the first recipes, with their defaults
-
-
 def recipe(cfg: Config) -> str:
     """What a run trains besides its data: the model and training settings (not how many samples it prints).
     Two runs with the same dataset and recipe train the same thing."""
     # masked: a rotated password in a model URL is the same recipe (and the hash is of nothing secret)
-    tree = mask_tree(json.loads(cfg.model_dump_json(include={"model", "train"})), ())
+    # at its default, a field added later hashes as before: old runs match (ray_jobs/config: ADDED_LATER)
+    tree = without_later_defaults(mask_tree(json.loads(cfg.model_dump_json(include={"model", "train"})), ()))
     tree["train"].pop("sample_generations", None)
-    for key, default in ADDED_LATER.items():  # at its default, a field added later hashes as before: old runs match
-        if tree["train"].get(key, default) == default:
-            tree["train"].pop(key, None)
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -23,7 +23,7 @@ from ray_jobs.config.data import DataConfig
 from ray_jobs.config.fault_tolerance import FaultToleranceConfig, PhaseStallConfig
 from ray_jobs.config.loading import absolute_url, from_json, job_spec, load_config, parse_overrides, validate
 from ray_jobs.config.model import BUILTIN_MODELS, BUILTIN_PREFIX, LoraConfig, ModelConfig, TinyModelConfig
-from ray_jobs.config.run import Config, batch_split_problem
+from ray_jobs.config.run import ADDED_LATER, Config, batch_split_problem, without_later_defaults
 from ray_jobs.config.series import (
     PLACEHOLDERS,
     RUN_NAME,
@@ -38,11 +38,11 @@ from ray_jobs.config.train import TrainConfig
 from ray_jobs.config.tune import TuneConfig, fitting_trials, trial_name, trial_values
 
 __all__ = [
-    "BACKENDS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "PLACEHOLDERS", "RUN_NAME", "RUN_NAME_RULE", "CheckpointConfig",
+    "ADDED_LATER", "BACKENDS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "PLACEHOLDERS", "RUN_NAME", "RUN_NAME_RULE", "CheckpointConfig",
     "ClusterConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "KubeRayConfig", "LoraConfig",
     "MLflowConfig", "ModelConfig", "PhaseStallConfig", "RayUpConfig", "SeriesConfig", "TensorBoardConfig",
     "TinyModelConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "WandbConfig",
     "WorkerRange", "absolute_url", "batch_split_problem", "cluster_problems", "fitting_trials", "from_json",
     "job_spec", "load_config", "name_values", "parse_overrides", "render_name", "series_of", "trial_name",
-    "trial_values", "validate",
+    "trial_values", "validate", "without_later_defaults",
 ]  # fmt: skip

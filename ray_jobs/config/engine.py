@@ -90,6 +90,8 @@ def engine_problems(cfg: Any) -> list[str]:
             problems.append("data.too_long: truncate cannot cut a preference pair; use reject or drop")
     if t.export == "adapter" and cfg.model.lora is None:
         problems.append("train.export: adapter exports LoRA adapters; set model.lora (or train.export=merged)")
+    if cfg.model.quantization != "none":
+        problems += [f"model.quantization: {p}" for p in quantization_problems(cfg)]
     if t.engine != "hf":
         return problems + (["train.hf_args: only read with train.engine=hf"] if t.hf_args else [])
     if t.hf_args.get("use_liger_kernel") and (p := liger_problem(cfg.cluster.use_gpu, cfg.cluster.backend_name)):
@@ -114,3 +116,22 @@ def liger_problem(use_gpu: bool, backend: str) -> str | None:
     if backend == "local" and importlib.util.find_spec("liger_kernel") is None:
         return "needs the liger-kernel package: pip install 'unbroken[gpu]'"
     return None
+
+
+def quantization_problems(cfg: Any) -> list[str]:
+    """Why ``model.quantization: 4bit`` (QLoRA) cannot run this config: a 4-bit base is frozen, so only LoRA adapters
+    train on it; live recovery heals a replica from its peer's state, which has not been shown to hold for a 4-bit
+    base. Whether ``bitsandbytes`` is installed is known here only for a local head (this machine's environment); a
+    remote cluster's workers name it themselves when they load the model (transformers' ImportError)."""
+    import importlib.util
+
+    problems = []
+    if cfg.model.lora is None:
+        problems.append("4bit keeps the base model frozen in 4-bit: only LoRA adapters train on it (QLoRA); "
+                        "set model.lora (or model.quantization=none)")  # fmt: skip
+    if cfg.fault_tolerance.live_recovery:
+        problems.append("4bit is not supported with fault_tolerance.live_recovery yet (a replica is healed from its "
+                        "peer's state; not shown for a 4-bit base): the watchdog and Ray Train's restarts cover it")  # fmt: skip
+    if cfg.cluster.backend_name == "local" and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("4bit needs the bitsandbytes package: pip install 'unbroken[qlora]'")
+    return problems

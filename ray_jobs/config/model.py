@@ -52,6 +52,12 @@ class ModelConfig(Section):
     """Shape of the built-in tiny model; ignored for any other ``name_or_path``."""
     lora: LoraConfig | None = None
     """Train LoRA adapters (peft) instead of all weights; the final export is merged into a plain HF model."""
+    quantization: Literal["none", "4bit"] = "none"
+    """``4bit``: QLoRA -- the frozen base is loaded in 4-bit NF4 with double quantization (bitsandbytes; computed in
+    bf16 where training runs in bf16, else fp32) and only ``model.lora``'s adapters train on it, in fp32. Needs
+    ``model.lora`` and the ``bitsandbytes`` package on the workers (``pip install 'unbroken[qlora]'``); runs on CUDA
+    and on CPU. Checkpoints hold the adapters alone (the base is quantized again, the same way, on a resume); the
+    export merges them into the base loaded unquantized (or writes them alone: ``train.export: adapter``)."""
     init_from: Literal["base", "series-champion", "series-latest"] = "base"
     """Weights a run starts from: ``base`` = ``name_or_path``; ``series-champion`` / ``series-latest`` = the final
     model of the series' champion / newest succeeded run (warm start; falls back to ``base``, logged, when the

@@ -25,6 +25,23 @@ from ray_jobs.config.tracking import TrackingConfig
 from ray_jobs.config.train import TrainConfig
 from ray_jobs.config.tune import TuneConfig, concurrency_problem, trial_name, tune_problems
 
+# Fields newer than the first run records, with their defaults. At its default such a field is left out wherever
+# recorded configs are compared -- a recipe's hash (control/series/lineage.py), the fields a resume must keep
+# (control/registry.py) -- so a run recorded before the field existed still matches, and resumes.
+ADDED_LATER = {"train.compile": False, "train.export": "merged", "model.quantization": "none"}
+
+
+def without_later_defaults(tree: dict) -> dict:
+    """A config's dump (or a run record's ``config``) without the :data:`ADDED_LATER` fields that hold their
+    default; ``tree`` itself is left as it was."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for dotted, default in ADDED_LATER.items():
+        section, _, key = dotted.partition(".")
+        part = out.get(section)
+        if isinstance(part, dict) and part.get(key, default) == default:
+            part.pop(key, None)
+    return out
+
 
 class Config(Section):
     name: str

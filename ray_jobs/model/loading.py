@@ -59,12 +59,27 @@ def adapter_base(name_or_path: str) -> str | None:
         return None
 
 
-def load_model_fp32(name_or_path: str, cache_root: str | Path | None = None):
+def load_model_fp32(name_or_path: str, cache_root: str | Path | None = None, **kwargs):
     """The base model with fp32 weights whatever dtype it was saved in: the master weights training updates
-    (transformers 5 defaults to ``dtype="auto"``, which would train a bf16 checkpoint as bf16 weights)."""
+    (transformers 5 defaults to ``dtype="auto"``, which would train a bf16 checkpoint as bf16 weights). ``kwargs``:
+    more ``from_pretrained`` arguments (a 4-bit base's, :func:`quantized_loading`)."""
     import torch
 
-    return load_model(name_or_path, cache_root, dtype=torch.float32)
+    return load_model(name_or_path, cache_root, dtype=torch.float32, **kwargs)
+
+
+def quantized_loading(quantization: str, device, bf16: bool) -> dict[str, Any]:
+    """``from_pretrained``'s arguments for ``model.quantization`` (``none``: none). ``4bit``: QLoRA's recipe
+    (bitsandbytes NF4, double quantization), computed in bf16 when training runs in bf16, else fp32; the weights are
+    quantized as they load, onto ``device`` (bitsandbytes quantizes on the device that holds them)."""
+    if quantization == "none":
+        return {}
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32)  # fmt: skip
+    return {"quantization_config": q, "device_map": {"": str(device)}}
 
 
 def config_dict(name_or_path: str) -> dict[str, Any]:

@@ -52,8 +52,8 @@ def _write_weights(cfg: Config, rt: Runtime, model, model_path: str, folder: str
     fsdp, lora = cfg.train.parallelism == "fsdp", cfg.model.lora is not None
     if fsdp and not lora:
         write_sharded_export(cfg, model_path, model, rt.rank, folder)
-    elif fsdp:
-        state = ckpt.model_state(model, True, True)  # the adapters only: small, gathered
+    elif fsdp or cfg.model.quantization != "none":
+        state = ckpt.model_state(model, fsdp, True)  # the adapters only: small (under FSDP, gathered)
         if rt.rank == 0:
             _save(cfg, export_model(cfg, model_path, state), folder)
     elif rt.rank == 0:

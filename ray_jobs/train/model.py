@@ -8,13 +8,15 @@ from typing import Any
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
-from ray_jobs.model.loading import config_dict, load_model_fp32, saved_dtype
+from ray_jobs.model.loading import config_dict, load_model_fp32, quantized_loading, saved_dtype
 from ray_jobs.model.lora import check_lora, ties_embeddings
 from ray_jobs.train.runtime import Runtime
 
 
 def build_model(cfg: Config, model_path: str, rt: Runtime):
-    model = load_model_fp32(model_path, cfg.data.cache_dir)
+    device = rt.device()
+    model = load_model_fp32(model_path, cfg.data.cache_dir,
+                            **quantized_loading(cfg.model.quantization, device, bf16_training(cfg, device)))  # fmt: skip
     if cfg.train.gradient_checkpointing:
         kwargs = {"use_reentrant": False}  # torch.utils.checkpoint, non-reentrant
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name (the old one warns)
@@ -38,6 +40,12 @@ def apply_lora(model, cfg: Config):
 
     lc = cfg.model.lora
     check_lora(model, lc, cfg.model.name_or_path)
+    if cfg.model.quantization != "none":  # peft's own preparation of a k-bit base: frozen, its norms in fp32
+        from peft import prepare_model_for_kbit_training
+
+        # (gradient checkpointing is build_model's, with its own arguments)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        _one_cpu_weight_format(model)
     targets = lc.target_modules if isinstance(lc.target_modules, str) else list(lc.target_modules)
     return get_peft_model(
         model,
@@ -53,6 +61,17 @@ def apply_lora(model, cfg: Config):
     )
 
 
+def _one_cpu_weight_format(model) -> None:
+    """Keep each 4-bit weight in the one format it was quantized to. On a CPU with AVX512-BF16, bitsandbytes 0.50
+    repacks a ``Linear4bit`` weight for its CPU kernel at the first forward without gradients (an eval) and unpacks it
+    whenever a state dict is taken (each checkpoint) -- not back to the quant state it had: the steps after a
+    checkpoint then compute (in the last bits) unlike the same steps of a run resumed from it, and a resume is no
+    longer exact. The switch is the layer's own attribute; on a GPU the path is never taken."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+
+
 def _needs_tying(model, modules_to_save: list[str]) -> bool:
     """Whether peft must keep a tied head tied: without ``ensure_weight_tying``, peft 0.21 trains a separate copy
     of a tied ``lm_head`` listed in modules_to_save, and the merged export silently comes out untied
@@ -65,8 +84,10 @@ def _needs_tying(model, modules_to_save: list[str]) -> bool:
 
 def export_model(cfg: Config, model_path: str, state: dict[str, Any]):
     """The final model as a plain HF model in ``train.export_dtype`` built from a full state dict: the base model
-    with the trained weights (LoRA merged in). Only FSDP + LoRA needs this (a second model instance); every other
-    run exports its trained model in place (:func:`finish_in_place`, :func:`write_sharded_export`)."""
+    (unquantized) with the trained weights (LoRA merged in). Only FSDP + LoRA and a 4-bit base need this (a second
+    model instance: adapters merged into 4-bit weights would be rounded back to 4 bits, and a 4-bit model cannot be
+    cast to the export dtype); every other run exports its trained model in place (:func:`finish_in_place`,
+    :func:`write_sharded_export`)."""
     model = load_model_fp32(model_path, cfg.data.cache_dir)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg)
@@ -178,11 +199,16 @@ def build_optimizer(cfg: Config, model, device):
     return optimizer, get_scheduler(t.lr_schedule, optimizer, t.warmup_steps, t.max_steps)
 
 
+def bf16_training(cfg: Config, device) -> bool:
+    """Whether training computes in bf16: ``train.precision`` bf16, or ``auto`` on a GPU."""
+    return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+
+
 def autocast_for(cfg: Config, device):
     """A context factory: bf16 autocast where ``train.precision`` asks for it (``auto``: on a GPU), else nothing."""
     import torch
 
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+    bf16 = bf16_training(cfg, device)
     return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 
 

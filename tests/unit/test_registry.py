@@ -37,6 +37,23 @@ def test_reusing_a_run_name_with_compatible_changes_is_allowed(tmp_path: Path) -
     registry.check_compatible(cfg(tmp_path, "cluster.num_workers={min: 1, max: 2}"), "ds-1")
 
 
+def test_a_run_recorded_before_a_field_existed_resumes_with_it_at_its_default(tmp_path: Path) -> None:
+    import json
+
+    from ray_jobs.config import ADDED_LATER
+
+    registry.begin_attempt(cfg(tmp_path), {"address": "a"}, "ds-1")
+    path = tmp_path / "runs" / "r" / "run.json"
+    record = json.loads(path.read_text())
+    for dotted in ADDED_LATER:  # as an older release wrote it
+        section, _, key = dotted.partition(".")
+        del record["config"][section][key]
+    path.write_text(json.dumps(record))
+    registry.check_compatible(cfg(tmp_path), "ds-1")
+    with pytest.raises(registry.RunConflict, match="model:"):  # set otherwise, the field counts as ever
+        registry.check_compatible(cfg(tmp_path, "model.quantization=4bit", "model.lora.r=4"), "ds-1")
+
+
 def test_reusing_a_run_name_for_an_incompatible_training_is_refused(tmp_path: Path) -> None:
     registry.begin_attempt(cfg(tmp_path), {"address": "a"}, "ds-1")
     with pytest.raises(registry.RunConflict) as err:
