@@ -60,9 +60,9 @@ def overrides(storage: Path, name: str, model: Path, cluster: ClusterHandle, **e
         "model.name_or_path": model,
         "data.seq_len": 128,
         "train.micro_batch_size": 2,
-        "train.max_steps": 6,
+        "train.max_steps": 4,  # a checkpoint at 2 to kill after, 2 steps to resume, evals at 0, 2, 4
         "train.warmup_steps": 1,
-        "train.eval_every_steps": 3,
+        "train.eval_every_steps": 2,
         "train.eval_max_batches": 2,
         "train.log_every_steps": 1,
         "train.sample_generations": 2,
