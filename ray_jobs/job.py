@@ -54,6 +54,7 @@ def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
+    from ray_jobs.train.heartbeat import group_restarts
     from ray_jobs.train.preemption import torch_config
     from ray_jobs.train.worker import train_loop_per_worker
 
@@ -79,7 +80,7 @@ def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
                 max_failures=cfg.fault_tolerance.max_failures,
                 max_preemption_failures=cfg.fault_tolerance.max_preemptions,
             ),
-            callbacks=callbacks or None,
+            callbacks=[*(callbacks or []), group_restarts(cfg)],
         ),
     )
 

@@ -26,16 +26,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The heavy, mostly-waiting tiers (chaos, multinode hosts, ray up over SSH) beside the CPU-bound ones. Lane 2 starts
-# with its most waiting tiers (multinode hosts, ray up over SSH: 0.5-0.7 of a core), while lane 1's integration
-# tier (training jobs on two workers) can fill both cores; lane 1's unit tier (one pytest process: about one core)
-# then runs beside the chaos tier. In the other order the two lightest loads met at the end: the machine was a fifth
-# idle for the last ~800 s. A self-contained unit file (in-process, its own free ports) listed in LATE_UNIT closes
-# lane 2 instead of lane 1, so that the lanes end together.
+# The heavy, mostly-waiting tiers (chaos, multinode hosts, ray up over SSH) beside the CPU-bound ones. A
+# self-contained unit file (in-process, its own free ports) listed here closes lane 2 instead of lane 1, so that the
+# lanes end together (once lane 1 ran on alone for ~4 minutes with half the machine idle); none is needed since the
+# chaos tier trains a DPO run besides (lane 2 had become the longer one by about test_elastic.py's 73 s). Lane 2 in
+# the other order (multinode and launcher first, beside the integration tier's two-worker jobs) was measured: its
+# waiting tiers waited longer under that load (multinode 526 -> 668 s, launcher 266 -> 318 s) and it ended 130 s later.
 LATE_UNIT: list[str] = []
 LANES = [
     ["tests/integration", "tests/unit", *[f"--ignore={f}" for f in LATE_UNIT]],
-    ["tests/multinode", "tests/launcher", "tests/chaos", *LATE_UNIT],
+    ["tests/chaos", "tests/multinode", "tests/launcher", *LATE_UNIT],
 ]
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 

@@ -137,6 +137,8 @@ def stall_verdict(
     phase, since, limit, field = phase_clock(attempt, beat, cfg)
     quiet = now - since if beat is None else beat.get("time", since) - since + age
     stall_s = cfg.fault_tolerance.stall_timeout_s
+    if phase == "restarting":  # written once by Ray Train's controller: no process beats until the new group does
+        stall_s = max(stall_s, limit)
     if age is not None and age > stall_s:  # frozen (SIGSTOP, a dead host), dead, or storage away
         at = f"at step {beat['step']}"
         return Verdict("stalled", f"Ray job {attempt.submission_id} is {status} but its heartbeat was last written "
@@ -166,7 +168,8 @@ def phase_clock(attempt: Attempt, beat: dict[str, Any] | None, cfg: Config) -> t
     if phase == "training":
         since = max(beat["last_step_at"], beat.get("phase_started_at") or 0.0)
         return phase, since, ft.stall_timeout_s, "stall_timeout_s"
-    key = "exporting" if phase == "done" else phase  # done: the driver still has to exit
+    # done: the driver still has to exit; restarting: Ray Train starts the group again, as at the job's start
+    key = {"done": "exporting", "restarting": "starting"}.get(phase, phase)
     limit = getattr(ft.phase_stall_s, key, ft.stall_timeout_s)
     return phase, beat.get("phase_started_at") or beat["last_step_at"], limit, f"phase_stall_s.{key}"
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from typing import Any
 
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, write_json_atomic
+from ray_jobs.storage import Layout, read_json, write_json_atomic
 from ray_jobs.train.sidewrite import SideWriter
 
 # What a job does, in order. ``starting`` (submitted, no heartbeat yet) is what a watcher infers; the job never
 # writes it. ``training`` is judged by steps; every other phase by the time spent in it. ``preempted``: checkpointed
-# for a node's drain notice, waiting for Ray Train to restart the group.
-PHASES = ("loading", "evaluating", "training", "checkpointing", "preempted", "exporting", "done")
+# for a node's drain notice, waiting for Ray Train to restart the group. ``restarting``: a worker of the group failed
+# and Ray Train restarts the group inside the job (written by its controller: :class:`GroupRestarts`).
+PHASES = ("loading", "evaluating", "training", "checkpointing", "preempted", "restarting", "exporting", "done")
 
 
 class Heartbeat:
@@ -89,3 +91,33 @@ def start_heartbeat(cfg: Config, attempt: int, writes: Any = None) -> Heartbeat:
     if writes is not None:
         beat.writes = writes
     return beat.start()
+
+
+def group_restarts(cfg: Config):
+    """The Ray Train callback that says so in the heartbeat when the worker group fails (:class:`GroupRestarts`)."""
+    from ray.train import UserCallback
+
+    class GroupRestarts(UserCallback):
+        """Ray Train's controller calls ``after_exception`` when a worker of the group raised or died; Ray Train then
+        restarts the group inside the job (``fault_tolerance.max_failures``). Until the new rank 0 beats, nothing
+        writes the heartbeat -- and a group of slow starters (a DPO trainer with its reference model, on a loaded
+        host) can take longer than ``stall_timeout_s`` to be back: a watcher would take the restart in progress for
+        a dead job and restart it a second time. So the controller writes phase ``restarting`` into the heartbeat,
+        which a watcher judges by ``phase_stall_s.starting`` instead. Best effort: a storage that fails this write
+        only leaves the heartbeat as it was."""
+
+        def __init__(self, url: str):
+            self.url = url
+
+        def after_exception(self, run_context, worker_exceptions) -> None:
+            try:
+                beat = read_json(self.url)
+                if beat.get("phase") == "done":
+                    return
+                now = time.time()
+                write_json_atomic(self.url, beat | {"phase": "restarting", "phase_started_at": now, "time": now,
+                                                    "pid": os.getpid(), "host": socket.gethostname()})  # fmt: skip
+            except Exception as e:  # noqa: BLE001 (never a reason to fail Ray Train's controller)
+                logging.getLogger("unbroken.train").warning("heartbeat: could not record the restart: %s", e)
+
+    return GroupRestarts(Layout(cfg.storage).heartbeat(cfg.name))

@@ -32,6 +32,7 @@ from tests.chaos.harness import (
     chaos_config,
     driver_pid,
     final_weights_hash,
+    heartbeat,
     heartbeat_step,
     rank0_pid,
     start_run,
@@ -183,6 +184,10 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
     started_and_checkpointed(cfg)
     worker = rank0_pid(cfg)
     os.kill(worker, signal.SIGKILL)
+    # Ray Train's controller says so in the heartbeat until the new group beats: no watchdog takes a slow restart
+    # (the DPO trainer builds a reference model) for a dead job
+    wait_for("the heartbeat to say the group restarts", lambda: heartbeat(cfg).get("phase") == "restarting",
+             timeout_s=60, every_s=0.1)  # fmt: skip
     wait_for("the restarted group past its next checkpoint", lambda: rank0_pid(cfg) != worker
              and heartbeat_step(cfg) > 90, timeout_s=180)  # fmt: skip
     pid = wait_for("the job driver", lambda: driver_pid(cfg))

@@ -244,6 +244,10 @@ def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed
         (JobView("ok", "RUNNING"), beat("loading", 1801, 1801), "stalled", True),  # over the loading limit
         (JobView("ok", "RUNNING"), beat(None, 0, 61), "stalled", True),  # an older job's heartbeat: no phases
         (JobView("ok", "PENDING"), None, "running", False),  # starting: 500 s < phase_stall_s.starting
+        # Ray Train restarts the group in the job: its controller wrote that once; nothing beats until the new group
+        # does, which may take longer than stall_timeout_s: judged as starting is
+        (JobView("ok", "RUNNING"), beat("restarting", 100, 150, refreshed_ago_s=100), "running", False),
+        (JobView("ok", "RUNNING"), beat("restarting", 1801, 1900, refreshed_ago_s=1801), "stalled", False),
     ],
 )
 def test_one_look_is_classified_by_what_the_api_and_the_heartbeat_say(
@@ -376,3 +380,28 @@ def test_restarts_that_could_not_complete_count_and_end_in_a_give_up_naming_why(
     reason = give_up_reason(run(now), c, now)
     assert reason.startswith("restart budget exhausted: 2 of fault_tolerance.max_restarts=2")
     assert "2 restart(s) could not complete, the last: StopUnverified: the Ray cluster at http://h:8265" in reason
+
+
+def test_ray_trains_controller_marks_a_group_restart_in_the_heartbeat(tmp_path: Path) -> None:
+    """The callback every job passes Ray Train (ray_jobs/job.py): when a worker of the group fails, the heartbeat
+    says ``restarting`` from now, its progress kept; a job that already exported its final model is left as it was."""
+    import json
+
+    from ray_jobs.storage import Layout
+    from ray_jobs.train.heartbeat import group_restarts
+
+    c = cfg(tmp_path)
+    url = Path(Layout(c.storage).heartbeat(c.name))
+    url.parent.mkdir(parents=True, exist_ok=True)
+    url.write_text(json.dumps(beat("training", 100, 5) | {"pid": 1}))
+    callback = group_restarts(c)
+    callback.after_exception(None, {0: RuntimeError("worker died")})
+    written = json.loads(url.read_text())
+    assert written["phase"] == "restarting" and written["step"] == 40 and written["pid"] != 1
+    assert written["phase_started_at"] == written["time"] > NOW
+    url.write_text(json.dumps(beat("done", 1, 5)))
+    callback.after_exception(None, {0: RuntimeError("worker died")})
+    assert json.loads(url.read_text())["phase"] == "done"
+    url.unlink()
+    callback.after_exception(None, {0: RuntimeError("worker died")})  # no heartbeat yet: nothing raised into Ray Train
+    assert not url.exists()
