@@ -40,7 +40,7 @@ def apply_lora(model, cfg: Config):
 
     lc = cfg.model.lora
     check_lora(model, lc, cfg.model.name_or_path)
-    if cfg.model.quantization != "none":  # peft's own preparation of a k-bit base: frozen, its norms in fp32
+    if getattr(model, "is_loaded_in_4bit", False):  # peft's own preparation of a k-bit base: frozen, norms in fp32
         from peft import prepare_model_for_kbit_training
 
         # (gradient checkpointing is build_model's, with its own arguments)
