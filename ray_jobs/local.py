@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from ray_jobs.config import Config, ConfigError, job_spec
 from ray_jobs.secrets import mask_output
@@ -131,6 +131,10 @@ def _run(loop: dict[str, Any], rt) -> str | None:
 
     try:
         trainer = run_worker(loop, rt)
+        if rt.world_size > 1:  # every rank leaves the group together, once rank 0's export is done
+            import torch.distributed as dist
+
+            dist.barrier()
     finally:
         if rt.world_size > 1:
             import torch.distributed as dist
@@ -149,5 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave(code: int) -> NoReturn:
+    """Exit a torchrun rank whose work is done -- its trackers closed, its files on storage, its process group
+    destroyed -- without the interpreter's teardown. There, C++ threads of what a rank loaded (gloo's, a trainer's)
+    can abort the process: a DPO rank that had finished every step died so, SIGABRT ("terminate called without an
+    active exception"; pytorch/pytorch#190489 is the same crash), and torchrun reported the whole run failed. What
+    Python would still have done that matters here -- flushing the logs and the output -- is done first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # an error still raises out of main(): its traceback and exit status are Python's own
