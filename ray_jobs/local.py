@@ -126,19 +126,17 @@ def train(cfg: Config) -> str | None:
 
 
 def _run(loop: dict[str, Any], rt) -> str | None:
+    import torch.distributed as dist
+
     from ray_jobs.storage import Layout
     from ray_jobs.train.worker import run_worker
 
     try:
         trainer = run_worker(loop, rt)
         if rt.world_size > 1:  # every rank leaves the group together, once rank 0's export is done
-            import torch.distributed as dist
-
             dist.barrier()
     finally:
         if rt.world_size > 1:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
     return Layout(trainer.cfg.storage).final_model(trainer.cfg.name) if rt.rank == 0 else None
 

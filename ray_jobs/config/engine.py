@@ -104,16 +104,21 @@ def engine_problems(cfg: Any) -> list[str]:
     return problems + hf_args_problems(t.hf_args, dpo=cfg.data.format in ("preference", "auto"))
 
 
-def liger_problem(use_gpu: bool, backend: str) -> str | None:
-    """Why Liger's kernels (HF Trainer's ``use_liger_kernel``, which patches the model with them) cannot run: they
-    are Triton kernels, for CUDA devices, from the ``liger-kernel`` package (``pip install 'unbroken[gpu]'``). Whether
-    it is installed is known here only for a local head (this machine's environment); a remote cluster's workers
-    say so themselves when HF's Trainer starts (its ImportError names the package)."""
+def missing_here(backend: str, module: str) -> bool:
+    """Whether the workers lack ``module``, as far as it is known here: only for a local head, whose workers run in
+    this machine's environment. A remote cluster's workers name a missing package themselves when they import it
+    (HF's and transformers' ImportError names it)."""
     import importlib.util
 
+    return backend == "local" and importlib.util.find_spec(module) is None
+
+
+def liger_problem(use_gpu: bool, backend: str) -> str | None:
+    """Why Liger's kernels (HF Trainer's ``use_liger_kernel``, which patches the model with them) cannot run: they
+    are Triton kernels, for CUDA devices, from the ``liger-kernel`` package (``pip install 'unbroken[gpu]'``)."""
     if not use_gpu:
         return "Liger's kernels are Triton kernels and need a CUDA device; set cluster.use_gpu=true"
-    if backend == "local" and importlib.util.find_spec("liger_kernel") is None:
+    if missing_here(backend, "liger_kernel"):
         return "needs the liger-kernel package: pip install 'unbroken[gpu]'"
     return None
 
@@ -121,10 +126,7 @@ def liger_problem(use_gpu: bool, backend: str) -> str | None:
 def quantization_problems(cfg: Any) -> list[str]:
     """Why ``model.quantization: 4bit`` (QLoRA) cannot run this config: a 4-bit base is frozen, so only LoRA adapters
     train on it; live recovery heals a replica from its peer's state, which has not been shown to hold for a 4-bit
-    base. Whether ``bitsandbytes`` is installed is known here only for a local head (this machine's environment); a
-    remote cluster's workers name it themselves when they load the model (transformers' ImportError)."""
-    import importlib.util
-
+    base; the workers need ``bitsandbytes``."""
     problems = []
     if cfg.model.lora is None:
         problems.append("4bit keeps the base model frozen in 4-bit: only LoRA adapters train on it (QLoRA); "
@@ -132,6 +134,6 @@ def quantization_problems(cfg: Any) -> list[str]:
     if cfg.fault_tolerance.live_recovery:
         problems.append("4bit is not supported with fault_tolerance.live_recovery yet (a replica is healed from its "
                         "peer's state; not shown for a 4-bit base): the watchdog and Ray Train's restarts cover it")  # fmt: skip
-    if cfg.cluster.backend_name == "local" and importlib.util.find_spec("bitsandbytes") is None:
+    if missing_here(cfg.cluster.backend_name, "bitsandbytes"):
         problems.append("4bit needs the bitsandbytes package: pip install 'unbroken[qlora]'")
     return problems

@@ -11,9 +11,6 @@ from pathlib import Path
 import pytest
 
 from ray_jobs.config import Config, ConfigError, load_config
-from ray_jobs.data.staging import stage
-from ray_jobs.model.builtin import build_builtin
-from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout
 from ray_jobs.train.hf import HfTrainer
 from ray_jobs.train.rowtrace import ENV, trained_rows
@@ -21,7 +18,7 @@ from ray_jobs.train.runtime import LocalRuntime
 from ray_jobs.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_overrides
 from tests.unit.dist_runs import run_world, train_rank
-from tests.unit.test_trainer import weights_hash
+from tests.unit.test_trainer import staged_builtin, weights_hash
 
 DEMO = ROOT / "configs" / "demo.yaml"
 
@@ -84,9 +81,7 @@ def setup(tmp_path_factory) -> tuple[Config, dict, str]:
     overrides = {"train.lr": 0.01, "train.warmup_steps": 3, "train.engine": "hf", "train.log_every_steps": 1,
                  "cluster.num_workers": 2, "cluster.cpus_per_worker": 1}  # fmt: skip
     cfg = load_config(DEMO, tiny_overrides(storage, **overrides))
-    model = str(storage.parent / "base")
-    build_builtin(cfg.model, cfg.train.seed, model)
-    return cfg, stage(cfg.data, load_tokenizer(model), model, cfg.storage).manifest, model
+    return cfg, *staged_builtin(cfg)
 
 
 def named(cfg: Config, name: str, engine: str = "hf") -> Config:
@@ -95,8 +90,9 @@ def named(cfg: Config, name: str, engine: str = "hf") -> Config:
     return c
 
 
-def train(cfg: Config, manifest: dict, model: str, stop_at: int | None = None) -> HfTrainer:
-    t = HfTrainer(cfg, manifest, model, LocalRuntime())
+def train(cfg: Config, manifest: dict, model: str, stop_at: int | None = None) -> Trainer:
+    """A run in this process by the config's engine (HfTrainer for ``hf``), stopped after ``stop_at`` if given."""
+    t = (HfTrainer if cfg.train.engine == "hf" else Trainer)(cfg, manifest, model, LocalRuntime())
     t.resume_or_start()
     t.fit(stop_at=stop_at)
     return t

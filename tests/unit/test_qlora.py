@@ -15,15 +15,12 @@ import torch
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, ConfigError, load_config
-from ray_jobs.data.staging import stage
-from ray_jobs.model.builtin import build_builtin
-from ray_jobs.model.loading import load_model, load_tokenizer
+from ray_jobs.model.loading import load_model
 from ray_jobs.storage import Layout
-from ray_jobs.train.hf import HfTrainer
-from ray_jobs.train.runtime import LocalRuntime
 from ray_jobs.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_overrides
-from tests.unit.test_trainer import weights_hash
+from tests.unit.test_hf_engine import named, train
+from tests.unit.test_trainer import staged_builtin, weights_hash
 
 DEMO = ROOT / "configs" / "demo.yaml"
 QLORA = ["model.quantization=4bit", "model.lora.r=4", "model.lora.target_modules=all-linear"]
@@ -59,32 +56,11 @@ def test_without_bitsandbytes_a_local_head_is_refused_and_a_remote_clusters_work
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> tuple[Config, dict, str]:
     storage = tmp_path_factory.mktemp("qlora") / "storage"
-    extra = {
-        "train.lr": 0.01,
-        "train.warmup_steps": 3,
-        "train.max_steps": 20,
-        "train.log_every_steps": 1,
-        "model.tiny.hidden_size": 128,
-        "model.tiny.intermediate_size": 256,
-    }  # (bitsandbytes' CPU kernel
-    # needs a layer's input wider than the test default's 32)
+    # (hidden 128: bitsandbytes' CPU kernel needs a layer's input wider than the test default's 32)
+    extra = {"train.lr": 0.01, "train.warmup_steps": 3, "train.max_steps": 20, "train.log_every_steps": 1,
+             "model.tiny.hidden_size": 128, "model.tiny.intermediate_size": 256}  # fmt: skip
     cfg = load_config(DEMO, [*tiny_overrides(storage, **extra), *QLORA])
-    model = str(storage.parent / "base")
-    build_builtin(cfg.model, cfg.train.seed, model)
-    return cfg, stage(cfg.data, load_tokenizer(model), model, cfg.storage).manifest, model
-
-
-def named(cfg: Config, name: str, engine: str = "native") -> Config:
-    c = cfg.model_copy(deep=True)
-    c.name, c.train.engine = name, engine
-    return c
-
-
-def train(cfg: Config, manifest: dict, model: str, stop_at: int | None = None) -> Trainer:
-    t = (HfTrainer if cfg.train.engine == "hf" else Trainer)(cfg, manifest, model, LocalRuntime())
-    t.resume_or_start()
-    t.fit(stop_at=stop_at)
-    return t
+    return cfg, *staged_builtin(cfg)
 
 
 @pytest.fixture(scope="module", params=["native", "hf"])

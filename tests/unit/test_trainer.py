@@ -31,10 +31,15 @@ def setup(tmp_path_factory) -> tuple[Config, dict, str]:
             storage, **{"train.lr": 0.01, "train.warmup_steps": 3, "fault_tolerance.heartbeat_every_s": 0.2}
         ),
     )
-    model = str(storage.parent / "base")
+    return cfg, *staged_builtin(cfg)
+
+
+def staged_builtin(cfg: Config) -> tuple[dict, str]:
+    """The config's built-in model, built beside its storage (``<storage>/../base``), and its data staged with that
+    model's tokenizer: (manifest, model folder)."""
+    model = str(Path(cfg.storage).parent / "base")
     build_builtin(cfg.model, cfg.train.seed, model)
-    staged = stage(cfg.data, load_tokenizer(model), model, cfg.storage)
-    return cfg, staged.manifest, model
+    return stage(cfg.data, load_tokenizer(model), model, cfg.storage).manifest, model
 
 
 def named(cfg: Config, name: str, **train: object) -> Config:
