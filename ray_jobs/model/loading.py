@@ -82,6 +82,21 @@ def quantized_loading(quantization: str, device, bf16: bool) -> dict[str, Any]:
     return {"quantization_config": q, "device_map": {"": str(device)}}
 
 
+def forgo_bitsandbytes(quantization: str) -> bool:
+    """In a process of its own that trains a run without ``model.quantization``, make bitsandbytes look absent to
+    every library, as if it were not installed (``sys.modules`` holding None: ``import`` raises ImportError and
+    ``importlib.util.find_spec`` answers None). peft and TRL import it at their own import whenever it is installed
+    (``pip install 'unbroken[qlora]'``), which costs each such process ~1.2 CPU-s and, on CPU, a warning line about
+    kernels it cannot load, for a package only a quantized base uses. Only for a process that is the run's alone (a
+    Ray Train worker, a torchrun rank): it cannot import bitsandbytes afterwards. Already imported: left as it is.
+    Returns whether it is now hidden."""
+    import sys
+
+    if quantization == "none" and "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None
+    return "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None
+
+
 def config_dict(name_or_path: str) -> dict[str, Any]:
     """The model's ``config.json`` as saved, without loading weights (or copying them off storage); an adapter
     folder's is its base model's."""

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from ray_jobs.config import from_json
+from ray_jobs.model.loading import forgo_bitsandbytes
 from ray_jobs.secrets import mask_output
 from ray_jobs.train.heartbeat import start_heartbeat
 from ray_jobs.train.runtime import Runtime
@@ -28,6 +29,7 @@ def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
     mask_output()  # a worker's log lines and tracebacks (a tracker's error quoting its URI) are masked here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = from_json(loop_config["config"])
+    forgo_bitsandbytes(cfg.model.quantization)  # this process is this run's alone
     attempt = loop_config.get("attempt", 0)
     live = cfg.fault_tolerance.live_recovery
     heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 and not live else None  # before the model loads

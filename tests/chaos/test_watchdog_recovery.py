@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from control import registry
 from control.backends.local import head_pids
 from control.records.describe import describe
 from ray_jobs import checkpoint as ckpt
@@ -108,22 +109,29 @@ def watched_config(storage: Path, name: str, **extra: object) -> Config:
 
 def check_recovered(cfg: Config, reg: dict, baseline: str, kind: str, fault_at: float, scenario: str) -> dict:
     """The run finished by exactly one restart, bit-identical to the baseline; its cost goes into the report."""
+    return check_restarts(cfg, reg, baseline, [(kind, fault_at, scenario)])[0]
+
+
+def check_restarts(cfg: Config, reg: dict, baseline: str, faults: list[tuple[str, float, str]]) -> list:
+    """The run finished by exactly one restart per fault ((incident kind, when, scenario), in order), bit-identical
+    to the baseline; each fault's cost goes into the report. Returns the incidents acted on."""
     status = describe(cfg.storage, cfg.name)
     assert reg.state == "succeeded", status
     # (an API silent while the heartbeat was still fresh is observed on the way: the job may have lived)
-    assert [i.kind for i in reg.incidents if i.action != "observed"] == [kind], status
-    assert reg.restarts == 1 and len(reg.attempts) == 2, status
-    incident = next(i for i in reg.incidents if i.action != "observed")
-    assert incident.action == "restarted" and incident.new_attempt == 2, status
-    assert reg.attempts[1].started_by == "watchdog"
-    assert reg.attempts[1].resume_from == incident.resumed_from
-    assert incident.first_new_step_at, status
-    assert "restarted as attempt 2 from step" in status and "lost steps" in status
+    acted = [i for i in reg.incidents if i.action != "observed"]
+    assert [i.kind for i in acted] == [kind for kind, _, _ in faults], status
+    assert reg.restarts == len(faults) and len(reg.attempts) == len(faults) + 1, status
+    for new, incident, (kind, fault_at, scenario) in zip(range(2, len(faults) + 2), acted, faults, strict=True):
+        assert incident.action == "restarted" and incident.new_attempt == new, status
+        assert reg.attempts[new - 1].started_by == "watchdog"
+        assert reg.attempts[new - 1].resume_from == incident.resumed_from
+        assert incident.first_new_step_at, status
+        assert f"restarted as attempt {new} from step" in status and "lost steps" in status
+        REPORT.append({"scenario": scenario, "detected_by": f"watchdog ({kind})",
+                       "detection_s": incident.detected_at - fault_at,
+                       "recovery_s": incident.first_new_step_at - fault_at, "lost_steps": incident.lost_steps})  # fmt: skip
     assert final_weights_hash(cfg) == baseline
-    REPORT.append({"scenario": scenario, "detected_by": f"watchdog ({kind})",
-                   "detection_s": incident.detected_at - fault_at,
-                   "recovery_s": incident.first_new_step_at - fault_at, "lost_steps": incident.lost_steps})  # fmt: skip
-    return incident
+    return acted
 
 
 def started_and_checkpointed(cfg: Config, past_step: int = 50) -> None:
@@ -132,27 +140,64 @@ def started_and_checkpointed(cfg: Config, past_step: int = 50) -> None:
     wait_for(f"step {past_step}", lambda: heartbeat_step(cfg) > past_step, timeout_s=120)
 
 
-def test_killed_driver_is_restarted_from_the_newest_checkpoint(ray_cluster, baseline, watched, watchdogs) -> None:
-    """... with a run record from a newer release marked active beside it (written by a newer unbroken on the same
-    storage): both watchdogs name it, count it, skip it, and still recover this run."""
-    cfg = watched_config(watched, "driver-kill")
+def test_a_worker_killed_mid_checkpoint_write_then_the_driver_killed_each_resume_from_the_newest_valid_one(
+    ray_cluster, baseline, uninterrupted, watched, watchdogs
+) -> None:
+    """Two faults of one run, each a job the watchdog must restart (one run for both: the suite shares two cores):
+    kill -9 of rank 0 while it writes a checkpoint -- the half-written one is skipped, the run resumes from the one
+    before; then kill -9 of the restarted job's driver -- resumed from the newest checkpoint. Beside it a run record
+    from a newer release is marked active (written by a newer unbroken on the same storage): both watchdogs name
+    it, count it, skip it, and still recover this run. It ends bit-identical, each step once in the trackers."""
+    cfg = watched_config(watched, "ckpt-then-driver-kill", **TRACKING)
     newer = Path(Layout(str(watched)).run_registry("from-a-newer-release"))
     newer.parent.mkdir(parents=True, exist_ok=True)
     newer.write_text(json.dumps({"schema_version": 99, "name": "from-a-newer-release", "state": "running"}))
     Path(Layout(str(watched)).active_index(), "from-a-newer-release").touch()
+    ckpts = Path(Layout(cfg.storage).checkpoints_dir(cfg.name))
     start_run(ray_cluster, cfg)
-    started_and_checkpointed(cfg)
-    pid = wait_for("the job driver", lambda: driver_pid(cfg))
-    fault_at = time.time()
+    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(str(ckpts)), timeout_s=180)
+    victim = rank0_pid(cfg)  # rank 0 writes the checkpoints
+
+    def writing():  # a checkpoint folder after the first whose manifest (written last) is not there yet
+        for d in ckpts.glob("checkpoint-step-*"):
+            if ckpt.checkpoint_step(d.name) > cfg.checkpoint.every_steps and not (d / "manifest.json").exists():
+                return d
+        return None
+
+    partial = wait_for("a checkpoint write in progress", writing, timeout_s=120, every_s=0)
+    write_killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    caught_mid_write = not (partial / "manifest.json").exists()
+    assert caught_mid_write, f"the kill landed after {partial.name} was complete; nothing partial was tested"
+
+    # Attempt 2 (the watchdog's) trains past a checkpoint of its own at or after the torn one; then its driver dies.
+    def attempt_2_past_a_checkpoint() -> bool:
+        latest = ckpt.find_latest_valid(str(ckpts))
+        return (
+            len(registry.load(cfg.storage, cfg.name).attempts) == 2
+            and heartbeat(cfg).get("pid") not in (None, victim)
+            and heartbeat_step(cfg) > ckpt.checkpoint_step(partial.name) + 5
+            and latest is not None
+            and ckpt.checkpoint_step(latest[0]) >= ckpt.checkpoint_step(partial.name)
+        )
+
+    wait_for("attempt 2 past a checkpoint of its own", attempt_2_past_a_checkpoint, timeout_s=180)
+    pid = wait_for("attempt 2's job driver", lambda: driver_pid(cfg))
+    driver_killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
 
     reg = until_finished(cfg, watchdogs)
-    incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 the job driver")
+    write_kill, driver_kill = check_restarts(cfg, reg, baseline, [
+        ("job-failed", write_killed_at, "kill -9 during a checkpoint write"),
+        ("job-failed", driver_killed_at, "kill -9 the job driver"),
+    ])  # fmt: skip
+    assert write_kill.resumed_step < ckpt.checkpoint_step(partial.name), "a half-written checkpoint was loaded"
     # Ray SIGTERMs the orphaned workers: they save a just-in-time checkpoint, so little or nothing is lost.
-    assert incident.resumed_step >= incident.failed_step - cfg.checkpoint.every_steps
-    # What the watchdogs' endpoints say of it: one incident, one restart, whichever watchdog did it.
-    assert counted("unbroken_watchdog_restarts_total", run=cfg.name) == 1
-    assert counted("unbroken_watchdog_incidents_total", run=cfg.name, kind="job-failed") == 1
+    assert driver_kill.resumed_step >= driver_kill.failed_step - cfg.checkpoint.every_steps
+    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))  # resumed further back
+    # What the watchdogs' endpoints say of it: one incident and one restart a fault, whichever watchdog did it.
+    assert counted("unbroken_watchdog_restarts_total", run=cfg.name) == 2
+    assert counted("unbroken_watchdog_incidents_total", run=cfg.name, kind="job-failed") == 2
     assert counted("unbroken_watchdog_passes_total") > 0
     assert counted("unbroken_watchdog_left_alone_total", run="from-a-newer-release", reason="unreadable") >= 2
     for log in watchdogs:  # named by each (its log and its printed outcome) -- once, not once a pass
@@ -176,7 +221,7 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
     of a train worker after a checkpoint (Ray Train restarts the group in the job), then kill -9 of the job's driver
     (the watchdog restarts the run) -- it ends bit-identical to its uninterrupted hf run, each step once in
     TensorBoard and MLflow."""
-    hf = {"train.engine": "hf", "train.max_steps": 160, **HF_RECIPES[recipe]}  # (room for two faults after step 50)
+    hf = {"train.engine": "hf", "train.max_steps": 120, **HF_RECIPES[recipe]}  # (room for two faults after step 50)
     hf_baseline = start_uninterrupted(tmp_path / "hf-baseline", **hf)  # trains while this run waits on restarts
     cfg = chaos_config(watched, f"hf-{recipe}-faults",
                        **(WATCHED | TRACKING | hf | {"fault_tolerance.max_failures": 1}))  # fmt: skip
@@ -220,34 +265,6 @@ def test_hung_worker_is_detected_by_the_stall_timeout(ray_cluster, baseline, wat
     # Not before the stall timeout, and not long after it (a pass a second, plus a loaded machine's slack).
     assert cfg.fault_tolerance.stall_timeout_s <= incident.silent_s < cfg.fault_tolerance.stall_timeout_s + 20
     assert "made no step" in incident.detail
-
-
-def test_worker_killed_while_a_checkpoint_is_written_resumes_from_the_previous_one(
-    ray_cluster, baseline, uninterrupted, watched, watchdogs
-) -> None:
-    cfg = watched_config(watched, "ckpt-kill", **TRACKING)
-    ckpts = Path(Layout(cfg.storage).checkpoints_dir(cfg.name))
-    start_run(ray_cluster, cfg)
-    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(str(ckpts)), timeout_s=180)
-    victim = rank0_pid(cfg)  # rank 0 writes the checkpoints
-
-    def writing():  # a checkpoint folder after the first whose manifest (written last) is not there yet
-        for d in ckpts.glob("checkpoint-step-*"):
-            if ckpt.checkpoint_step(d.name) > cfg.checkpoint.every_steps and not (d / "manifest.json").exists():
-                return d
-        return None
-
-    partial = wait_for("a checkpoint write in progress", writing, timeout_s=120, every_s=0)
-    fault_at = time.time()
-    os.kill(victim, signal.SIGKILL)
-    caught_mid_write = not (partial / "manifest.json").exists()
-
-    reg = until_finished(cfg, watchdogs)
-    incident = check_recovered(cfg, reg, baseline, "job-failed", fault_at, "kill -9 during a checkpoint write")
-    if caught_mid_write:
-        assert incident.resumed_step < ckpt.checkpoint_step(partial.name), "a half-written checkpoint was loaded"
-    assert caught_mid_write, f"the kill landed after {partial.name} was complete; nothing partial was tested"
-    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))  # resumed further back
 
 
 def test_whole_cluster_stopped_is_reprovisioned_and_resumed(

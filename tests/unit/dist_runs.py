@@ -16,6 +16,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from ray_jobs.config import Config
+from ray_jobs.model.loading import forgo_bitsandbytes
 
 
 def _free_port() -> int:
@@ -59,6 +60,7 @@ def train_rank(rank: int, cfg: Config, manifest: dict, model: str, stop_at: int 
     from ray_jobs.train.runtime import TorchRuntime
     from ray_jobs.train.trainer import Trainer
 
+    forgo_bitsandbytes(cfg.model.quantization)  # a spawned rank, as a Ray Train worker or a torchrun rank does
     t = (HfTrainer if cfg.train.engine == "hf" else Trainer)(cfg, manifest, model, TorchRuntime())
     t.resume_or_start()
     t.fit(stop_at=stop_at)
@@ -71,6 +73,7 @@ def train_and_export_rank(rank: int, cfg: Config, manifest: dict, model: str) ->
     from ray_jobs.train.runtime import TorchRuntime
     from ray_jobs.train.trainer import Trainer
 
+    forgo_bitsandbytes(cfg.model.quantization)
     t = Trainer(cfg, manifest, model, TorchRuntime())
     t.resume_or_start()
     t.fit()
@@ -138,6 +141,7 @@ def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict
     from ray_jobs.train.live_trainer import LiveTrainer
 
     _gate(*gate)
+    forgo_bitsandbytes(cfg.model.quantization)
 
     port = _free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,32 @@ def test_without_bitsandbytes_a_local_head_is_refused_and_a_remote_clusters_work
     with pytest.raises(ConfigError, match=r"model.quantization: 4bit needs the bitsandbytes package: .*\[qlora\]"):
         load_config(DEMO, QLORA)
     assert load_config(DEMO, [*QLORA, "cluster.address=http://10.0.0.7:8265"]).model.quantization == "4bit"
+
+
+def test_a_worker_of_a_run_without_quantization_never_imports_bitsandbytes() -> None:
+    """A process of a 4-bit run keeps it; one of a run without quantization sees it absent, as peft and TRL then do
+    (they import it whenever it is installed), and trains LoRA all the same. A process of its own: it cannot import
+    bitsandbytes afterwards."""
+    script = """
+import importlib.util, sys
+from ray_jobs.model.loading import forgo_bitsandbytes
+assert not forgo_bitsandbytes("4bit") and "bitsandbytes" not in sys.modules
+assert forgo_bitsandbytes("none") and importlib.util.find_spec("bitsandbytes") is None
+import peft, peft.helpers, trl
+from transformers import LlamaConfig, LlamaForCausalLM
+assert peft.helpers.bnb is None and "bitsandbytes" not in {m.split(".")[0] for m in sys.modules if sys.modules[m]}
+tiny = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=2, vocab_size=32))
+lora = peft.get_peft_model(tiny, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+assert lora.get_nb_trainable_parameters()[0] > 0
+try:
+    import bitsandbytes
+except ImportError:
+    print("hidden")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "hidden", r.stderr[-3000:]
+    assert "kernels-community" not in r.stderr  # bitsandbytes' CPU warning: never loaded
 
 
 @pytest.fixture(scope="module")
