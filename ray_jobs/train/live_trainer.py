@@ -238,7 +238,9 @@ class LiveTrainer(Trainer):
                         self.workers, self.last_step_at)  # fmt: skip
         self.participants = participants
         leader = self.leader if self.leader in participants else min(participants)
-        if leader == self.ray_rank and self.leader != self.ray_rank:
+        # A replacement that healed from a peer may inherit the lead (the process it replaces led, and rejoined
+        # before the others committed a step without it): it leads, but has not opened the log yet.
+        if leader == self.ray_rank and (self.leader != self.ray_rank or self.metrics is None):
             self._lead()
         self.leader = leader
 

@@ -2,6 +2,13 @@
 
 ``run_world(fn, world, *args)`` starts ``world`` processes, each initializing the process group and calling
 ``fn(rank, *args)``; what each returns comes back as a list, in rank order.
+
+The ranks are forked from one forkserver per test session that has already imported what a rank imports
+(``tests/unit/rank_preload.py``): a spawned rank paid ~5 CPU-s of imports (torch, transformers, peft) before its
+first step, some 90 times a suite. A forked rank is a fresh process all the same -- nothing has run in the server but
+imports -- and gets the caller's environment and working folder as they are now (a forkserver's children would
+otherwise inherit the server's, from when it started). A rank of a 4-bit run is spawned: the preloaded libraries
+were imported with bitsandbytes hidden, as in any rank of a run without quantization (``forgo_bitsandbytes``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,25 @@ import torch.multiprocessing as mp
 from ray_jobs.config import Config
 from ray_jobs.model.loading import forgo_bitsandbytes
 
+PRELOAD = ["tests.unit.rank_preload"]
+
+
+def _method(args: tuple) -> str:
+    """forkserver (preloaded), unless a run among ``args`` is quantized (see the module's docstring)."""
+    quantized = any(isinstance(a, Config) and a.model.quantization != "none" for a in args)
+    if quantized:
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts (once a session)
+    return "forkserver"
+
+
+def _as_caller(caller: tuple[dict[str, str], str]) -> None:
+    """Take the caller's environment and working folder (a forked rank has the forkserver's)."""
+    env, cwd = caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -25,9 +51,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args: tuple, out) -> None:
+def _entry(rank: int, world: int, port: int, fn, args: tuple, out, caller: tuple[dict[str, str], str]) -> None:
     import torch.distributed as dist
 
+    _as_caller(caller)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -40,7 +67,9 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out) -> None:
 def run_world(fn, world: int, *args: Any) -> list[Any]:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_entry, args=(world, _free_port(), fn, args, out), nprocs=world, join=True)
+        caller = (dict(os.environ), os.getcwd())
+        mp.start_processes(_entry, args=(world, _free_port(), fn, args, out, caller), nprocs=world, join=True,
+                           start_method=_method(args))  # fmt: skip
         return [out[r] for r in range(world)]
 
 
@@ -135,11 +164,14 @@ def _gate(hold: str | None, asked: str | None) -> None:
 
 
 def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out,
-                heal_fails: bool = False, gate: tuple[str | None, str | None] = (None, None)) -> None:  # fmt: skip
+                heal_fails: bool = False, gate: tuple[str | None, str | None] = (None, None),
+                caller: tuple[dict[str, str], str] | None = None) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from ray_jobs.train.live_trainer import LiveTrainer
 
+    if caller is not None:
+        _as_caller(caller)
     _gate(*gate)
     forgo_bitsandbytes(cfg.model.quantization)
 
@@ -173,8 +205,9 @@ def start_live(rank: int, world: int, address: str, cfg: Config, manifest: dict,
     """Replica ``rank`` of ``world`` as its own process (killed with ``.kill()``, waited with ``.join()``);
     ``heal_fails``: every heal it should receive from a peer breaks in transit; ``gate``: (hold, asked), see
     ``_gate``."""
-    ctx = mp.get_context("spawn")
-    p = ctx.Process(target=_live_entry, args=(rank, world, address, cfg, manifest, model, out, heal_fails, gate),
-                    daemon=False)  # fmt: skip
+    ctx = mp.get_context(_method((cfg,)))
+    caller = (dict(os.environ), os.getcwd())
+    p = ctx.Process(target=_live_entry, daemon=False,
+                    args=(rank, world, address, cfg, manifest, model, out, heal_fails, gate, caller))  # fmt: skip
     p.start()
     return p
