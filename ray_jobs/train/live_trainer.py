@@ -8,9 +8,9 @@ only when torchft commits it (every replica of the quorum summed the same step);
 computed again, from the same cursor, never half-applied.
 
 One replica *leads*: it writes the heartbeat, the metrics log, the trackers' rows and the storage checkpoints, and
-exports at the end. The leader stays while it takes part; when it is lost the lowest live replica takes over and
-writes again the rows of this attempt every replica keeps (``history``), so the log and the trackers hold each
-step once. Who took part in each step, and who healed in how long, is in the step's sum: every replica knows it.
+exports at the end. The leader stays while it takes part; when it is lost the lowest live replica takes over (or
+the leader's replacement, when it rejoined before a step went without it) and writes again the rows of this attempt
+every replica keeps (``history``), so the log and the trackers hold each step once. Who took part in each step, and who healed in how long, is in the step's sum: every replica knows it.
 """
 
 from __future__ import annotations
