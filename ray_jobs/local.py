@@ -105,7 +105,7 @@ def runtime(cfg: Config):
 
 
 def train(cfg: Config) -> str | None:
-    """``unbroken train --local``: check, prepare (rank 0), train every rank; the final folder's URL on rank 0."""
+    """``unbroken train``: check, prepare (rank 0), train every rank; the final folder's URL on rank 0."""
     check_local(cfg)
     rank, size, _ = world()
     loop, failed = None, ""

@@ -1,6 +1,6 @@
-"""``unbroken`` command line: ``run`` (the finetune flow), ``stage`` (the staging flow), ``train --local`` (local
-mode: the training without Ray or Prefect, ray_jobs/local.py), ``status`` (a run's record), ``watchdog`` (the recovery
-flow, once or in a loop).
+"""``unbroken`` command line: ``run`` (the finetune flow), ``stage`` (the staging flow), ``train`` (local mode: the
+training without Ray or Prefect, ray_jobs/local.py), ``status`` (a run's record), ``watchdog`` (the recovery flow,
+once or in a loop). ``UNBROKEN_STORAGE`` is the storage root of the commands that take ``--storage``.
 
 The config is validated here first, so a bad config fails in a fraction of a second with every bad field named,
 before Prefect, storage or a cluster is touched.
@@ -16,10 +16,59 @@ import sys
 from control.config import ConfigError, check_flow, load_config
 from ray_jobs.secrets import export_credentials, mask, mask_logs
 
+STORAGE_ENV = "UNBROKEN_STORAGE"  # the storage root of status, runs, watchdog and serve when --storage is not given
+EXAMPLES = {  # one line of each subcommand's help (``unbroken CMD --help``)
+    "run": "unbroken run configs/demo.yaml --set train.max_steps=500",
+    "tune": "unbroken tune configs/demo-tune.yaml",
+    "stage": "unbroken stage configs/demo.yaml --set data.train=s3://bucket/data/train.jsonl",
+    "train": "unbroken train configs/demo.yaml    (or: torchrun --nproc-per-node 2 -m unbroken train configs/demo.yaml)",
+    "watchdog": "unbroken watchdog --storage s3://bucket/unbroken --interval 60",
+    "serve": "unbroken serve --config configs/demo.yaml --cron '0 3 * * *'",
+    "server": "unbroken server --port 4200",
+    "status": "unbroken status demo --storage s3://bucket/unbroken",
+    "runs": "unbroken runs --series demo",
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("unbroken")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "unknown (not installed)"
+
+
+def _storage(command: argparse.ArgumentParser, what: str) -> None:
+    default = os.environ.get(STORAGE_ENV) or ".unbroken/storage"
+    command.add_argument("--storage", default=default, help=f"{what} (default: ${STORAGE_ENV} when set, else "
+                         f".unbroken/storage, the demo's; now {default})")  # fmt: skip
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unbroken", description="Fault-tolerant LLM fine-tuning on Prefect + Ray.")
+    p.add_argument("--version", action="version", version=f"unbroken {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        raw = argparse.RawDescriptionHelpFormatter  # the example on one line
+        return sub.add_parser(name, help=help_, description=help_, epilog=f"example: {EXAMPLES[name]}",
+                              formatter_class=raw)  # fmt: skip
+
+    _config_parsers(command)
+    _watchdog_parser(command)
+    _serving_parsers(command)
+    st = command("status", "print a run's registry: state, attempts, incidents, heartbeat, lineage")
+    st.add_argument("run", help="run name")
+    _storage(st, "storage root")
+    rs = command("runs", "list the runs of every series (or one): state, dataset, eval loss, champion")
+    rs.add_argument("--series", default=None, help="only this series")
+    _storage(rs, "storage root")
+    return p
+
+
+def _config_parsers(command) -> None:
+    """The commands that take a config: run, tune, stage, train."""
     commands = (
         ("run", "run the finetune flow"),
         ("tune", "run the tune flow: a hyperparameter search over the config's tune.space (Ray Tune)"),
@@ -27,36 +76,32 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "local mode: train in this process (or each torchrun process), without Ray or Prefect"),
     )
     for name, help_ in commands:
-        c = sub.add_parser(name, help=help_)
+        c = command(name, help_)
         c.add_argument("config", help="YAML config file (see configs/)")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set train.max_steps=100 (repeatable)")  # fmt: skip
         if name == "train":
-            c.add_argument("--local", action="store_true", help="train here (the only mode `train` has: on Ray, "
-                           "`unbroken run` trains); under torchrun --nproc-per-node N, N processes")  # fmt: skip
-    _watchdog_parser(sub)
-    sv = sub.add_parser("serve", help="serve the deployments (finetune, stage-dataset, watchdog, dataset-sensor)")
+            c.add_argument("--local", action="store_true", help="accepted, and implied: `train` trains here (on "
+                           "Ray, `unbroken run` trains); under torchrun --nproc-per-node N, N processes")  # fmt: skip
+
+
+def _serving_parsers(command) -> None:
+    """serve (the deployments) and server (a local Prefect server)."""
+    sv = command("serve", "serve the deployments (finetune, tune, stage-dataset, watchdog, dataset-sensor)")
     sv.add_argument("--config", default="configs/demo.yaml", help="config the finetune/stage deployments run")
-    sv.add_argument("--storage", default=".unbroken/storage", help="storage root for runs and the watchdog")
+    _storage(sv, "storage root for runs and the watchdog")
     sv.add_argument("--cron", default=None, help='finetune schedule, e.g. "0 3 * * *" (default: none)')
     sv.add_argument("--watchdog-interval", type=float, default=60.0, help="seconds between watchdog runs")
     sv.add_argument("--watch-source", default=None, help="location the dataset sensor watches (default: data.train)")
     sv.add_argument("--sensor-interval", type=float, default=60.0, help="seconds between dataset sensor runs")
     sv.add_argument("--tune-config", default="configs/demo-tune.yaml", help="config the tune deployment searches")
-    srv = sub.add_parser("server", help="start a local Prefect server (SQLite) with the UI on 127.0.0.1")
+    srv = command("server", "start a local Prefect server (SQLite) with the UI on 127.0.0.1")
     srv.add_argument("--port", type=int, default=4200)
-    st = sub.add_parser("status", help="print a run's registry: state, attempts, incidents, heartbeat, lineage")
-    st.add_argument("run", help="run name")
-    st.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
-    rs = sub.add_parser("runs", help="list the runs of every series (or one): state, dataset, eval loss, champion")
-    rs.add_argument("--series", default=None, help="only this series")
-    rs.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
-    return p
 
 
-def _watchdog_parser(sub) -> None:
-    wd = sub.add_parser("watchdog", help="check every active run under a storage root and recover what broke")
-    wd.add_argument("--storage", default=".unbroken/storage", help="storage root (default: the demo's)")
+def _watchdog_parser(command) -> None:
+    wd = command("watchdog", "check every active run under a storage root and recover what broke")
+    _storage(wd, "storage root")
     wd.add_argument("--once", action="store_true", help="one pass, then exit (a scheduled deployment does this)")
     wd.add_argument("--interval", type=float, default=30.0, help="seconds between passes when looping (default 30)")
     wd.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus counters (incidents "
@@ -144,13 +189,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Local mode (ray_jobs/local.py): the run's training here, no Ray, no Prefect; rank 0 prints the final folder."""
-    # Under torchrun the mode is local by nature, and torchrun's own parser refuses a `--local` after the module
-    # (an ambiguous abbreviation of its --local-addr / --local-ranks-filter): there it is implied.
-    if not (args.local or "LOCAL_RANK" in os.environ):
-        print("error: `unbroken train` trains here, without Ray: say so with --local (`unbroken run` trains on Ray)",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    """Local mode (ray_jobs/local.py): the run's training here, no Ray, no Prefect; rank 0 prints the final folder.
+    Its only mode: ``--local`` is accepted and implied (under torchrun, whose own parser refuses a ``--local`` after
+    the module as an ambiguous abbreviation of its --local-addr, it cannot be given at all)."""
     import logging
 
     from ray_jobs.local import train

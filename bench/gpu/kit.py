@@ -134,7 +134,7 @@ def config(work: Path, name: str, model: Path, size: Size, **extra: Any):
 
 def trainer(cfg):
     """The project's Trainer on this device -- the ``hf`` engine's for ``train.engine: hf`` -- resumed or fresh,
-    exactly as ``unbroken train --local`` makes it."""
+    exactly as ``unbroken train`` makes it."""
     from ray_jobs.local import prepare
     from ray_jobs.train.runtime import LocalRuntime
     from ray_jobs.train.trainer import Trainer

@@ -38,9 +38,9 @@ def test_what_needs_ray_is_named(tmp_path):
         check_local(cfg_of(tmp_path, **{"cluster.use_gpu": True}))
 
 
-def test_unbroken_train_local_trains_here_and_a_second_start_resumes(tmp_path, capsys, caplog):
+def test_unbroken_train_trains_here_and_a_second_start_resumes(tmp_path, capsys, caplog):
     caplog.set_level("INFO")
-    args = ["train", str(DEMO), "--local"]
+    args = ["train", str(DEMO)]  # its only mode: no --local needed
     for o in tiny_overrides(tmp_path / "storage", **{"train.max_steps": 6, "checkpoint.every_steps": 3,
                                                      "train.eval_every_steps": 3}):  # fmt: skip
         args += ["--set", o]
@@ -49,13 +49,11 @@ def test_unbroken_train_local_trains_here_and_a_second_start_resumes(tmp_path, c
     final = Layout(cfg.storage).final_model(cfg.name)
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"final model: {final}"
     assert exists(join(final, "model.safetensors")) and exists(join(final, "tokenizer.json"))
-    assert main(args) == 0  # nothing left to train: it resumes from the step-6 checkpoint and exports again
+    assert main([*args, "--local"]) == 0  # (accepted) nothing left to train: resumes at step 6 and exports again
     assert "rank 0: resumed from" in caplog.text and "at step 6 (" in caplog.text
 
 
-def test_unbroken_train_without_local_or_on_an_elastic_config_is_one_clear_error(tmp_path, capsys):
-    assert main(["train", str(DEMO)]) == 2
-    assert "say so with --local" in capsys.readouterr().err
+def test_unbroken_train_on_an_elastic_config_is_one_clear_error(tmp_path, capsys):
     elastic = ["--set", "cluster.num_workers={min: 1, max: 2}", "--set", f"storage={tmp_path}"]
     assert main(["train", str(DEMO), "--local", *elastic]) == 2
     err = capsys.readouterr().err
