@@ -10,7 +10,8 @@ computed again, from the same cursor, never half-applied.
 One replica *leads*: it writes the heartbeat, the metrics log, the trackers' rows and the storage checkpoints, and
 exports at the end. The leader stays while it takes part; when it is lost the lowest live replica takes over (or
 the leader's replacement, when it rejoined before a step went without it) and writes again the rows of this attempt
-every replica keeps (``history``), so the log and the trackers hold each step once. Who took part in each step, and who healed in how long, is in the step's sum: every replica knows it.
+every replica keeps (``history``), so the log and the trackers hold each step once. Who took part in each step, and
+who healed in how long, is in the step's sum: every replica knows it.
 """
 
 from __future__ import annotations
