@@ -21,7 +21,7 @@ EXAMPLES = {  # one line of each subcommand's help (``unbroken CMD --help``)
     "run": "unbroken run configs/demo.yaml --set train.max_steps=500",
     "tune": "unbroken tune configs/demo-tune.yaml",
     "stage": "unbroken stage configs/demo.yaml --set data.train=s3://bucket/data/train.jsonl",
-    "train": "unbroken train configs/demo.yaml    (or: torchrun --nproc-per-node 2 -m unbroken train configs/demo.yaml)",
+    "train": "unbroken train configs/demo.yaml   (N processes: torchrun --nproc-per-node N -m unbroken train ...)",
     "watchdog": "unbroken watchdog --storage s3://bucket/unbroken --interval 60",
     "serve": "unbroken serve --config configs/demo.yaml --cron '0 3 * * *'",
     "server": "unbroken server --port 4200",

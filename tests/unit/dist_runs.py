@@ -5,9 +5,9 @@
 
 The ranks are forked from one forkserver per test session that has already imported what a rank imports
 (``tests/unit/rank_preload.py``): a spawned rank paid ~5 CPU-s of imports (torch, transformers, peft) before its
-first step, 67 ranks in one suite run. A forked rank is a fresh process all the same -- nothing has run in the server but
-imports -- and gets the caller's environment and working folder as they are now (a forkserver's children would
-otherwise inherit the server's, from when it started). A rank of a 4-bit run is spawned: the preloaded libraries
+first step (67 ranks in one suite run). A forked rank is a fresh process all the same -- nothing has run in the
+server but imports -- and gets the caller's environment and working folder as they are now (a forkserver's children
+would otherwise inherit the server's, from when it started). A rank of a 4-bit run is spawned: the preloaded libraries
 were imported with bitsandbytes hidden, as in any rank of a run without quantization (``forgo_bitsandbytes``).
 """
 
