@@ -211,9 +211,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     storage = absolute_url(args.storage)
     try:
         print("\n".join([describe(storage, args.run), *lineage_lines(storage, args.run)]))
-    except FileNotFoundError as e:
+    except FileNotFoundError as e:  # a run name or storage root the user got wrong: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -89,7 +89,8 @@ def test_status_command_prints_attempts_heartbeat_and_final_model(tmp_path: Path
 
     missing = subprocess.run([sys.executable, "-m", "unbroken", "status", "nope", "--storage", str(tmp_path)],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert missing.returncode == 1 and "no run 'nope' under" in missing.stderr
+    assert missing.returncode == 2 and missing.stderr.startswith("error: no run 'nope' under"), missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1, "one line, no traceback"
 
 
 def test_the_watchdog_reads_only_active_runs_registries_however_many_runs_finished(tmp_path: Path, monkeypatch) -> None:
