@@ -21,6 +21,7 @@ from control.backends import record as cluster_record
 from control.records.base import RecordError
 from control.records.run import ACTIVE, STATES, Attempt, ClusterRecord, Incident, RunRecord
 from ray_jobs.config import Config, without_later_defaults
+from ray_jobs.errors import UserError
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import (
     Layout,
@@ -178,11 +179,11 @@ FIXED_FIELDS = (
 )
 
 
-class RunConflict(ValueError):
+class RunConflict(UserError, ValueError):
     """The run name exists on storage with settings its checkpoints cannot be resumed under."""
 
 
-class RunBusy(RuntimeError):
+class RunBusy(UserError, RuntimeError):
     """The run already has an attempt in flight (a flow run or the watchdog looks after it): a second training job
     would write into the same checkpoints."""
 

@@ -16,12 +16,13 @@ import posixpath
 from pathlib import Path
 
 from ray_jobs.config import Config
+from ray_jobs.errors import UserError
 from ray_jobs.secrets import MaskedError, mask_tree
 
 LOCAL = ("", "file", "local")
 
 
-class SourceRefused(MaskedError, ValueError):
+class SourceRefused(MaskedError, UserError, ValueError):
     """A dataset URI outside ``data.allowed_sources`` (named masked: the message is a flow run's state)."""
 
 

@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 
+from ray_jobs.errors import UserError
 from ray_jobs.storage import _sync_dir, _write_local, fs_and_path, is_local, join, storage_errors, write_bytes_atomic
 
 
@@ -112,7 +113,7 @@ def storage_now(folder: str) -> float:
 _CONDITIONAL_OK: set[str] = set()
 
 
-class ConditionalWritesIgnored(RuntimeError):
+class ConditionalWritesIgnored(UserError, RuntimeError):
     """An object store that accepts a conditional create of an object that exists: it cannot keep leases."""
 
 

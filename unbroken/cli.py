@@ -3,7 +3,9 @@ training without Ray or Prefect, ray_jobs/local.py), ``status`` (a run's record)
 once or in a loop). ``UNBROKEN_STORAGE`` is the storage root of the commands that take ``--storage``.
 
 The config is validated here first, so a bad config fails in a fraction of a second with every bad field named,
-before Prefect, storage or a cluster is touched.
+before Prefect, storage or a cluster is touched; ``run``, ``tune`` and ``stage`` then do ``check``'s checks
+(control/check/). A user's mistake, at any stage, ends a command with its message alone and exit 2
+(unbroken/errors.py).
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import asyncio
 import os
 import sys
 
-from control.config import ConfigError, check_flow, load_config
-from ray_jobs.secrets import export_credentials, mask, mask_logs
+from control.config import check_flow, load_config
+from ray_jobs.secrets import export_credentials, mask_logs
+from unbroken import errors
 
 STORAGE_ENV = "UNBROKEN_STORAGE"  # the storage root of status, runs, watchdog and serve when --storage is not given
 EXAMPLES = {  # one line of each subcommand's help (``unbroken CMD --help``)
     "run": "unbroken run configs/demo.yaml --set train.max_steps=500",
+    "check": "unbroken check configs/smollm2-chat-lora.yaml --set cluster.num_workers=4",
     "tune": "unbroken tune configs/demo-tune.yaml",
     "stage": "unbroken stage configs/demo.yaml --set data.train=s3://bucket/data/train.jsonl",
     "train": "unbroken train configs/demo.yaml   (N processes: torchrun --nproc-per-node N -m unbroken train ...)",
@@ -48,6 +52,8 @@ def _storage(command: argparse.ArgumentParser, what: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unbroken", description="Fault-tolerant LLM fine-tuning on Prefect + Ray.")
     p.add_argument("--version", action="version", version=f"unbroken {_version()}")
+    p.add_argument("--debug", action="store_true", help=f"show the traceback of every error, a user's mistake too "
+                   f"(also ${errors.DEBUG_ENV}=1)")  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, help_: str) -> argparse.ArgumentParser:
@@ -71,6 +77,7 @@ def _config_parsers(command) -> None:
     """The commands that take a config: run, tune, stage, train."""
     commands = (
         ("run", "run the finetune flow"),
+        ("check", "check a run without running it: config, model, data, cluster, storage, and its plan"),
         ("tune", "run the tune flow: a hyperparameter search over the config's tune.space (Ray Tune)"),
         ("stage", "stage the dataset only"),
         ("train", "local mode: train in this process (or each torchrun process), without Ray or Prefect"),
@@ -80,6 +87,9 @@ def _config_parsers(command) -> None:
         c.add_argument("config", help="YAML config file (see configs/)")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set train.max_steps=100 (repeatable)")  # fmt: skip
+        if name == "check":
+            c.add_argument("--worker-memory", type=_gb, default=None, metavar="GB", help="memory each worker has "
+                           "(a GPU's with cluster.use_gpu), for the plan, when the cluster cannot say: 24, 80GB")  # fmt: skip
         if name == "train":
             c.add_argument("--local", action="store_true", help="accepted, and implied: `train` trains here (on "
                            "Ray, `unbroken run` trains); under torchrun --nproc-per-node N, N processes")  # fmt: skip
@@ -108,6 +118,13 @@ def _watchdog_parser(command) -> None:
                     "and restarts per run) at http://HOST:P/metrics while it runs (0: a free port, printed)")  # fmt: skip
     wd.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds (default "
                     "127.0.0.1; 0.0.0.0 for a Prometheus on another machine)")  # fmt: skip
+
+
+def _gb(text: str) -> float:
+    try:
+        return float(text.upper().removesuffix("B").removesuffix("G")) * 1024**3
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GB (e.g. 24 or 80GB)") from None
 
 
 def _quiet_defaults() -> None:
@@ -176,6 +193,18 @@ def format_trials(rows: list[dict]) -> str:
         lines.append(f"{r['trial']:<24} " + " ".join(f"{r[p]!s:>18}" for p in params)
                      + f" {r['state']:<14} {r['steps']:>6} {loss:>9}{'  <- winner' if r['winner'] else ''}")  # fmt: skip
     return "\n".join(lines)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from control.check import check
+
+    report = check(load_config(args.config, args.overrides), args.worker_memory)
+    print("\n".join(report.lines()))
+    if report.problems:
+        print(f"{len(report.problems)} problem(s): this run would not start", file=sys.stderr)
+        return errors.USER_ERROR
+    print("no problem found")
+    return 0
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -290,6 +319,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "run": cmd_run,
+    "check": cmd_check,
     "tune": cmd_tune,
     "stage": cmd_stage,
     "train": cmd_train,
@@ -300,34 +330,37 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    debug = errors.debugging(args.debug)
     mask_logs()  # what this process logs (and Prefect stores of its flow runs) never shows a credential
     if getattr(args, "overrides", None):  # a flow run's parameters are stored and shown: masked, the real URIs kept
         args.overrides = export_credentials(args.overrides)  # in this process's UNBROKEN_CREDENTIALS (revealed on load)
-    if args.command == "server":
-        return cmd_server(args)
-    if args.command == "status":
-        return cmd_status(args)
-    if args.command == "runs":
-        return cmd_runs(args)
     try:
-        if args.command in ("run", "tune", "stage", "train"):
-            cfg = load_config(args.config, args.overrides)  # before Prefect is imported
-            if args.command in ("run", "tune"):
-                check_flow(cfg, search=args.command == "tune", source=args.config)
-                from control.cluster import preflight
+        return _dispatch(args, debug)
+    except BaseException as e:  # noqa: BLE001 -- the command's last word, whatever ended it (unbroken/errors.py)
+        if isinstance(e, SystemExit):
+            raise
+        return errors.report(e, debug)
 
-                preflight(cfg)  # a head on the run's ports it must not use: one line, before Prefect
-        _quiet_defaults()
-        return COMMANDS[args.command](args)
-    except ConfigError as e:
-        print(f"error: {mask(str(e))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        print(f"error: {type(e).__name__}: {mask(str(e))}", file=sys.stderr)
-        return 1
+
+def _dispatch(args: argparse.Namespace, debug: bool) -> int:
+    if args.command in ("server", "status", "runs"):
+        return {"server": cmd_server, "status": cmd_status, "runs": cmd_runs}[args.command](args)
+    if args.command in ("run", "tune", "stage", "train", "check"):
+        cfg = load_config(args.config, args.overrides)  # before Prefect is imported
+        if args.command in ("run", "tune"):
+            check_flow(cfg, search=args.command == "tune", source=args.config)
+            from control.cluster import preflight
+
+            preflight(cfg)  # a head on the run's ports it must not use: one line, before Prefect
+        if args.command in ("run", "tune", "stage"):
+            from control.check import refuse_early
+
+            for w in refuse_early(cfg, with_cluster=args.command != "stage"):  # `check`'s checks, before Prefect
+                print(f"warning: {w.area}: {w.text}", file=sys.stderr)
+    _quiet_defaults()
+    if not debug and args.command in ("run", "tune", "stage", "watchdog", "serve"):
+        errors.hide_user_errors()
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ neither creates nor removes it: ``up`` only checks that it answers, ``down`` lea
 
 from __future__ import annotations
 
-from control.backends.base import Backend, ClusterError, ClusterHandle, reachable
+from control.backends.base import Backend, ClusterHandle, ClusterUnreachable, reachable
 from ray_jobs.config import ClusterConfig
 
 
@@ -24,7 +24,7 @@ class Address(Backend):
         address = self.cfg.cluster.address
         why = reachable(address)
         if why:
-            raise ClusterError(f"cluster.address {address} is not reachable: {why}")
+            raise ClusterUnreachable(f"cluster.address {address} is not reachable: {why}")
         return self._handle(address, False)
 
     def address(self) -> str | None:

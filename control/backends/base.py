@@ -13,12 +13,14 @@ from typing import Any, ClassVar
 from control import jobsapi
 from control.rayapi import AUTH_MODE_ENV, enable_token_auth, jobs_client, redact
 from ray_jobs.config import ClusterConfig, Config
+from ray_jobs.errors import UserError
 from ray_jobs.secrets import MaskedError
 
 __all__ = [
     "AUTH_MODE_ENV",
     "Backend",
     "ClusterError",
+    "ClusterUnreachable",
     "ClusterHandle",
     "StopUnverified",
     "enable_token_auth",
@@ -34,6 +36,10 @@ JOB_ENV = "UNBROKEN_SUBMISSION"  # in the environment of every process of a job 
 class ClusterError(MaskedError, RuntimeError):
     """The cluster could not be started or reached. Its message is masked (it becomes a flow run's state, an
     incident in the run record): a cluster's address may carry credentials (ray_jobs/secrets.py)."""
+
+
+class ClusterUnreachable(ClusterError, UserError):
+    """The cluster the config names does not answer (a wrong ``cluster.address``, a head that is down)."""
 
 
 class StopUnverified(ClusterError):

@@ -16,10 +16,11 @@ from control.backends.base import ClusterError
 from control.backends.health import Health
 from ray_jobs.config import Config
 from ray_jobs.config.tune import concurrency_problem
+from ray_jobs.errors import UserError
 from ray_jobs.poll import poll_until
 
 
-class DoesNotFit(ClusterError):
+class DoesNotFit(ClusterError, UserError):
     """The run cannot start: its dataset cannot feed its workers, or its cluster cannot hold them."""
 
 

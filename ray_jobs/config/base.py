@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from ray_jobs.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config that cannot be used; the message lists every bad field, one per line."""
 
     def __init__(self, problems: list[str], source: str = "config"):

@@ -222,6 +222,11 @@ def _rules(data: DataConfig) -> list[tuple[str, tuple[str, ...]]]:
             ("text", (data.text_field,))]  # fmt: skip
 
 
+def fields_of(fmt: str, data: DataConfig) -> tuple[str, ...]:
+    """The top-level fields a record of format ``fmt`` must have (as ``data`` names them)."""
+    return dict(_rules(data))[fmt]
+
+
 def shape_of(keys: list[str], data: DataConfig) -> str | None:
     """The format a record with these top-level fields is, by the first rule whose fields it has."""
     return next((fmt for fmt, need in _rules(data) if set(need) <= set(keys)), None)
@@ -232,7 +237,7 @@ def resolve_format(data: DataConfig) -> DataConfig:
     itself when its format is named). Reads at most ``SNIFF_BYTES`` of one file, or a columnar file's schema."""
     if data.format != "auto":
         return data
-    url, samples = _samples(data.train)
+    url, samples = sample_fields(data.train)
     where, keys = samples[0]
     fmt = shape_of(keys, data)
     if fmt is None:
@@ -252,7 +257,7 @@ def resolve_format(data: DataConfig) -> DataConfig:
     return data.model_copy(update={"format": fmt})
 
 
-def _samples(train: str) -> tuple[str, list[tuple[str, list[str]]]]:
+def sample_fields(train: str) -> tuple[str, list[tuple[str, list[str]]]]:
     """(file, [(where, top-level fields)]) of the first train file that has a record."""
     for url in list_sources(train, "data.train"):
         samples = _columns(url) if position_unit(url) == "row" else _line_keys(url)

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.data.lines import line_range
+from ray_jobs.errors import UserError
 from ray_jobs.secrets import MaskedError
 from ray_jobs.storage import as_url, fs_and_path
 
 _SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class StagingError(MaskedError, ValueError):
+class StagingError(MaskedError, UserError, ValueError):
     """Data that cannot be staged; the message names the file (and line) at fault, masked: it is shown in logs, a
     flow run's state and a staging job's outcome, and a source URL may carry credentials."""
 

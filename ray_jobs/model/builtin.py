@@ -53,14 +53,13 @@ def train_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
-def build_builtin(model: ModelConfig, seed: int, out_dir: str | Path) -> Path:
-    """Build the tiny Llama and its tokenizer into ``out_dir`` (a save_pretrained folder)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def builtin_config(model: ModelConfig, tokenizer=None):
+    """The tiny Llama's ``LlamaConfig`` (its vocabulary: the character tokenizer's, trained here when not given)."""
+    from transformers import LlamaConfig
 
-    tokenizer = train_char_tokenizer()
+    tokenizer = train_char_tokenizer() if tokenizer is None else tokenizer
     t = model.tiny
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size,
@@ -73,6 +72,15 @@ def build_builtin(model: ModelConfig, seed: int, out_dir: str | Path) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
+
+
+def build_builtin(model: ModelConfig, seed: int, out_dir: str | Path) -> Path:
+    """Build the tiny Llama and its tokenizer into ``out_dir`` (a save_pretrained folder)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    tokenizer = train_char_tokenizer()
+    config = builtin_config(model, tokenizer)
     torch.manual_seed(seed)
     lm = LlamaForCausalLM(config)
     out = Path(out_dir)

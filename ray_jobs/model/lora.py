@@ -27,6 +27,13 @@ def all_linear_targets(model) -> list[str]:
     return [n for n in linear_layers(model) if model.get_submodule(n) is not head]
 
 
+def targeted(model, targets: list[str] | str) -> list[str]:
+    """Full names of the layers ``targets`` (``model.lora.target_modules``) adapts."""
+    if targets == ALL_LINEAR:
+        return all_linear_targets(model)
+    return [n for n in linear_layers(model) if any(_targets(t, n) for t in targets)]
+
+
 def lora_problems(model, lora: LoraConfig, model_name: str) -> list[str]:
     """Every way ``lora`` does not fit ``model``'s module tree, one message per problem, naming the field."""
     where = f"{model_name} ({type(model).__name__})"

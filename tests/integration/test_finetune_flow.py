@@ -83,8 +83,15 @@ def test_stage_command_prints_the_dataset_and_restaging_is_a_cache_hit(tmp_path:
 
 
 def test_bad_data_fails_the_stage_command_naming_file_and_line(tmp_path: Path) -> None:
+    """A user's mistake found inside a flow (staging, past the first record ``check`` reads): its message once, exit
+    2, no Prefect traceback (unbroken/errors.py)."""
     src = tmp_path / "bad.jsonl"
     src.write_text('{"input": "1+1=", "target": "2"}\n{"input": "2+2="}\n')
     r = run_cli("stage", DEMO, *sets(tmp_path / "storage", **{"data.train": src}))
-    assert r.returncode == 1
+    assert r.returncode == 2, r.explain()
     assert f"{src}:2: missing field 'target'" in r.stderr, r.explain()
+    assert "Traceback" not in r.stderr and r.stderr.count(f"{src}:2:") == 1, r.explain()
+    said = r.stderr[r.stderr.index("error: ") :].splitlines()
+    assert said[0].startswith("error: 1 of 2 records rejected") and len(said) <= 4, (
+        r.explain()
+    )  # + Prefect's "Stopping"

@@ -1,0 +1,165 @@
+"""Each thing ``unbroken check`` looks at, without staging or training: the model (its config only, the module tree
+on the meta device), the data sources (listed, their first records' fields), the cluster (reached, its nodes, CPUs
+and GPUs) and the storage (a probe object written and removed; conditional writes on an object store). Each returns
+findings; a problem names the field and what to do."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from control.check.findings import Finding, ok, problem
+from control.check.plan import ModelShape
+from ray_jobs.config import Config
+from ray_jobs.errors import UserError
+
+
+def model(cfg: Config, build: bool = True) -> tuple[list[Finding], ModelShape | None]:
+    """The model found (its config.json read: a folder, a storage URL, a hub id in the local cache or the hub), its
+    module tree built on the meta device, and ``model.lora`` checked against it. ``build=False``: the tree is built
+    only to check ``model.lora`` (a config.json that builds no model is the job's failure to report, as before)."""
+    from ray_jobs.model.builtin import builtin_config, check_local_folder, is_builtin
+
+    name = cfg.model.name_or_path
+    try:
+        if is_builtin(cfg.model):
+            if not build and cfg.model.lora is None:
+                return [], None
+            lm, where = _meta(builtin_config(cfg.model)), "built-in, built on storage by the first run"
+        else:
+            check_local_folder(name)
+            if not build and cfg.model.lora is None:
+                return _config_read(name), None
+            lm, where = _meta_of(name), "its config.json read"
+    except UserError as e:
+        return [problem("model", str(e).split("\n")[-1].strip(" -"))], None
+    except OSError as e:  # transformers: not a folder, not in the hub cache, the hub unreachable
+        return [problem("model", _unreadable(name, e))], None
+    except Exception as e:  # a config.json transformers cannot build a model from
+        return [problem("model", f"model.name_or_path: cannot build {name} from its config.json: "
+                                 f"{type(e).__name__}: {e}")], None  # fmt: skip
+    shape, lora_text = _shape(cfg, lm)
+    found = [ok("model", f"{name} ({type(lm).__name__}, {where}): {_millions(shape.params)} parameters, "
+                         f"{_millions(shape.trainable)} trained{lora_text}")]  # fmt: skip
+    if cfg.model.lora is not None:
+        from ray_jobs.model.lora import lora_problems
+
+        found += [problem("model", p) for p in lora_problems(lm, cfg.model.lora, name)]
+    return found, shape
+
+
+def _config_read(name: str) -> list[Finding]:
+    from ray_jobs.model.loading import config_dict
+
+    config_dict(name)  # OSError: not found (the caller reports it)
+    return [ok("model", f"{name}: its config.json read")]
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.2f} M"
+
+
+def _unreadable(name: str, e: OSError) -> str:
+    first = str(e).strip().split("\n")[0]
+    return (f"model.name_or_path: cannot read {name}'s config.json ({first}). A hub id needs the hub, or the model "
+            f"in the local Hugging Face cache (`huggingface-cli download {name}` where the hub is reachable); a "
+            "local model is a folder holding config.json")  # fmt: skip
+
+
+def _meta_of(name: str):
+    from ray_jobs.model.loading import meta_model
+
+    return meta_model(name)
+
+
+def _meta(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _shape(cfg: Config, lm) -> tuple[ModelShape, str]:
+    c = lm.config
+    params = sum(p.numel() for p in lm.parameters())  # parameters() yields a tied matrix once
+    trainable, text = params, ""
+    if (lora := cfg.model.lora) is not None:
+        from ray_jobs.model.lora import targeted
+
+        layers = [lm.get_submodule(n) for n in targeted(lm, lora.target_modules)]
+        saved = sum(p.numel() for n, m in lm.named_modules() if any(n.endswith(s) for s in lora.modules_to_save)
+                    for p in m.parameters())  # fmt: skip
+        trainable = sum(lora.r * (m.in_features + m.out_features) for m in layers if hasattr(m, "in_features"))
+        trainable += saved
+        text = f" (LoRA r={lora.r} on {len(layers)} layers)"
+    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 0)
+    layers_n = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 0)
+    return ModelShape(params, trainable, int(hidden), int(layers_n), int(c.vocab_size)), text
+
+
+def data(cfg: Config) -> list[Finding]:
+    """Each source listed and the fields of its first records against ``data.format`` (detected when ``auto``)."""
+    from ray_jobs.data.shapes import fields_of, sample_fields, shape_of
+    from ray_jobs.data.sources import list_sources
+
+    d, found = cfg.data, []
+    for field, url in (("data.train", d.train), ("data.eval", d.eval)):
+        if not url:
+            continue
+        try:
+            files = list_sources(url, field)
+            first, samples = sample_fields(url)
+        except UserError as e:
+            found.append(problem("data", str(e)))
+            continue
+        where, keys = samples[0]
+        fmt = d.format if d.format != "auto" else shape_of(keys, d)
+        need = fields_of(fmt, d) if fmt else ()
+        missing = [k for k in need if k not in keys]
+        if fmt is None or missing:
+            what = f"data.format={d.format}" + (f" needs {', '.join(missing)}" if missing else ": no shape matches")
+            found.append(problem("data", f"{what}; the first record of {first} ({where}) has {', '.join(keys)}"))
+        else:
+            detected = " (detected)" if d.format == "auto" else ""
+            found.append(ok("data", f"{field}: {len(files)} file(s); the first records ({first}) are {fmt}{detected}"))
+    return found
+
+
+def storage(cfg: Config) -> list[Finding]:
+    """A probe object written under ``storage`` and removed; on an object store, conditional writes tried."""
+    from ray_jobs.coordination import check_conditional_writes
+    from ray_jobs.storage import fs_and_path, is_local, join, write_bytes_atomic
+
+    url = cfg.storage
+    probe = join(url, f".unbroken-check-{uuid.uuid4().hex[:12]}")
+    try:
+        write_bytes_atomic(probe, b"unbroken check\n")
+        fs, path = fs_and_path(probe)
+        fs.rm(path)
+        check_conditional_writes(url)
+    except UserError as e:
+        return [problem("storage", f"storage: {e}")]
+    except (OSError, ValueError) as e:  # s3fs: a missing bucket is FileNotFoundError, a refused PUT PermissionError
+        return [problem("storage", f"storage: cannot write to {url}: {type(e).__name__}: {e}")]
+    leases = "local path: leases by exclusive create" if is_local(url) else "conditional writes honoured"
+    return [ok("storage", f"{url}: writable; {leases}")]
+
+
+def local_gpus() -> int:
+    """CUDA devices this machine has (what a local head's workers could use)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def gpu_memory() -> float | None:
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
+def machine_memory() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
