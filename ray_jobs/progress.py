@@ -50,6 +50,7 @@ class Snapshot:
     counts: dict[str, float] = field(default_factory=dict)
     rates: dict[str, float | None] = field(default_factory=dict)  # per second since the first update, of some counts
     final: bool = False
+    note: str = ""  # said after the amount (training: its loss and time so far)
 
     @property
     def percent(self) -> float | None:
@@ -73,7 +74,8 @@ class Snapshot:
         if bar and pct is not None:
             full = round(BAR_WIDTH * pct / 100)
             head = f"{self.what} [{'#' * full}{'.' * (BAR_WIDTH - full)}] {pct:.0f}% ({amount})"
-        parts = [head, *(f"{_number(v)} {k}" for k, v in self.counts.items() if k not in self.rates)]
+        parts = [head, *([self.note] if self.note else []),
+                 *(f"{_number(v)} {k}" for k, v in self.counts.items() if k not in self.rates)]  # fmt: skip
         parts[-1] += f" in {_duration(self.elapsed_s)}" if self.final else ""
         if self.rate is not None:
             parts.append(f"{_amount(self.rate, self.unit)}/s")
@@ -105,6 +107,7 @@ class Reporter:
         self.last: Snapshot | None = None
         self.spoke_at: float | None = None  # when the last line (or callback) went out
         self.drawn_at: float | None = None  # when the bar was last drawn
+        self.note = ""  # said with every snapshot from now on (Snapshot.note)
 
     def update(self, done: float, total: float | None = None, **counts: float) -> None:
         now = self.clock()
@@ -141,7 +144,7 @@ class Reporter:
             done = max(done, self.total)
         rate = (done - done0) / took if took > 0 else None
         rates = {k: (counts[k] - counts0.get(k, 0)) / took if took > 0 else None for k in self.rate_keys if k in counts}
-        return Snapshot(self.what, done, self.total, self.unit, took, rate, dict(counts), rates, final)
+        return Snapshot(self.what, done, self.total, self.unit, took, rate, dict(counts), rates, final, self.note)
 
     def _say(self, snap: Snapshot) -> None:
         if self.tty and not snap.final:

@@ -13,12 +13,12 @@ from prefect.cache_policies import NO_CACHE
 from control import registry, series
 from control.backends.base import ClusterHandle
 from control.jobs import entrypoint, submit, watch
-from control.watchdog.observe import live_heartbeat
+from control.logs import run_logger
+from control.progress import TrainingProgress
+from control.watchdog.observe import heartbeat_seen, live_heartbeat
 from ray_jobs.config import Config
 from ray_jobs.search.trials import DONE
 from ray_jobs.secrets import job_env
-from ray_jobs.storage import Layout
-from ray_jobs.train.metrics import MetricsTail
 
 SEARCH_POLL_S = 5.0  # how often the watch of a search reads its trials
 
@@ -32,9 +32,11 @@ def submit_job(handle: ClusterHandle, submission_id: str, spec_url: str, cfg: Co
 
 @task(name="watch-job", cache_policy=NO_CACHE)
 async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, attempt: int, poll_s: float = 2.0) -> str:
-    """Watch the training job: log tail into Prefect, a progress artifact (step / max_steps) while it runs, the
-    registry's ``running`` state once Ray runs it."""
-    steps = _steps_of(cfg)
+    """Watch the training job: log tail into Prefect, its progress (a bar on a terminal, lines otherwise, restarts as
+    they happen: control/progress.py) and a progress artifact (step / max_steps) while it runs, the registry's
+    ``running`` state once Ray runs it."""
+    shown = None if cfg.tune is not None else TrainingProgress(cfg, run_logger())
+    steps = _steps_of(cfg) if shown is None else (lambda: shown.poll(heartbeat_seen(cfg.storage, cfg.name, attempt)[0]))
     progress_id, marked = None, False
 
     async def update_progress(status: str) -> None:
@@ -53,17 +55,22 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
     def alive() -> str | None:  # the other channel: while the job's heartbeat is fresh, a silent API is no loss
         return live_heartbeat(cfg, attempt)
 
-    return await watch(handle, submission_id, poll_s, on_poll=update_progress, confirm_s=cfg.fault_tolerance.confirm_s,
-                       alive=alive)  # fmt: skip
+    try:
+        status = await watch(handle, submission_id, poll_s, on_poll=update_progress,
+                             confirm_s=cfg.fault_tolerance.confirm_s, alive=alive)  # fmt: skip
+    except BaseException:
+        if shown is not None:
+            shown.close(done=False)
+        raise
+    if shown is not None:
+        shown.close(done=status == "SUCCEEDED")
+    return status
 
 
 def _steps_of(cfg: Config):
-    """What a poll reads of the job's progress: (steps trained, steps in all). A run's from its metrics (each poll
-    reads only what is new); a search's from its trials (their records brought up to date on the way, so
-    ``unbroken runs`` shows each trial's state while the search runs), at most every few seconds."""
-    if cfg.tune is None:
-        metrics = MetricsTail(Layout(cfg.storage).metrics(cfg.name))
-        return lambda: (metrics.last_step(), cfg.train.max_steps)
+    """What a poll reads of a search's progress: (steps trained, steps in all), from its trials (their records
+    brought up to date on the way, so ``unbroken runs`` shows each trial's state while the search runs), at most
+    every few seconds."""
     last = {"at": 0.0, "step": 0}
     total = cfg.train.max_steps * cfg.tune.num_trials
 

@@ -213,3 +213,72 @@ def test_a_next_phase_speaks_only_after_the_one_before_said_its_last_line(caplog
         write.finish()
     said = [r.getMessage().split(":")[0] for r in caplog.records]
     assert said == ["staging", "staging", "writing shards", "writing shards", "writing shards"]
+
+
+# The training's progress in the flow's watch (control/progress.py) ----------------------------------------------
+
+BEAT = {"pid": 11, "started_step": 0, "step": 0, "phase": "training"}
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "said"),
+    [
+        (None, BEAT, None),  # the first beat seen
+        (BEAT | {"step": 40}, BEAT | {"step": 60}, None),  # the same process, further on
+        (BEAT | {"step": 812}, BEAT | {"step": 812, "phase": "restarting"},
+         "a worker failed at step 812: Ray Train restarts the worker group"),
+        (BEAT | {"step": 812, "phase": "restarting"}, BEAT | {"step": 812, "phase": "restarting"}, None),  # said once
+        (BEAT | {"step": 812, "phase": "restarting"}, {"pid": 12, "started_step": 750, "step": 751, "phase": "training"},
+         "resumed from step 750 (62 steps to train again)"),
+        # a kill the heartbeat never showed as restarting (the driver restarted by the watchdog, say)
+        (BEAT | {"step": 20}, {"pid": 13, "started_step": 20, "step": 20, "phase": "loading"},
+         "resumed from step 20 (0 steps to train again)"),
+    ],
+)  # fmt: skip
+def test_a_restart_is_said_as_it_happens(before, now, said) -> None:
+    from control.progress import Stint, restart_line
+
+    assert restart_line(None if before is None else Stint.of(before), Stint.of(now)) == said
+
+
+def test_the_watch_shows_step_loss_tokens_time_and_eta_and_a_restart(tmp_path: Path, caplog, monkeypatch) -> None:
+    import json
+
+    from control.progress import TrainingProgress
+    from ray_jobs.config import load_config
+    from tests.conftest import ROOT
+
+    monkeypatch.delenv("UNBROKEN_PROGRESS_S", raising=False)
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [f"storage={tmp_path}", "name=p", "train.max_steps=100"])
+    metrics = tmp_path / "runs" / "p" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    clock, log = Clock(), logging.getLogger("test.training")
+    shown = TrainingProgress(cfg, log, stream=io.StringIO(), clock=clock)
+
+    def logged(step: int, loss: float, at: float) -> None:
+        with metrics.open("a") as f:
+            f.write(json.dumps({"step": step, "loss": loss, "tokens_seen": step * 1000}) + "\n")
+        clock.t = at
+
+    with caplog.at_level(logging.INFO, logger="test.training"):
+        assert shown.poll(None) == (0, 100)  # nothing trained yet: nothing said
+        logged(10, 2.5, 110.0)
+        shown.poll(BEAT | {"step": 10})
+        logged(40, 1.25, 140.0)  # 30 steps in 30 s
+        assert shown.poll(BEAT | {"step": 40}) == (40, 100)
+        shown.poll(BEAT | {"step": 40, "phase": "restarting"})
+        logged(31, 1.5, 200.0)  # resumed from step 30 by a new process
+        shown.poll({"pid": 12, "started_step": 30, "step": 31, "phase": "training"})
+        logged(100, 0.5, 269.0)
+        shown.poll({"pid": 12, "started_step": 30, "step": 100, "phase": "training"})
+        shown.close(done=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "training: 10% (10 steps of 100 steps), loss 2.5000, 10s so far",
+        "training: 40% (40 steps of 100 steps), loss 1.2500, 40s so far, 1 steps/s, 1,000 tokens/s, ETA 1m00s",
+        "a worker failed at step 40: Ray Train restarts the worker group",
+        "resumed from step 30 (10 steps to train again)",  # the rate and ETA count again from here
+        "training: 31% (31 steps of 100 steps), loss 1.5000, 1m40s so far",
+        "training: 100% (100 steps of 100 steps), loss 0.5000, 2m49s so far, 1 steps/s, 1,000 tokens/s, ETA 0s",
+        "training: 100% (100 steps of 100 steps), loss 0.5000, 2m49s so far in 1m09s, 1 steps/s, 1,000 tokens/s",
+    ], lines
