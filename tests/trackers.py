@@ -72,7 +72,7 @@ def check_trackers(storage: str | Path, run: str, series: str, expected: dict[st
 
 def screenshot_tensorboard(logdir: str | Path, shot: Path, tag: str = "train/loss") -> list[tuple[int, float]]:
     """TensorBoard's own server and UI on ``logdir``: the UI's scalars page rendered by headless Chromium into
-    ``shot`` (kept for people to look at; the README's picture), and the (step, value) points of ``tag`` the server
+    ``shot`` (kept for people to look at; docs/tracking.md's picture), and the (step, value) points of ``tag`` the server
     gives that page."""
     import json
     import shutil

@@ -41,15 +41,20 @@ class KubeRayConfig(Section):
     """The container image of every Ray pod (Ray 2.60 and this project's dependencies installed, like
     ``rayproject/ray:2.60.0-py311-gpu`` plus ``pip install unbroken``)."""
     namespace: str = "default"
+    """The Kubernetes namespace the RayCluster (and its pods) is created in."""
     name: str = ""
     """The RayCluster's name; empty = ``unbroken-<series>`` (one per series: its runs take turns on it)."""
     context: str = ""
     """The kubeconfig context to use; empty = the current one (or the in-cluster service account)."""
     head_cpus: str = "2"
+    """CPU request and limit of the head pod (Kubernetes quantity: ``2``, ``500m``); no training runs there."""
     head_memory: str = "8Gi"
+    """Memory request and limit of the head pod (Kubernetes quantity: ``8Gi``)."""
     worker_cpus: str = "8"
     """CPU request and limit of each worker pod (one pod per training worker)."""
     worker_memory: str = "32Gi"
+    """Memory request and limit of each worker pod (Kubernetes quantity: ``32Gi``); a worker holds the model, its
+    optimizer state and the node cache's reads."""
     gpus_per_worker: int = Field(0, ge=0)
     """``nvidia.com/gpu`` per worker pod; ``cluster.use_gpu`` needs at least 1."""
     node_selector: dict[str, str] = {}
@@ -96,7 +101,9 @@ class ClusterConfig(Section):
     ``kuberay``): the one with this project's dependencies, like ``~/unbroken-venv/bin/python`` (a login shell on a
     node may put another ``python`` first). A local head uses the flow's own interpreter."""
     ray_up: RayUpConfig = RayUpConfig()
+    """The Ray cluster launcher's settings (``cluster.backend: ray-up``)."""
     kuberay: KubeRayConfig = KubeRayConfig()
+    """The RayCluster on Kubernetes (``cluster.backend: kuberay``)."""
     num_workers: int | WorkerRange = 2
     """Ray Train workers (ranks): a number, or ``{min, max}`` for an elastic run (Ray Train restarts with as many as
     the cluster has room for after losing a node, and grows back when nodes return). The data is always laid out

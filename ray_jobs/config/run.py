@@ -53,11 +53,17 @@ class Config(Section):
     storage: str
     """Shared storage root, any fsspec URL: a local/NFS path or ``s3://bucket/prefix``."""
     data: DataConfig
+    """The training data: where it is, its format, how it is staged and cached."""
     model: ModelConfig = ModelConfig()
+    """The base model and how it is adapted (LoRA, 4-bit)."""
     train: TrainConfig = TrainConfig()
+    """The training loop: steps, batches, optimizer, precision, the engine, the export."""
     checkpoint: CheckpointConfig = CheckpointConfig()
+    """When checkpoints are taken and how many are kept."""
     cluster: ClusterConfig = ClusterConfig()
+    """Where the Ray cluster comes from and how many workers the run has."""
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+    """Restarts inside the job and by the watchdog, stall limits, preemption, live recovery."""
     tune: TuneConfig | None = None
     """A hyperparameter search (``unbroken tune``): trials of this config with values drawn from ``tune.space``."""
     tracking: TrackingConfig = TrackingConfig()

@@ -81,7 +81,7 @@ def test_kill_9_after_the_first_checkpoint_then_sigterm_mid_interval_ends_bit_id
     # TensorBoard and MLflow: one run each, each step once, the uninterrupted run's values (which it showed too).
     check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))
     check_trackers(uninterrupted[1].parent / "storage", "baseline", "baseline")
-    # TensorBoard's own server gives its UI the curve once per step (the UI's picture: the README's screenshot)
+    # TensorBoard's own server gives its UI the curve once per step (the UI's picture: docs/tracking.md's screenshot)
     event_dir = Path(Layout(cfg.storage).run_dir(cfg.name)) / "tensorboard"
     shown = screenshot_tensorboard(event_dir, ROOT / ".unbroken" / "screenshots" / "tracking-tensorboard.png")
     assert shown == tensorboard_points(event_dir, "train/loss") and len(shown) == len(set(s for s, _ in shown))
