@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results import record  # noqa: E402
 from ray_jobs.config import Config, load_config  # noqa: E402
 
 
@@ -78,6 +79,9 @@ def main() -> None:
                 print(f"{engine:6s} run {i}: {rates[engine][-1]:10.1f} tokens/s", flush=True)
     native, hf = (statistics.median(rates[e]) for e in ("native", "hf"))
     print(f"\nmedian tokens/s: native {native:.1f}, hf {hf:.1f} -> hf / native {hf / native:.3f}")
+    record("engine_throughput" + ("_real" if args.real else ""), {
+        "steps": args.steps, "repeats": args.repeats, "native_tokens_per_s": round(native, 1),
+        "hf_tokens_per_s": round(hf, 1), "hf_vs_native": round(hf / native, 2)})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results import record  # noqa: E402
 from bench.run_overhead import DEMO, VENV_BIN, Timed, driver_pid, wait_for  # noqa: E402
 
 PORTS = {"cluster.dashboard_port": 8299, "cluster.head_port": 6399}  # not the demo's, the tests' or other benches'
@@ -231,6 +232,11 @@ def report(args, out: dict) -> None:
         print(f"{mode:6}{r['uninterrupted_s']:>17}{r['faulted_s']:>11}{r['goodput']:>9}  {faults}"
               f"{'' if r['bit_identical'] else '  (NOT bit-identical)'}")  # fmt: skip
     print("RESULT " + json.dumps(out | {"cycle": args.cycle, "every_s": args.every_s, "steps": args.steps}))
+    record(
+        f"goodput_{args.cycle}_{args.every_s:.0f}s",
+        {m: out[m]["goodput"] for m in out if m in MODES}
+        | {"bit_identical": all(out[m]["bit_identical"] for m in out if m in MODES), "steps": args.steps},
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results import record  # noqa: E402
+
 DEMO = ROOT / "configs" / "demo.yaml"
 VENV_BIN = Path(sys.executable).parent
 PORTS = {"cluster.dashboard_port": 8297, "cluster.head_port": 6397}  # not the demo's: a demo may run meanwhile
@@ -203,6 +205,9 @@ def main() -> None:
     if restart:
         print(f"watchdog restart after kill -9 of the job driver: {restart}")
     print("RESULT " + json.dumps({"runs": rows, "restart": restart}))
+    warm = rows["unbroken run (warm)"]
+    record("run_overhead", {"warm_from_flow_s": warm["overhead_from_flow_s"], "warm_s": warm["overhead_s"],
+                            "torchrun_s": base, "restart": restart})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -67,9 +67,17 @@ def cluster(cfg: Config) -> tuple[list[Finding], tuple[float | None, str]]:
     if address is not None:
         return _reached(cfg, address)
     if backend.mode == "existing":
-        why = reachable(cfg.cluster.address) or "it does not answer"
+        why = _short(reachable(cfg.cluster.address) or "it does not answer")
         return [problem("cluster", f"cluster.address {cfg.cluster.address} is not reachable: {why}")], (None, "")
     return [ok("cluster", f"no cluster up yet: the run brings one up (cluster.backend {backend.name})")], (None, "")
+
+
+def _short(why: str) -> str:
+    """An HTTP client's reason without its wrappers: ``[Errno 111] Connection refused`` when it holds one."""
+    import re
+
+    m = re.search(r"\[Errno -?\d+\] [^'\")]+", why)
+    return m.group(0) if m else why
 
 
 def _this_machine(cfg: Config) -> tuple[list[Finding], tuple[float | None, str]]:

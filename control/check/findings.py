@@ -32,7 +32,7 @@ class RunRefused(UserError):
 
     def __init__(self, problems: list[Finding]):
         self.problems = problems
-        super().__init__("\n".join(f"{p.area}: {p.text}" for p in problems))
+        super().__init__("\n".join(p.text if p.text.startswith(p.area) else f"{p.area}: {p.text}" for p in problems))
 
 
 @dataclass

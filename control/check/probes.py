@@ -133,17 +133,33 @@ def storage(cfg: Config) -> list[Finding]:
 
     url = cfg.storage
     probe = join(url, f".unbroken-check-{uuid.uuid4().hex[:12]}")
+    made = _missing_folders(url) if is_local(url) else []
     try:
         write_bytes_atomic(probe, b"unbroken check\n")
         fs, path = fs_and_path(probe)
         fs.rm(path)
+        for folder in made:  # a check leaves nothing behind: the folders the probe made go too
+            folder.rmdir()
         check_conditional_writes(url)
     except UserError as e:
-        return [problem("storage", f"storage: {e}")]
+        return [problem("storage", str(e))]
     except (OSError, ValueError) as e:  # s3fs: a missing bucket is FileNotFoundError, a refused PUT PermissionError
-        return [problem("storage", f"storage: cannot write to {url}: {type(e).__name__}: {e}")]
+        return [problem("storage", f"cannot write to {url}: {type(e).__name__}: {e}")]
     leases = "local path: leases by exclusive create" if is_local(url) else "conditional writes honoured"
     return [ok("storage", f"{url}: writable; {leases}")]
+
+
+def _missing_folders(url: str) -> list:
+    """The folders of a local storage path that do not exist yet, deepest first."""
+    from pathlib import Path
+
+    from ray_jobs.storage import strip_protocol
+
+    folder, out = Path(strip_protocol(url)).absolute(), []
+    while not folder.exists() and folder != folder.parent:
+        out.append(folder)
+        folder = folder.parent
+    return out
 
 
 def local_gpus() -> int:
