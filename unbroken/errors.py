@@ -42,21 +42,23 @@ def report(exc: BaseException, debug: bool) -> int:
 
 
 class _UserErrorRecords(logging.Filter):
-    """Drops Prefect's error records about a user's mistake: the one carrying it (with its traceback), then any
-    later error record quoting its message ("Finished in state Failed(...)", which has no exception attached)."""
+    """Drops Prefect's records about a user's mistake: the one carrying it (with its traceback), then any later error
+    record or "Finished in state Failed(...)" line (a flow's is INFO) quoting its message: those carry no exception."""
 
     def __init__(self) -> None:
         super().__init__()
         self.quotes: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or not record.name.startswith("prefect"):
+        if not record.name.startswith("prefect"):
             return True
         mistake = user_error(record.exc_info[1]) if record.exc_info else None
         if mistake is not None:
             self.quotes.append(quote(mistake))
             return False
         text = record.getMessage()
+        if record.levelno < logging.ERROR and not text.startswith("Finished in state"):  # a flow's is INFO
+            return True
         return not any(q and q in text for q in self.quotes)
 
 

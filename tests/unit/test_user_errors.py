@@ -77,6 +77,7 @@ def test_every_mistake_is_one_clear_message_and_exit_2(places, capfd, monkeypatc
     import huggingface_hub.constants
 
     seen = []
+    monkeypatch.setattr(errors, "hide_user_errors", lambda: None)  # Prefect's console handler is tested below
     for name, argv, env, says in mistakes(places):
         with monkeypatch.context() as m:
             for k, v in env.items():
@@ -166,11 +167,12 @@ def test_prefects_records_of_a_user_error_stay_off_the_terminal_and_others_stay(
     kept = [
         f.filter(_record("Task run failed with exception: StagingError(...)", mistake)),
         f.filter(_record(f"Finished in state Failed('Task run encountered an exception StagingError: {mistake!s}')")),
+        f.filter(_record(f"Finished in state Failed('Flow run encountered an exception: {mistake!s}')", level=20)),
         f.filter(_record("Finished in state Failed('RuntimeError: a bug')")),  # not the user's: kept
         f.filter(_record("staging: 50% (1 of 2 records)", level=logging.INFO)),
         f.filter(_record("Encountered exception during execution: KeyError('x')", _raised(KeyError("x")))),
     ]
-    assert kept == [False, False, True, True, True]
+    assert kept == [False, False, False, True, True, True]
 
 
 SHAPE = ModelShape(params=1_000_000_000, trainable=1_000_000_000, hidden=2048, layers=16, vocab=32_000)
