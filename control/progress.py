@@ -19,7 +19,7 @@ from ray_jobs.progress import Reporter, _duration, every_s
 from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import MetricsTail
 
-TRAIN_EVERY_S = 30.0  # between two progress lines where no terminal shows a bar (UNBROKEN_PROGRESS_S, if lower)
+TRAIN_EVERY_S = 30.0  # between two progress lines where no terminal shows a bar (UNBROKEN_PROGRESS_S sets it)
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,14 @@ class Stint:
 
 
 def restart_line(before: Stint | None, now: Stint) -> str | None:
-    """What to say when the heartbeat ``now`` shows a restart since ``before`` (None: nothing to say)."""
+    """What to say when the heartbeat ``now`` shows a restart since ``before`` (None: nothing to say). ``before`` is
+    the last stint seen training (or restarting); a training process beats from its start, but says which step it
+    resumed from only once it trains, so a stint is judged on its ``training`` beats alone."""
     if before is None:
         return None
     if now.phase == "restarting" and before.phase != "restarting":
         return f"a worker failed at step {before.step}: Ray Train restarts the worker group"
-    if now.phase != "restarting" and (now.pid, now.started_step) != (before.pid, before.started_step):
+    if now.phase == "training" and (now.pid, now.started_step) != (before.pid, before.started_step):
         lost = max(0, before.step - now.started_step)
         return f"resumed from step {now.started_step} ({lost} step{'s' if lost != 1 else ''} to train again)"
     return None
@@ -63,11 +65,12 @@ class TrainingProgress:
     def poll(self, beat: dict[str, Any] | None) -> tuple[int, int]:
         rows = self.metrics.poll()
         step = int(rows[-1]["step"]) if rows else 0
-        if beat is not None:
-            stint = Stint.of(beat)
+        if beat is not None and (stint := Stint.of(beat)).phase in ("training", "restarting"):
             if (line := restart_line(self.stint, stint)) is not None:
                 self._drop()  # the rate and ETA count again from the resumed step
                 self.log.warning(line)
+            if self.stint is not None and stint.phase == "restarting":  # the step reached before the failure
+                stint = Stint(stint.pid, stint.started_step, max(stint.step, self.stint.step), stint.phase)
             self.stint = stint
         trained = [r for r in rows if "loss" in r]
         restarting = self.stint is not None and self.stint.phase == "restarting"

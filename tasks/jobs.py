@@ -15,10 +15,11 @@ from control.backends.base import ClusterHandle
 from control.jobs import entrypoint, submit, watch
 from control.logs import run_logger
 from control.progress import TrainingProgress
-from control.watchdog.observe import heartbeat_seen, live_heartbeat
+from control.watchdog.observe import live_heartbeat
 from ray_jobs.config import Config
 from ray_jobs.search.trials import DONE
 from ray_jobs.secrets import job_env
+from ray_jobs.storage import Layout, read_json
 
 SEARCH_POLL_S = 5.0  # how often the watch of a search reads its trials
 
@@ -36,7 +37,7 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
     they happen: control/progress.py) and a progress artifact (step / max_steps) while it runs, the registry's
     ``running`` state once Ray runs it."""
     shown = None if cfg.tune is not None else TrainingProgress(cfg, run_logger())
-    steps = _steps_of(cfg) if shown is None else (lambda: shown.poll(heartbeat_seen(cfg.storage, cfg.name, attempt)[0]))
+    steps = _steps_of(cfg) if shown is None else (lambda: shown.poll(_beat(cfg, attempt)))
     progress_id, marked = None, False
 
     async def update_progress(status: str) -> None:
@@ -65,6 +66,16 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
     if shown is not None:
         shown.close(done=status == "SUCCEEDED")
     return status
+
+
+def _beat(cfg: Config, attempt: int) -> dict | None:
+    """The attempt's heartbeat as its job last wrote it (None: none yet, or another attempt's); no age: the progress
+    needs none, and an object store's clock costs a probe write."""
+    try:
+        beat = read_json(Layout(cfg.storage).heartbeat(cfg.name))
+    except (FileNotFoundError, ValueError):
+        return None
+    return beat if isinstance(beat, dict) and beat.get("attempt") == attempt else None
 
 
 def _steps_of(cfg: Config):

@@ -16,7 +16,7 @@ import os
 import sys
 
 from control.config import check_flow, load_config
-from ray_jobs.secrets import export_credentials, mask_logs
+from ray_jobs.secrets import export_credentials, mask, mask_logs
 from unbroken import errors
 
 STORAGE_ENV = "UNBROKEN_STORAGE"  # the storage root of status, runs, watchdog and serve when --storage is not given
@@ -122,9 +122,12 @@ def _watchdog_parser(command) -> None:
 
 def _gb(text: str) -> float:
     try:
-        return float(text.upper().removesuffix("B").removesuffix("G")) * 1024**3
+        gb = float(text.upper().removesuffix("B").removesuffix("I").removesuffix("G"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GB (e.g. 24 or 80GB)") from None
+        gb = 0.0
+    if gb <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GB (e.g. 24, 80GB, 80GiB)")
+    return gb * 1024**3
 
 
 def _quiet_defaults() -> None:
@@ -199,7 +202,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from control.check import check
 
     report = check(load_config(args.config, args.overrides), args.worker_memory)
-    print("\n".join(report.lines()))
+    print(mask("\n".join(report.lines())))  # an address, a source or a model URL may carry a credential
     if report.problems:
         print(f"{len(report.problems)} problem(s): this run would not start", file=sys.stderr)
         return errors.USER_ERROR
@@ -356,7 +359,7 @@ def _dispatch(args: argparse.Namespace, debug: bool) -> int:
             from control.check import refuse_early
 
             for w in refuse_early(cfg, with_cluster=args.command != "stage"):  # `check`'s checks, before Prefect
-                print(f"warning: {w.area}: {w.text}", file=sys.stderr)
+                print(mask(f"warning: {w.area}: {w.text}"), file=sys.stderr)
     _quiet_defaults()
     if not debug and args.command in ("run", "tune", "stage", "watchdog", "serve"):
         errors.hide_user_errors()

@@ -10,6 +10,7 @@ and twice more as "Finished in state Failed(...)": :func:`hide_user_errors` keep
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
@@ -47,7 +48,7 @@ class _UserErrorRecords(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.quotes: list[str] = []
+        self.quotes: collections.deque[str] = collections.deque(maxlen=64)  # a long-lived watchdog's stay bounded
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith("prefect"):

@@ -1,7 +1,7 @@
 """``unbroken check``: everything that can be known about a run before it runs, without staging or training -- the
 config (loaded and checked by the caller), the model, the data sources, the cluster, the storage, and a plan (world
-size, batches, steps, memory per worker against what a worker has). ``unbroken run`` performs the same checks first
-(:func:`refuse_early`), so what they find stops a run before Prefect, staging or a cluster is touched.
+size, batches, steps, memory per worker against what a worker has). ``unbroken run`` performs the same checks but the
+plan first (:func:`refuse_early`), so what they find stops a run before Prefect, staging or a cluster is touched.
 
 What is certain is a problem (exit 2): a model or source that cannot be read, a LoRA target not in the model, a
 storage that cannot be written, a cluster address that does not answer, ``cluster.use_gpu`` on a machine without a GPU
@@ -18,7 +18,7 @@ from control.check import probes
 from control.check.findings import Finding, Report, RunRefused, ok, problem, warning
 from ray_jobs.config import Config
 
-__all__ = ["Finding", "Report", "RunRefused", "check", "refuse_early"]
+__all__ = ["Finding", "Report", "RunRefused", "check", "cluster", "refuse_early"]
 
 
 def check(cfg: Config, worker_memory: float | None = None) -> Report:
@@ -63,12 +63,18 @@ def cluster(cfg: Config) -> tuple[list[Finding], tuple[float | None, str]]:
     backend = backend_for(cfg)
     if backend.mode == "local":  # up or not, the head is this machine's
         return _this_machine(cfg)
-    address = backend.address()
+    if backend.mode == "existing":
+        if why := reachable(cfg.cluster.address):
+            return [problem("cluster", f"cluster.address {cfg.cluster.address} is not reachable: {_short(why)}")], (
+                None, "")  # fmt: skip
+        return _reached(cfg, cfg.cluster.address)
+    try:
+        address = backend.address()
+    except Exception as e:  # a Kubernetes API that errs, a missing kubeconfig: the run's own `up` will say
+        return [warning("cluster", f"cannot tell whether its cluster (cluster.backend {backend.name}) is up: "
+                                   f"{type(e).__name__}: {e}")], (None, "")  # fmt: skip
     if address is not None:
         return _reached(cfg, address)
-    if backend.mode == "existing":
-        why = _short(reachable(cfg.cluster.address) or "it does not answer")
-        return [problem("cluster", f"cluster.address {cfg.cluster.address} is not reachable: {why}")], (None, "")
     return [ok("cluster", f"no cluster up yet: the run brings one up (cluster.backend {backend.name})")], (None, "")
 
 

@@ -34,7 +34,9 @@ class ModelShape:
 @dataclass(frozen=True)
 class Plan:
     workers: tuple[int, int]  # fewest, most (live recovery's standbys included)
-    data_ranks: int  # the fewest workers that train on data (cluster.num_workers, its min when elastic)
+    data_ranks: (
+        int  # the data's ranks (cluster.num_workers, its max when elastic: fewer workers run more micro-batches)
+    )
     micro_batch: int
     grad_accum: int
     seq_len: int
@@ -116,5 +118,5 @@ def memory(cfg: Config, shape: ModelShape, gpu: bool) -> dict[str, float]:
 
 def plan(cfg: Config, shape: ModelShape, gpu: bool, available: float | None, available_from: str) -> Plan:
     t = cfg.train
-    return Plan(cfg.workers, cfg.cluster.min_workers, t.micro_batch_size, t.grad_accum_steps, cfg.data.seq_len, t.max_steps,
+    return Plan(cfg.workers, cfg.cluster.max_workers, t.micro_batch_size, t.grad_accum_steps, cfg.data.seq_len, t.max_steps,
                 memory(cfg, shape, gpu), available, available_from)  # fmt: skip

@@ -1,14 +1,14 @@
-"""Each thing ``unbroken check`` looks at, without staging or training: the model (its config only, the module tree
-on the meta device), the data sources (listed, their first records' fields), the cluster (reached, its nodes, CPUs
-and GPUs) and the storage (a probe object written and removed; conditional writes on an object store). Each returns
-findings; a problem names the field and what to do."""
+"""What ``unbroken check`` looks at, without staging or training: the model (its config only, the module tree on the
+meta device), the data sources (listed, their first records' fields) and the storage (a probe object written and
+removed; conditional writes on an object store); the cluster is control/check/__init__.py's. Each returns findings;
+a problem names the field and what to do."""
 
 from __future__ import annotations
 
 import os
 import uuid
 
-from control.check.findings import Finding, ok, problem
+from control.check.findings import Finding, ok, problem, warning
 from control.check.plan import ModelShape
 from ray_jobs.config import Config
 from ray_jobs.errors import UserError
@@ -99,31 +99,38 @@ def _shape(cfg: Config, lm) -> tuple[ModelShape, str]:
 
 
 def data(cfg: Config) -> list[Finding]:
-    """Each source listed and the fields of its first records against ``data.format`` (detected when ``auto``)."""
+    """Each source listed and the fields of its first records against ``data.format`` (detected from ``data.train``
+    when ``auto``; ``data.eval`` is staged in the same format)."""
+    d, found, fmt = cfg.data, [], None if cfg.data.format == "auto" else cfg.data.format
+    for field, url in (("data.train", d.train), ("data.eval", d.eval)):
+        if url:
+            finding, fmt = _source(cfg, field, url, fmt)
+            found.append(finding)
+    return found
+
+
+def _source(cfg: Config, field: str, url: str, fmt: str | None) -> tuple[Finding, str | None]:
     from ray_jobs.data.shapes import fields_of, sample_fields, shape_of
     from ray_jobs.data.sources import list_sources
 
-    d, found = cfg.data, []
-    for field, url in (("data.train", d.train), ("data.eval", d.eval)):
-        if not url:
-            continue
-        try:
-            files = list_sources(url, field)
-            first, samples = sample_fields(url)
-        except UserError as e:
-            found.append(problem("data", str(e)))
-            continue
-        where, keys = samples[0]
-        fmt = d.format if d.format != "auto" else shape_of(keys, d)
-        need = fields_of(fmt, d) if fmt else ()
-        missing = [k for k in need if k not in keys]
-        if fmt is None or missing:
-            what = f"data.format={d.format}" + (f" needs {', '.join(missing)}" if missing else ": no shape matches")
-            found.append(problem("data", f"{what}; the first record of {first} ({where}) has {', '.join(keys)}"))
-        else:
-            detected = " (detected)" if d.format == "auto" else ""
-            found.append(ok("data", f"{field}: {len(files)} file(s); the first records ({first}) are {fmt}{detected}"))
-    return found
+    d = cfg.data
+    try:
+        files = list_sources(url, field)
+        first, samples = sample_fields(url, field)
+    except UserError as e:  # a source the store did not serve may serve it when the run stages: not certain
+        return (problem if e.users_fault else warning)("data", str(e)), fmt
+    except Exception as e:  # a store's own error (permissions, a protocol without a filesystem)
+        return warning("data", f"{field}: cannot read {url} now: {type(e).__name__}: {e}"), fmt
+    where, keys = samples[0]
+    shape = fmt or shape_of(keys, d)
+    missing = [k for k in fields_of(shape, d) if k not in keys] if shape else []
+    if shape is None or missing:
+        what = f"data.format={d.format}" + (f" needs {', '.join(missing)}" if missing else ": no shape matches")
+        text = f"{what}; the first record of {first} ({where}) has {', '.join(keys)}"
+        # certain only when no bad record is tolerated: otherwise staging rejects this one and goes on
+        return (problem if d.max_reject_fraction == 0 else warning)("data", text), fmt
+    detected = " (detected)" if d.format == "auto" else ""
+    return ok("data", f"{field}: {len(files)} file(s); the first records ({first}) are {shape}{detected}"), shape
 
 
 def storage(cfg: Config) -> list[Finding]:

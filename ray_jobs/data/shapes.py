@@ -257,13 +257,14 @@ def resolve_format(data: DataConfig) -> DataConfig:
     return data.model_copy(update={"format": fmt})
 
 
-def sample_fields(train: str) -> tuple[str, list[tuple[str, list[str]]]]:
-    """(file, [(where, top-level fields)]) of the first train file that has a record."""
-    for url in list_sources(train, "data.train"):
+def sample_fields(source: str, field_name: str = "data.train") -> tuple[str, list[tuple[str, list[str]]]]:
+    """(file, [(where, top-level fields)]) of the first file of ``source`` (the config's ``field_name``) that has a
+    record."""
+    for url in list_sources(source, field_name):
         samples = _columns(url) if position_unit(url) == "row" else _line_keys(url)
         if samples:
             return url, samples
-    raise StagingError(f"data.format=auto: no record in {train} to detect the shape from")
+    raise StagingError(f"{field_name}: no record in {source} to tell its shape from")
 
 
 def _columns(url: str) -> list[tuple[str, list[str]]]:

@@ -34,6 +34,8 @@ class StagingError(MaskedError, UserError, ValueError):
 class SourceUnreadable(StagingError):
     """A source the store did not serve (a transient failure, maybe): not the data's fault."""
 
+    users_fault = False
+
 
 def position_unit(url: str) -> str:
     """How a record's position in a source file is counted: JSONL lines, or rows of a columnar file."""

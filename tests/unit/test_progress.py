@@ -230,9 +230,12 @@ BEAT = {"pid": 11, "started_step": 0, "step": 0, "phase": "training"}
         (BEAT | {"step": 812, "phase": "restarting"}, BEAT | {"step": 812, "phase": "restarting"}, None),  # said once
         (BEAT | {"step": 812, "phase": "restarting"}, {"pid": 12, "started_step": 750, "step": 751, "phase": "training"},
          "resumed from step 750 (62 steps to train again)"),
+        # a new process beats from its start, before it knows its resume step: nothing said until it trains
+        (BEAT | {"step": 812, "phase": "restarting"}, {"pid": 12, "started_step": 0, "step": 0, "phase": "loading"},
+         None),
         # a kill the heartbeat never showed as restarting (the driver restarted by the watchdog, say)
-        (BEAT | {"step": 20}, {"pid": 13, "started_step": 20, "step": 20, "phase": "loading"},
-         "resumed from step 20 (0 steps to train again)"),
+        (BEAT | {"step": 25}, {"pid": 13, "started_step": 20, "step": 21, "phase": "training"},
+         "resumed from step 20 (5 steps to train again)"),
     ],
 )  # fmt: skip
 def test_a_restart_is_said_as_it_happens(before, now, said) -> None:
@@ -267,7 +270,8 @@ def test_the_watch_shows_step_loss_tokens_time_and_eta_and_a_restart(tmp_path: P
         logged(40, 1.25, 140.0)  # 30 steps in 30 s
         assert shown.poll(BEAT | {"step": 40}) == (40, 100)
         shown.poll(BEAT | {"step": 40, "phase": "restarting"})
-        logged(31, 1.5, 200.0)  # resumed from step 30 by a new process
+        shown.poll({"pid": 12, "started_step": 0, "step": 0, "phase": "loading"})  # the new rank 0, loading
+        logged(31, 1.5, 200.0)  # resumed from step 30 by the new process
         shown.poll({"pid": 12, "started_step": 30, "step": 31, "phase": "training"})
         logged(100, 0.5, 269.0)
         shown.poll({"pid": 12, "started_step": 30, "step": 100, "phase": "training"})
