@@ -110,7 +110,7 @@ def data(cfg: Config) -> list[Finding]:
 
 
 def _source(cfg: Config, field: str, url: str, fmt: str | None) -> tuple[Finding, str | None]:
-    from ray_jobs.data.shapes import fields_of, sample_fields, shape_of
+    from ray_jobs.data.shapes import fields_of, resolve_format, sample_fields
     from ray_jobs.data.sources import list_sources
 
     d = cfg.data
@@ -122,15 +122,19 @@ def _source(cfg: Config, field: str, url: str, fmt: str | None) -> tuple[Finding
     except Exception as e:  # a store's own error (permissions, a protocol without a filesystem)
         return warning("data", f"{field}: cannot read {url} now: {type(e).__name__}: {e}"), fmt
     where, keys = samples[0]
-    shape = fmt or shape_of(keys, d)
-    missing = [k for k in fields_of(shape, d) if k not in keys] if shape else []
-    if shape is None or missing:
-        what = f"data.format={d.format}" + (f" needs {', '.join(missing)}" if missing else ": no shape matches")
-        text = f"{what}; the first record of {first} ({where}) has {', '.join(keys)}"
+    if fmt is None:  # auto: detected as staging detects it (its sampled records agreeing), or refused as it refuses
+        try:
+            fmt = resolve_format(d.model_copy(update={"train": url})).format
+        except UserError as e:
+            return problem("data", str(e)), None
+    missing = [k for k in fields_of(fmt, d) if k not in keys]
+    if missing:
+        text = f"data.format={d.format} needs {', '.join(missing)}; the first record of {first} ({where}) has " + (
+            ", ".join(keys))  # fmt: skip
         # certain only when no bad record is tolerated: otherwise staging rejects this one and goes on
         return (problem if d.max_reject_fraction == 0 else warning)("data", text), fmt
     detected = " (detected)" if d.format == "auto" else ""
-    return ok("data", f"{field}: {len(files)} file(s); the first records ({first}) are {shape}{detected}"), shape
+    return ok("data", f"{field}: {len(files)} file(s); the first records ({first}) are {fmt}{detected}"), fmt
 
 
 def storage(cfg: Config) -> list[Finding]:

@@ -31,6 +31,7 @@ def places(tmp_path_factory):
     an S3 endpoint without the bucket."""
     root = tmp_path_factory.mktemp("mistakes")
     (root / "bad.jsonl").write_text('{"input": "1+1="}\n{"input": "2+2=", "target": "4"}\n')
+    (root / "mixed.jsonl").write_text('{"input": "1+1=", "target": "2"}\n{"text": "a document"}\n')
     locked = root / "locked"
     locked.mkdir()
     if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode != 0:
@@ -48,6 +49,8 @@ def mistakes(root) -> list[tuple[str, list[str], dict[str, str], str]]:
         ("unknown field", [*run, "--set", "train.max_stepz=5"], {}, "train.max_stepz: unknown key"),
         ("bad file:line", [*run, "--set", f"data.train={root / 'bad.jsonl'}"], {},
          f"data.format=pairs needs target; the first record of {root / 'bad.jsonl'} (line 1) has input"),
+        ("records of two shapes", [*run, "--set", f"data.train={root / 'mixed.jsonl'}", "--set", "data.format=auto"], {},
+         f"data.format=auto: the records of {root / 'mixed.jsonl'} disagree on their shape: line 1 is pairs, line 2"),
         ("missing file", [*run, "--set", "data.train=/no/such/train.jsonl"], {},
          "data.train: no such file or folder: /no/such/train.jsonl"),
         ("missing config file", ["run", str(root / "nope.yaml")], {}, "nope.yaml"),
