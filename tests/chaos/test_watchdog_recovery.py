@@ -136,9 +136,22 @@ def check_restarts(cfg: Config, reg: dict, baseline: str, faults: list[tuple[str
 
 
 def started_and_checkpointed(cfg: Config, past_step: int = 50) -> None:
+    """Waits for the run's first checkpoint, then for ``past_step``. The bounds are for a machine the other lane loads
+    too (a DPO job beside its own baseline's two ranks once took over 180 s to its first checkpoint); a run that
+    failed on the way ends the wait with its record, not a bare timeout."""
     ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
-    wait_for("a checkpoint", lambda: ckpt.find_latest_valid(ckpts), timeout_s=180)
-    wait_for(f"step {past_step}", lambda: heartbeat_step(cfg) > past_step, timeout_s=120)
+    try:
+        wait_for("a checkpoint", lambda: ckpt.find_latest_valid(ckpts) or _ended(cfg), timeout_s=420)
+        wait_for(f"step {past_step}", lambda: heartbeat_step(cfg) > past_step or _ended(cfg), timeout_s=240)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; heartbeat {heartbeat(cfg)}\n{describe(cfg.storage, cfg.name)}") from None
+    assert not _ended(cfg), describe(cfg.storage, cfg.name)
+
+
+def _ended(cfg: Config) -> bool:
+    """Whether the run's record says it ended (failed or gave up while a test waited for its progress)."""
+    reg = registry.load(cfg.storage, cfg.name)
+    return reg is not None and reg.state in ("failed", "succeeded", "stopped-early")
 
 
 def test_a_worker_killed_mid_checkpoint_write_then_the_driver_killed_each_resume_from_the_newest_valid_one(
@@ -235,7 +248,7 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
     wait_for("the heartbeat to say the group restarts", lambda: heartbeat(cfg).get("phase") == "restarting",
              timeout_s=60, every_s=0.1)  # fmt: skip
     wait_for("the restarted group past its next checkpoint", lambda: rank0_pid(cfg) != worker
-             and heartbeat_step(cfg) > 90, timeout_s=180)  # fmt: skip
+             and heartbeat_step(cfg) > 90, timeout_s=360)  # fmt: skip
     pid = wait_for("the job driver", lambda: driver_pid(cfg))
     fault_at = time.time()
     os.kill(pid, signal.SIGKILL)
