@@ -4,8 +4,9 @@
 25 s inside that phase (its heartbeat keeps beating), the first eval pass 12 s longer, and every training step
 0.1 s longer. It exists so tests can make an export or eval longer than the training stall limit, or land a
 20-second fault mid-training, without a multi-GB model. A sleep changes no number: weights stay bit-identical.
-``UNBROKEN_INJECT_DELAY_FILE=<path>``: the same spec read from that file when a job's process first asks (a served
-test slows down one run of a long-lived server, not every one). Unset (always, outside tests): a no-op.
+``UNBROKEN_INJECT_DELAY_FILE=<path>``: the same spec read from that file, read again whenever it changes (a served
+test slows down one run of a long-lived server, not every one; a chaos test slows a run down until the faults it
+waits for have happened, then lets it finish at full speed). Unset (always, outside tests): a no-op.
 """
 
 from __future__ import annotations
@@ -19,8 +20,17 @@ FILE_ENV = "UNBROKEN_INJECT_DELAY_FILE"
 _done: set[str] = set()
 
 
-@functools.cache
 def _from_file(path: str) -> str:
+    """The file's spec; a step asks it each time, so it is read again only when the file changed (one ``stat``)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return _read(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read(path: str, mtime_ns: int, size: int) -> str:
     try:
         with open(path) as f:
             return f.read().strip()

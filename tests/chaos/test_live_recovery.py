@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from ray_jobs.train.faults import FILE_ENV
 from ray_jobs.train.rowtrace import ENV, trained_rows
 from tests.chaos.harness import (
     REPORT,
@@ -46,18 +47,27 @@ def test_a_killed_and_a_sigtermed_worker_are_replaced_live_and_the_run_ends_bit_
     ray_cluster, baseline, uninterrupted, tmp_path
 ) -> None:
     cfg = chaos_config(tmp_path / "storage", "live", **TRACKING, **LIVE)
-    # 0.06 s a step: a replacement's start on a loaded machine (the other lane) took ~80 of 0.03-s steps; each of
-    # the two replacements needs that runway before the run's 240 steps end, or it never heals (CI saw it)
-    sid = start_training(ray_cluster, cfg, env={"UNBROKEN_INJECT_DELAY": "step:0.06", ENV: str(tmp_path / "rows")})
+    # Each replacement must heal before the run's 240 steps end, and its start on a loaded machine (the other lane)
+    # has taken from ~80 steps of 0.03 s to more than the ~150 left at 0.06 s (CI saw both). So the steps are slow
+    # only while a replacement starts (the workers read the delay file again when it changes; a sleep changes no
+    # number): 0.5 s a step gives each one over a minute, and the run ends at full speed once both have healed.
+    delay = tmp_path / "delay"
+    delay.write_text("step:0.05")
+    sid = start_training(ray_cluster, cfg, env={FILE_ENV: str(delay), ENV: str(tmp_path / "rows")})
     wait_for("training past step 40 on both replicas", lambda: _beat(cfg).get("step", 0) > 40)
     leader = heartbeat(cfg)["pid"]
     at_kill, killed_at = heartbeat(cfg)["step"], time.time()
+    delay.write_text("step:0.5")
     kill(leader, signal.SIGKILL)
-    wait_for("the replacement healed", lambda: _beat(cfg).get("heals", 0) >= 1 and _beat(cfg)["participants"] == 2)
+    _healed(cfg, 1)
+    delay.write_text("step:0.05")
     healed_at = _beat(cfg)["step"]  # the SIGTERM right after: the most steps left for its replacement
     wait_for("training on after the heal", lambda: _beat(cfg)["step"] > healed_at + 5)
     sigtermed, termed_at = heartbeat(cfg)["pid"], time.time()
+    delay.write_text("step:0.5")
     kill(sigtermed, signal.SIGTERM)
+    _healed(cfg, 2)
+    delay.write_text("")
 
     assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
     logs = job_logs(ray_cluster, sid)
@@ -83,6 +93,11 @@ def test_a_killed_and_a_sigtermed_worker_are_replaced_live_and_the_run_ends_bit_
     assert got == want
     assert final_weights_hash(cfg) == baseline
     check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))
+
+
+def _healed(cfg, heals: int) -> None:
+    wait_for(f"replacement {heals} healed", lambda: _beat(cfg).get("heals", 0) >= heals
+             and _beat(cfg)["participants"] == 2, timeout_s=300)  # fmt: skip
 
 
 def _beat(cfg) -> dict:

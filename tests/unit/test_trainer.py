@@ -372,7 +372,7 @@ def test_malformed_fault_injection_is_an_error() -> None:
         faults.delays("exporting")
 
 
-def test_a_delay_file_adds_to_the_variable_and_is_read_once_per_process(tmp_path, monkeypatch) -> None:
+def test_a_delay_file_adds_to_the_variable_and_is_read_again_when_it_changes(tmp_path, monkeypatch) -> None:
     from ray_jobs.train import faults
 
     spec = tmp_path / "delay"
@@ -380,9 +380,9 @@ def test_a_delay_file_adds_to_the_variable_and_is_read_once_per_process(tmp_path
     monkeypatch.setenv(faults.ENV, "exporting:2")
     monkeypatch.setenv(faults.FILE_ENV, str(spec))
     assert faults.delays() == {"exporting": 2.0, "step": 0.5}
-    spec.unlink()  # a process that started with it keeps it; one started after the file went has none
-    assert faults.delays() == {"exporting": 2.0, "step": 0.5}
-    monkeypatch.setenv(faults.FILE_ENV, str(tmp_path / "none"))
+    spec.write_text("step:0.25,evaluating:1\n")  # a running job's next step sees the new spec
+    assert faults.delays() == {"exporting": 2.0, "step": 0.25, "evaluating": 1.0}
+    spec.unlink()  # gone: the variable's alone
     assert faults.delays() == {"exporting": 2.0}
 
 
