@@ -3,8 +3,9 @@ ASHA stops a trial, the winner is promoted, every trial is a run; then the same 
 worker, a killed search driver and a killed head, recovered by a real watchdog to the same trials, decisions,
 winner and bit-identical weights.
 
-One head for the module (its own ports), slowed by 0.2 s a step (``UNBROKEN_INJECT_DELAY``, which changes no
-number) so each fault lands inside a trial; 3 trials of 60 steps of the tiny model, one at a time.
+One head for the module (its own ports); 3 trials of 60 steps of the tiny model, one at a time. The faulted search's
+steps are slowed by 0.2 s each (``DELAY_FILE``, which the head's jobs read: a sleep changes no number) so each fault
+lands inside a trial; the uninterrupted one runs at full speed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, load_config
 from ray_jobs.search.trials import read_trials, trials
 from ray_jobs.storage import Layout
+from ray_jobs.train.faults import FILE_ENV
 from tasks.model import prepare_base_model
 from tasks.stage import stage_dataset
 from tests.chaos.harness import driver_pid, final_weights_hash, heartbeat, until_finished
@@ -37,6 +40,7 @@ from tests.procs import wait_for
 DEMO_TUNE = ROOT / "configs" / "demo-tune.yaml"
 PORT, GCS_PORT = 8315, 6429  # this module's head, nobody else's
 DELAY = "step:0.2"
+DELAY_FILE = Path(tempfile.gettempdir()) / f"unbroken-tune-delay-{os.getpid()}"  # the faulted search writes it
 
 
 def tune_args(root: Path, name: str) -> list[str]:
@@ -46,7 +50,7 @@ def tune_args(root: Path, name: str) -> list[str]:
         "fault_tolerance.max_failures": 1, "fault_tolerance.heartbeat_every_s": 0.5,
         "fault_tolerance.confirm_s": 3, "fault_tolerance.restart_backoff_s": 1,
         "cluster.dashboard_port": PORT, "cluster.head_port": GCS_PORT, "cluster.keep_running": True,
-        "cluster.env_passthrough": "[UNBROKEN_INJECT_DELAY]",
+        "cluster.env_passthrough": f"[{FILE_ENV}]",
         "tune.num_trials": 3, "tune.grace_period_steps": 20, "tune.space": "{train.lr: {loguniform: [1.0e-3, 1.0e-1]}}",
     })  # fmt: skip
 
@@ -57,11 +61,12 @@ def tune_config(root: Path, name: str) -> Config:
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    os.environ["UNBROKEN_INJECT_DELAY"] = DELAY  # the head's jobs inherit it (cluster.env_passthrough)
+    os.environ[FILE_ENV] = str(DELAY_FILE)  # the head's jobs inherit it (cluster.env_passthrough)
     handle = start_local_head(tune_config(tmp_path_factory.mktemp("tune-head"), "head"))
     yield handle
     stop_local_head(handle)
-    os.environ.pop("UNBROKEN_INJECT_DELAY", None)
+    os.environ.pop(FILE_ENV, None)
+    DELAY_FILE.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +161,7 @@ def start_search(handle, cfg: Config) -> None:
 def watchdog(tmp_path):
     def start(storage: str):
         log = open(tmp_path / "watchdog.log", "w")  # noqa: SIM115 (closed below)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")  # with UNBROKEN_INJECT_DELAY: a head it starts again has it
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # with the delay file's variable: a head it starts again has it
         cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", storage, "--interval", "2"]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         return tmp_path / "watchdog.log"
@@ -188,6 +193,7 @@ def test_a_search_survives_a_killed_worker_driver_and_head_to_the_same_outcome(h
     cfg = tune_config(tmp_path / "storage", "faulted")
     t = [tr.name for tr in trials(cfg)]
     log = watchdog(cfg.storage)
+    DELAY_FILE.write_text(DELAY)
     start_search(head, cfg)
 
     # Where each fault lands: a trial the uninterrupted search let train past step 25 (ASHA stops others sooner).
