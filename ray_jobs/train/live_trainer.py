@@ -154,6 +154,8 @@ class LiveTrainer(Trainer):
         if flat is None:  # a standby while every data rank has its worker: zeros to the sum (x + 0 is exact)
             params = self._params()
             flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
+        if self.trace is not None:  # (before the sum: a replica killed once its share counted has left its rows)
+            self.trace.computed(self.loop.step + 1)
         return self.replica.sum(flat), (loss, tokens)
 
     def _share(self, slots: list[int]) -> tuple[float, int]:
@@ -217,13 +219,14 @@ class LiveTrainer(Trainer):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.loop.step += 1
+        participants = [r for r in range(self.workers) if v[HEAD + r] > 0]
         if self.trace is not None:
-            self.trace.step_done(self.loop.step)
+            self.trace.committed(self.loop.step, participants)
         self.loop.tokens_seen += int(v[1])
         self.loop.elapsed_s += time.monotonic() - started
         self.last_step_at = time.time()
         self.first_step_at = self.first_step_at or self.last_step_at
-        self._took_part([r for r in range(self.workers) if v[HEAD + r] > 0], v)
+        self._took_part(participants, v)
         self.sigtermed = int(v[3])
         return Agreed(float(v[0]) / self.replicas, int(v[1]), float(grad_norm), False, False, self.sigtermed > 0)
 

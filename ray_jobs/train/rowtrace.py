@@ -30,9 +30,22 @@ class RowTrace:
         self.rows += [[int(e), f, r] for e, (f, r) in zip(epochs, ids, strict=True)]
 
     def step_done(self, step: int) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({**self.head, "step": step, "rows": self.rows}) + "\n")
+        self._write({"step": step, "rows": self.rows})
         self.rows = []
+
+    def computed(self, step: int) -> None:
+        """Live recovery: the rows of this replica's shares of ``step``, written before its gradients are summed --
+        a replica killed after the sum that counted has left them, and a try that did not commit is superseded by
+        the next one. :meth:`committed` says whose shares the step took."""
+        self._write({"step": step, "computed": self.rows})
+        self.rows = []
+
+    def committed(self, step: int, participants: list[int]) -> None:
+        self._write({"step": step, "participants": participants})
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({**self.head, **rec}) + "\n")
 
 
 def open_trace(rt) -> RowTrace | None:
@@ -49,11 +62,20 @@ def trained_rows(folder: str | Path) -> tuple[Counter, list[tuple[int, int, int]
     each group that trained steps that counted, in order, (world size, first step, last step))."""
     by_step: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))  # step -> group -> rows
     worlds: dict[int, int] = {}
-    for path in Path(folder).glob("rows-*.jsonl"):
+    computed: dict[tuple[int, int, int], list] = {}  # live recovery: (step, group, rank) -> its last try's rows
+    took: dict[tuple[int, int], list[int]] = {}  # live recovery: (step, group) -> the ranks whose shares committed
+    for path in Path(folder).glob("rows-*.jsonl"):  # one file per (group, rank), its lines in the order written
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            by_step[rec["step"]][rec["group"]] += [tuple(r) for r in rec["rows"]]
             worlds[rec["group"]] = rec["world"]
+            if "computed" in rec:
+                computed[rec["step"], rec["group"], rec["rank"]] = rec["computed"]
+            elif "participants" in rec:
+                took[rec["step"], rec["group"]] = rec["participants"]
+            else:
+                by_step[rec["step"]][rec["group"]] += [tuple(r) for r in rec["rows"]]
+    for (step, group), ranks in took.items():  # a committed step: the shares of those who took part, nobody else's
+        by_step[step][group] = [tuple(r) for rank in ranks for r in computed.get((step, group, rank), [])]
     rows: Counter = Counter()
     spans: dict[int, list[int]] = {}
     for step in sorted(by_step):

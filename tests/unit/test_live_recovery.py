@@ -71,6 +71,46 @@ def test_every_share_of_a_step_is_computed_exactly_once_whoever_is_missing(parti
     assert virtual_slots(2, 3, [0, 1]) == [[0, 1, 2], [3, 4, 5]]  # worker j's micro-batches in an ordinary run
 
 
+def _trace(folder: Path, rank: int, *lines: tuple) -> None:
+    """A replica's row-trace lines: ("computed", step, rows) before its share is summed, ("committed", step,
+    participants) once the step committed -- as live_trainer writes them (ray_jobs/train/rowtrace.py)."""
+    from ray_jobs.train.rowtrace import RowTrace
+
+    t = RowTrace(str(folder), 7, rank, 2)
+    for kind, step, what in lines:
+        if kind == "computed":
+            t.rows = [[0, f"train-0000{rank}.parquet", r] for r in what]
+            t.computed(step)
+        else:
+            t.committed(step, what)
+
+
+@pytest.mark.parametrize(
+    ("replica_0", "replica_1", "trained"),
+    [
+        # both took part in step 1: each one's share
+        ([("computed", 1, [0]), ("committed", 1, [0, 1])], [("computed", 1, [5]), ("committed", 1, [0, 1])],
+         {(0, 0), (1, 5)}),
+        # replica 1 killed after its share was summed, before it saw the commit: its rows counted all the same
+        ([("computed", 1, [0]), ("committed", 1, [0, 1])], [("computed", 1, [5])], {(0, 0), (1, 5)}),
+        # replica 1 killed before the sum: the step did not commit with it; replica 0 computed it again, both shares
+        ([("computed", 1, [0]), ("computed", 1, [0, 5]), ("committed", 1, [0])], [("computed", 1, [5])],
+         {(0, 0), (0, 5)}),
+        # a step nobody committed (the run ended on it): none of its rows
+        ([("computed", 1, [0]), ("committed", 1, [0, 1]), ("computed", 2, [1])], [("computed", 1, [5])],
+         {(0, 0), (1, 5)}),
+    ],
+)  # fmt: skip
+def test_a_live_steps_rows_are_the_shares_of_those_who_took_part_in_its_commit(
+    tmp_path, replica_0, replica_1, trained
+) -> None:
+    _trace(tmp_path, 0, *replica_0)
+    _trace(tmp_path, 1, *replica_1)
+    rows, _ = trained_rows(tmp_path)
+    assert set(rows) == {(0, f"train-0000{rank}.parquet", r) for rank, r in trained}
+    assert all(n == 1 for n in rows.values())
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> tuple[Config, dict, str]:
     storage = tmp_path_factory.mktemp("live") / "storage"
