@@ -16,6 +16,10 @@ class UserError(Exception):
     users_fault: ClassVar[bool] = True  # False: a subclass that may be the environment's fault (a source not served)
 
 
+class RunNotFound(UserError, FileNotFoundError):
+    """A run name, or a storage root, with no run record there: a command that looks a run up names both."""
+
+
 def user_error(exc: BaseException | None) -> UserError | None:
     """The user's mistake ``exc`` is, or was raised from (``raise ... from``: its ``__cause__`` chain, a library
     that wraps it), or None. Not an exception raised *while handling* one (``__context__``): that one is its own."""

@@ -241,11 +241,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ray_jobs.config import absolute_url
 
     storage = absolute_url(args.storage)
-    try:
-        print("\n".join([describe(storage, args.run), *lineage_lines(storage, args.run)]))
-    except FileNotFoundError as e:  # a run name or storage root the user got wrong: one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    print("\n".join([describe(storage, args.run), *lineage_lines(storage, args.run)]))  # (RunNotFound: exit 2)
     return 0
 
 

@@ -7,6 +7,7 @@ import time
 
 from control.records.run import Attempt, Incident
 from control.registry import _pick, load
+from ray_jobs.errors import RunNotFound
 from ray_jobs.storage import Layout, read_json
 
 
@@ -25,7 +26,7 @@ def describe(storage: str, run: str) -> str:
     """A human summary of a run from storage alone: state, attempts, incidents, heartbeat, final model."""
     reg = load(storage, run)
     if reg is None:
-        raise FileNotFoundError(f"no run {run!r} under {storage} (looked for {Layout(storage).run_registry(run)})")
+        raise RunNotFound(f"no run {run!r} under {storage} (looked for {Layout(storage).run_registry(run)})")
     if reg.search is not None:
         return _trial(storage, reg)
     mode, address = (reg.cluster.mode or "-", reg.cluster.address) if reg.cluster else ("-", "")
