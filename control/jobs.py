@@ -24,7 +24,6 @@ from ray_jobs.config import Config
 from ray_jobs.poll import poll_until
 from ray_jobs.secrets import MaskedError
 from ray_jobs.storage import Layout, write_json_atomic
-from ray_jobs.train.metrics import MetricsTail
 
 __all__ = ["ClusterLost", "JobFailed", "StopUnverified", "run_to_end", "stop_and_wait", "submit", "watch"]
 
@@ -165,11 +164,6 @@ def _bounded(call, timeout_s: float, what: str):
         raise ClusterError(f"{what}: no answer within {timeout_s:g}s") from None
     finally:
         pool.shutdown(wait=False)
-
-
-def last_step(metrics_url: str) -> int:
-    """Newest step in the metrics log (0 when there is none yet)."""
-    return MetricsTail(metrics_url).last_step()
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -10,7 +10,7 @@ re-checked right before it happens (act)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from control.backends.health import assess
@@ -75,7 +75,6 @@ class Outcome:
     action: str
     detail: str = ""
     incident: Incident | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         incident = self.incident.dump() if self.incident is not None else None

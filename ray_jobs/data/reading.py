@@ -140,13 +140,6 @@ def served_data_ranks(slots: list[tuple[int, int]]) -> list[int]:
     return sorted({v for v, _ in slots})
 
 
-def served_shards(entries: list[dict[str, Any]], data_ranks: int, grad_accum_steps: int, rank: int,
-                  world_size: int) -> list[dict[str, Any]]:  # fmt: skip
-    """The train shards worker ``rank`` of ``world_size`` reads (those of the data ranks it serves)."""
-    served = served_data_ranks(step_slots(data_ranks, grad_accum_steps, rank, world_size))
-    return [e for v in served for e in rank_shards(entries, v, data_ranks)]
-
-
 class StepPlan:
     """Which rows this worker trains on at each step, the same rows per step at any world size (module docstring).
 

@@ -19,6 +19,19 @@ def test_each_private_ray_symbol_is_still_where_it_is_imported_from(module: str,
     assert callable(found), f"Ray {ray.__version__}: {module}.{name} is no longer callable"
 
 
+@pytest.mark.parametrize(("cls", "path"), ray_private.ATTRIBUTES, ids=lambda v: v)
+def test_each_private_attribute_read_is_still_there(cls: str, path: str) -> None:
+    """A private attribute read off an instance (``asha_rungs``: ASHA's rungs) exists on a fresh one of its class."""
+    import re
+
+    module, name = cls.rsplit(".", 1)
+    found: object = getattr(importlib.import_module(module), name)(metric="eval_loss", mode="min")
+    for attr, index in re.findall(r"\.?(\w+)(?:\[(\d+)\])?", path):
+        assert hasattr(found, attr), f"Ray {ray.__version__}: {cls} has no {path} (stops at {attr})"
+        found = getattr(found, attr)
+        found = found[int(index)] if index else found
+
+
 def test_the_accessors_return_the_symbols() -> None:
     from ray.train.torch.config import _TorchBackend
 
