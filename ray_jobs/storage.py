@@ -249,7 +249,8 @@ def _replace_dir(local: Path, path: str) -> None:
 
 
 class Layout:
-    """Where everything lives under a storage root (the contract in DESIGN.md)."""
+    """Where everything lives under a storage root (the contract: docs/architecture.md's storage layout, which
+    tests/unit/test_architecture.py checks against this class)."""
 
     def __init__(self, storage: str):
         self.root = storage.rstrip("/")
@@ -281,9 +282,10 @@ class Layout:
     def active_index(self) -> str:
         return join(self.root, "index", "active-runs")
 
-    # index/kuberay-runs/<run> : a marker per run whose RayCluster the watchdog's janitor has yet to see cleaned up
-    def kuberay_index(self) -> str:
-        return join(self.root, "index", "kuberay-runs")
+    # index/<backend>-runs/<run> : a marker per run whose cluster a backend's janitor has yet to see cleaned up
+    # (control/backends: ``janitor_index``)
+    def janitor_index(self, backend: str) -> str:
+        return join(self.root, "index", f"{backend}-runs")
 
     def run_registry(self, run: str) -> str:
         return join(self.run_dir(run), "run.json")
@@ -306,7 +308,7 @@ class Layout:
         return join(self.run_dir(run), "train-starts.json")
 
     def lease_dir(self, run: str) -> str:
-        """``lease-<generation>.json`` files: which watchdog may act on the run (see tasks/lease.py)."""
+        """``lease-<generation>.json`` files: which watchdog may act on the run (control/lease.py)."""
         return join(self.run_dir(run), "leases")
 
     def final_model(self, run: str) -> str:

@@ -328,7 +328,7 @@ class KubeRay(Backend):
     # -- what a run killed before its ``down`` left behind --------------------------------------------------------
     @classmethod
     def janitor_index(cls, storage: str) -> str:
-        return Layout(storage).kuberay_index()
+        return Layout(storage).janitor_index(cls.name)
 
     def janitor_scope(self) -> str:
         """One look per namespace (of a context), however many runs used it."""

@@ -150,7 +150,7 @@ def test_a_local_head_decides_by_its_own_users() -> None:
 
 def test_only_kuberay_leaves_clusters_for_the_janitor(tmp_path: Path) -> None:
     assert janitor_backends() == [kuberay.KubeRay]
-    assert kuberay.KubeRay.janitor_index(str(tmp_path)) == Layout(str(tmp_path)).kuberay_index()
+    assert kuberay.KubeRay.janitor_index(str(tmp_path)) == Layout(str(tmp_path)).janitor_index("kuberay")
     assert Backend.janitor_index(str(tmp_path)) is None
     assert backend_for(cfg("kuberay")).janitor_scope() == "namespace default"
 

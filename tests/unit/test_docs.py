@@ -70,3 +70,33 @@ def test_every_command_the_docs_show_is_one_the_cli_takes() -> None:
 
 def test_the_readme_fits_in_a_head() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+class _N(int):
+    """An attempt number that formats as the page's placeholder (``job-spec-<n>.json``)."""
+
+    def __format__(self, spec: str) -> str:
+        return "<n>"
+
+
+def test_the_architecture_pages_storage_layout_is_layouts() -> None:
+    """Every path ``ray_jobs.storage.Layout`` names (each method called with placeholders for its arguments) is on a
+    line of docs/architecture.md's storage layout: the contract tools and tests read is the one the code writes."""
+    import inspect
+
+    from ray_jobs.storage import Layout
+
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    block = page[page.index("## Storage layout") :].split("```")[1]
+    lines = [ln.split()[0] for ln in block.splitlines() if ln.startswith("<storage>/")]
+    layout, missing = Layout("<storage>"), []
+    for name, method in inspect.getmembers(Layout, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        params = list(inspect.signature(method).parameters)[1:]
+        args = [_N(1) if p == "attempt" else f"<{p}>" for p in params if p != "outcome"]
+        path = getattr(layout, name)(*args)
+        wanted = re.sub(r"<[^>]+>", "<[^>/]+>", re.escape(path))  # a placeholder reads as any other name for it
+        if not any(re.match(rf"{wanted}(/|\.|,|$)", ln) for ln in lines):
+            missing.append(f"{name}: {path}")
+    assert not missing, f"Layout's paths docs/architecture.md's storage layout lacks: {missing}"
