@@ -1,5 +1,6 @@
 """The watchdog flow: one pass over every active run under a storage root; restarts what failed, hung or lost its
-cluster (see control/watchdog.py for the rules). Independent of the finetune flow: it needs only the storage.
+cluster (the rules: control/watchdog/, observe -> decide -> act). Independent of the finetune flow: it needs only the
+storage.
 
 Each pass is one flow run (a scheduled deployment runs it on an interval; ``unbroken watchdog`` loops it).
 Recoveries and give-ups are Prefect events (``unbroken.run.recovered`` / ``unbroken.run.gave-up``, resource
