@@ -17,9 +17,6 @@ class WorkerRange(Section):
     """Most workers; also how the data is laid out (see ``num_workers``)."""
 
 
-BACKENDS = ("local", "address", "ray-up", "kuberay")
-
-
 class RayUpConfig(Section):
     config: str = ""
     """The cluster YAML the Ray cluster launcher takes (``ray up``: provider, node types, setup and start commands),
