@@ -1,9 +1,10 @@
 """Faults Ray Train cannot recover from inside a job, recovered by the watchdog from outside.
 
 Two real ``unbroken watchdog`` processes (each its own Prefect server) watch one storage root for the whole module,
-so every scenario also checks that two watchdogs never both restart a run: exactly one incident, one restart,
-two attempts. Training runs with ``fault_tolerance.max_failures=0``, so every fault reaches the watchdog. Each run
-must end with weights bit-identical to the uninterrupted baseline.
+so every scenario also checks that two watchdogs never both restart a run: exactly one incident and one restart per
+fault, one attempt more than there were faults. Training runs with ``fault_tolerance.max_failures=0`` (the hf test
+lets Ray Train absorb its worker kill), so every other fault reaches the watchdog. Each run must end with weights
+bit-identical to its uninterrupted baseline.
 """
 
 from __future__ import annotations
