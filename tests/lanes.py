@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The heavy, mostly-waiting tiers (chaos, multinode hosts, ray up over SSH) beside the CPU-bound ones. A
 # self-contained unit file (in-process, its own free ports) listed here closes lane 2 instead of lane 1, so that the
 # lanes end together. None is now: a .ci/run on 2026-11-27 with the unit tier's three slowest files (~230 s) here had
-# lane 1 (integration, then unit) end at 3732 s and lane 2 ~700 s later -- the chaos tier is the long pole since the
+# lane 1 (integration, then unit) end at 3732 s and lane 2 at 4302 s -- the chaos tier is the long pole since the
 # integration tier's cuts of that day. Lane 2 in the other order (multinode and launcher first, beside the
 # integration tier's two-worker jobs) was measured: its waiting tiers waited longer under that load (multinode
 # 526 -> 668 s, launcher 266 -> 318 s) and it ended 130 s later.
