@@ -250,7 +250,7 @@ def _replace_dir(local: Path, path: str) -> None:
 
 class Layout:
     """Where everything lives under a storage root (the contract: docs/architecture.md's storage layout, which
-    tests/unit/test_architecture.py checks against this class)."""
+    tests/unit/test_docs.py checks against this class)."""
 
     def __init__(self, storage: str):
         self.root = storage.rstrip("/")
