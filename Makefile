@@ -104,6 +104,7 @@ GPU_SIZE ?= 1b
 GPU_LEGS ?= throughput,engine,lora,checkpoint,resume,precision
 GPU_VARIANTS ?=
 GPU_RAY_PARTS ?= /tmp/unbroken-ray-parts
+GPU_RAY_LEGS ?= ray-ddp,ray-restart,ray-live
 
 gpu-wheels:
 	rm -rf .whl .whl-ray && mkdir -p .whl .whl-ray
@@ -133,4 +134,4 @@ gpu-ray: gpu-stash
 	mkdir -p $(dir $(GPU_OUT))
 	cd $(GPU_RAY_PARTS) && for w in $$(ls *.part-aa | sed 's/.part-aa$$//'); do cat $$w.part-* > /tmp/$$w && \
 		python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) /tmp/$$w; done
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 -m bench.gpu.ray_train --size $(GPU_SIZE) --out $(GPU_OUT)
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 -m bench.gpu.ray_train --legs $(GPU_RAY_LEGS) --size $(GPU_SIZE) --out $(GPU_OUT)
