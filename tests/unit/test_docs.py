@@ -1,13 +1,16 @@
 """The documentation tells today's truth where a test can tell: every config field is documented (the reference is
 generated from them: ray_jobs/config/reference.py), every ``unbroken`` command the README and the guides show is one
-the command line takes (its subcommand, its arguments and every flag; a block after ``<!-- illustrative -->`` is not
-checked), and the README stays short. The site itself builds in .ci/run (``make docs``, strict: a broken link or a
+the command line takes (its subcommand, its arguments and every flag; a block after ``<!-- illustrative ... -->`` is not
+checked), every concrete one of them (no placeholder) is run -- here, or by the test named for it -- and the README
+stays short. The site itself builds in .ci/run (``make docs``, strict: a broken link or a
 page missing from the nav fails it)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +18,16 @@ from tests.conftest import ROOT
 from unbroken.cli import _parser
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"(<!-- illustrative -->\s*)?```(?:bash|sh|shell)\n(.*?)```", re.S)
+FENCE = re.compile(r"(<!-- illustrative[^>]*-->\s*)?```(?:bash|sh|shell)\n(.*?)```", re.S)
+# A synopsis (``run CONFIG [--set key=value ...]``) is a form, parsed; anything else is a command a reader may paste.
+PLACEHOLDER = re.compile(r"\b[A-Z]+\b|\[|\.\.\.")
+RUN_HERE = ("--version", "check configs/smollm2-chat-lora.yaml")
+# Concrete commands too long for this tier (training, a watchdog that runs until stopped): the test that runs each --
+# its own ports and storage, fewer steps -- whose source names the subcommand and every argument.
+RUN_BY = {
+    "run configs/smollm2-chat-lora.yaml": "tests/integration/test_real_model.py",
+    "watchdog --metrics-port 9100": "tests/chaos/test_watchdog_recovery.py",
+}
 
 
 def commands(text: str) -> list[str]:
@@ -66,6 +78,31 @@ def test_every_command_the_docs_show_is_one_the_cli_takes() -> None:
         except SystemExit as e:
             if e.code != 0:  # --version, --help exit 0
                 pytest.fail(f"{page}: `unbroken {cmd}` is not a command unbroken takes")
+
+
+def test_every_concrete_command_the_docs_show_is_run_by_a_test() -> None:
+    shown = {cmd.strip() for page in PAGES for cmd in commands(page.read_text()) if not PLACEHOLDER.search(cmd)}
+    assert shown == set(RUN_HERE) | set(RUN_BY), "a new concrete command: run it in a test, or mark it illustrative"
+    for cmd, test in RUN_BY.items():
+        source = (ROOT / test).read_text()
+        subcommand, *rest = shlex.split(cmd)
+        named = [f'"{subcommand}"'] + [Path(a).name for a in rest if not a.isdigit()]
+        assert all(n in source for n in named), (cmd, test, [n for n in named if n not in source])
+
+
+def test_the_concrete_commands_a_guide_shows_run_as_shown(smollm2, tmp_path, capsys) -> None:
+    """``--version`` and the real-model recipe's ``check``, from the checkout, as the README shows them (the check on
+    this test's own ports and storage: a lane beside it may have a head on the defaults)."""
+    from unbroken.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(shlex.split(RUN_HERE[0]))
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("unbroken ")
+    own = [f"storage={tmp_path}", "cluster.dashboard_port=8999", "cluster.head_port=6999"]
+    with contextlib.chdir(ROOT):
+        assert main([*shlex.split(RUN_HERE[1]), *[a for o in own for a in ("--set", o)]]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("no problem found") and "plan" in out, out
 
 
 def test_the_readme_fits_in_a_head() -> None:
