@@ -140,7 +140,7 @@ def _with_early_cluster(args: argparse.Namespace, run_flow):
     Prefect's temporary server; a head the flow never took over (it ended before it needed one) is released."""
     from flows.finetune import start_cluster_early
 
-    early = start_cluster_early(load_config(args.config, args.overrides))
+    early = start_cluster_early(args.cfg)
     try:
         return asyncio.run(run_flow())
     finally:
@@ -201,7 +201,7 @@ def format_trials(rows: list[dict]) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     from control.check import check
 
-    report = check(load_config(args.config, args.overrides), args.worker_memory)
+    report = check(args.cfg, args.worker_memory)
     print(mask("\n".join(report.lines())))  # an address, a source or a model URL may carry a credential
     if report.problems:
         print(f"{len(report.problems)} problem(s): this run would not start", file=sys.stderr)
@@ -229,7 +229,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ray_jobs.local import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    final = train(load_config(args.config, args.overrides))
+    final = train(args.cfg)
     if final is not None:
         print(f"final model: {final}")
     return 0
@@ -345,7 +345,9 @@ def _dispatch(args: argparse.Namespace, debug: bool) -> int:
     if args.command in ("server", "status", "runs"):
         return {"server": cmd_server, "status": cmd_status, "runs": cmd_runs}[args.command](args)
     if args.command in ("run", "tune", "stage", "train", "check"):
-        cfg = load_config(args.config, args.overrides)  # before Prefect is imported
+        # loaded once, before Prefect is imported; the commands take it from here (a flow loads its own again from
+        # the path and overrides, its parameters: what a flow run started from the UI or a deployment has)
+        cfg = args.cfg = load_config(args.config, args.overrides)
         if args.command in ("run", "tune"):
             check_flow(cfg, search=args.command == "tune", source=args.config)
             from control.cluster import preflight

@@ -41,8 +41,9 @@ def resources(health: Health) -> dict[str, float]:
     return {"CPU": sum(n.cpus for n in health.alive), "GPU": sum(n.gpus for n in health.alive)}
 
 
-def resource_problems(cfg: Config, total: dict[str, float]) -> list[str]:
-    """Why the cluster's resources cannot hold the fewest workers the run needs."""
+def resource_problems(cfg: Config, total: dict[str, float], nothing_joins: bool = False) -> list[str]:
+    """Why the cluster's resources cannot hold the fewest workers the run needs. ``nothing_joins``: the cluster is
+    this machine's local head, so a GPU short now is short for good -- the problem says what to do instead."""
     c = cfg.cluster
     fewest = cfg.workers[0]  # live recovery's standbys are workers too
     what = f"cluster.num_workers={c.num_workers}" if not c.elastic else f"cluster.num_workers.min={c.min_workers}"
@@ -58,7 +59,10 @@ def resource_problems(cfg: Config, total: dict[str, float]) -> list[str]:
     if cfg.tune is not None and (p := concurrency_problem(cfg, total.get("CPU", 0))):
         problems.append(p)
     if c.use_gpu and total.get("GPU", 0) < fewest:
-        problems.append(f"cluster.use_gpu with {what} needs {fewest} GPUs; the cluster has {total.get('GPU', 0):g}")
+        fix = "; set cluster.use_gpu=false, or cluster.address to a cluster with GPUs" if nothing_joins else ""
+        problems.append(
+            f"cluster.use_gpu with {what} needs {fewest} GPUs; the cluster has {total.get('GPU', 0):g}{fix}"
+        )
     return problems
 
 

@@ -93,9 +93,8 @@ def _this_machine(cfg: Config) -> tuple[list[Finding], tuple[float | None, str]]
     gpus = probes.local_gpus() if cfg.cluster.use_gpu else 0
     found = [ok("cluster", f"a local Ray head on this machine (the run starts it): {cpus:g} CPUs"
                            + (f", {gpus} GPUs" if cfg.cluster.use_gpu else ""))]  # fmt: skip
-    for p in resource_problems(cfg, {"CPU": cpus, "GPU": float(gpus)}):
-        hint = "; set cluster.use_gpu=false, or cluster.address to a cluster with GPUs" if "use_gpu" in p else ""
-        found.append(problem("cluster", p + hint))  # nothing joins a local head: certain
+    # nothing joins a local head: a shortfall is certain
+    found += [problem("cluster", p) for p in resource_problems(cfg, {"CPU": cpus, "GPU": float(gpus)}, True)]
     if cfg.cluster.use_gpu:
         memory = probes.gpu_memory()
         return found, (memory, "this machine's GPU") if memory else (None, "")

@@ -61,7 +61,8 @@ def mistakes(root) -> list[tuple[str, list[str], dict[str, str], str]]:
         ("bad LoRA target", [*run, "--set", "model.lora.target_modules=[nope_proj]"], {},
          "model.lora.target_modules: nope_proj not found in builtin:tiny-llama"),
         ("GPU asked with none", [*run, "--set", "cluster.use_gpu=true"], {"CUDA_VISIBLE_DEVICES": ""},
-         "cluster.use_gpu with cluster.num_workers=2 needs 2 GPUs; the cluster has 0"),
+         "cluster.use_gpu with cluster.num_workers=2 needs 2 GPUs; the cluster has 0; set cluster.use_gpu=false, or "
+         "cluster.address to a cluster with GPUs"),
         ("unreachable cluster address", [*run, "--set", "cluster.address=http://127.0.0.1:9"], {},
          "cluster.address http://127.0.0.1:9 is not reachable: [Errno 111] Connection refused"),
         ("S3 bucket missing", [*run, "--set", "storage=s3://no-such-bucket/unbroken"], {},
