@@ -4,6 +4,7 @@ secrets out of every message."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -31,6 +32,10 @@ def jobs_client(address: str):
     enable_token_auth()
     from ray.job_submission import JobSubmissionClient
 
+    # Its submit logs each file of the working_dir it leaves out and each package it uploads, at INFO on the
+    # terminal of `unbroken run` (nine lines a submission): what it uploaded is in the job's own log.
+    for name in ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     return JobSubmissionClient(address)
 
 

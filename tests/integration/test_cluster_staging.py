@@ -132,4 +132,8 @@ def test_bad_data_staged_on_the_cluster_is_one_clear_error(tmp_path: Path) -> No
     (said,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
     assert said.startswith("error: 1 of"), r.explain()  # the job's message, not "Ray job ... FAILED"
     assert f"{bad}:{n}: missing field 'target'" in r.stderr, r.explain()
+    assert "Traceback" not in r.stdout + r.stderr, r.explain()  # neither Ray's (the job's) nor Prefect's
+    last = [ln for ln in r.stderr.splitlines() if ln.strip()][-3:]  # the message ends the terminal's output
+    assert last[0].startswith("error: ") and last[1].strip().endswith("missing field 'target'"), r.explain()
+    assert "packaging.py" not in r.stderr, r.explain()  # the job's upload is the job's log, not the terminal's
     assert not head_pids(PORTS["cluster.dashboard_port"]), "the head provisioned for staging was stopped"
