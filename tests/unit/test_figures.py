@@ -56,7 +56,7 @@ def quoted_in_docs(results: dict) -> list[tuple[str, str, str]]:
         out.append(("engines.md", "engine_throughput", f"native {_n(e['native_tokens_per_s'])}, "
                     f"hf {_n(e['hf_tokens_per_s'])} -> **{e['hf_vs_native']:.2f}**"))  # fmt: skip
     if g := results.get("gpu_engine"):
-        for engine in ("native", "hf", "hf+liger"):  # the second call's figure is the one recorded
+        for engine in ("native", "hf", "hf+liger"):  # the latest call's figure (last in its cell) is the one recorded
             out.append(("gpu.md", "gpu_engine", f" / {_n(g[engine]['tokens_per_s'])} |"))
         out.append(("gpu.md", "gpu_engine", f"**{g['hf+liger']['peak_gb']:.1f}**"))
     if t := results.get("gpu_throughput"):
