@@ -70,6 +70,7 @@ test-multinode: setup
 lint: setup
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --no-cache --check .
+	$(VENV)/bin/ty check --no-progress  # the product's folders, [tool.ty] in pyproject.toml
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

@@ -25,7 +25,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 def validate(raw: dict[str, Any], source: str = "config") -> Config:
     """A raw tree validated by ray_jobs, with its cluster backend's problems added to the same error (also when
     other sections have errors of their own: every problem is reported at once)."""
-    cfg, problems = None, []
+    cfg: Config | None = None
+    problems: list[str] = []
     try:
         cfg = loading.validate(raw, source)
     except ConfigError as e:
@@ -35,6 +36,7 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         problems += backend_problems(cluster, str(raw.get("storage") or ""))
     if problems:
         raise ConfigError(problems, source)
+    assert cfg is not None, "loading.validate returns a Config or raises ConfigError with at least one problem"
     return cfg
 
 

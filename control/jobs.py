@@ -10,11 +10,12 @@ import json
 import re
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from control import jobsapi
 from control.backends.base import JOB_ENV, ClusterError, ClusterHandle, StopUnverified, jobs_client
@@ -334,18 +335,24 @@ def run_to_end(
     return _run_beside(main)  # a sync task called from an async flow: this thread's loop is the flow's
 
 
-def _run_beside(main) -> str:
+def _run_beside(main: Coroutine[Any, Any, str]) -> str:
     """``asyncio.run(main)`` in a helper thread, waited on here, in this thread's context (the task run's: its logger,
     its artifacts). A cancel that reaches this thread (the flow run's termination) is passed on to ``main``, and
     waited for: a watch stops its job on a cancel."""
-    started: Future = Future()
+    started: Future[tuple[asyncio.AbstractEventLoop, asyncio.Task[str]]] = Future()
 
-    async def runner():
-        started.set_result((asyncio.get_running_loop(), asyncio.current_task()))
+    async def runner() -> str:
+        task = asyncio.current_task()
+        assert task is not None, "runner is asyncio.run's main task"
+        started.set_result((asyncio.get_running_loop(), task))
         return await main
 
+    def in_thread() -> str:
+        return asyncio.run(runner())
+
+    context = contextvars.copy_context()  # copied in this thread: its context is what the helper thread runs in
     with ThreadPoolExecutor(1, thread_name_prefix="watch") as pool:
-        done = pool.submit(contextvars.copy_context().run, asyncio.run, runner())
+        done = pool.submit(lambda: context.run(in_thread))
         try:
             return done.result()
         except BaseException:

@@ -177,7 +177,7 @@ def holder(storage: str, run: str, lease_dir: str | None = None) -> dict | None:
     when the run's lease is free."""
     lease_dir = lease_dir or Layout(storage).lease_dir(run)
     g = _newest(lease_dir)
-    if not _held(g, lease_dir):
+    if g is None or not _held(g, lease_dir):
         return None
     return g.body if g.body is not None else {"owner": "(unreadable lease file)", "generation": g.number}
 

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ray_jobs.ray_private import auth_headers
+from ray_jobs.ray_private import auth_headers, reload_ray_config
 from ray_jobs.secrets import mask
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -23,9 +23,7 @@ def enable_token_auth() -> None:
         return
     os.environ[AUTH_MODE_ENV] = "token"
     if "ray" in sys.modules:
-        from ray._raylet import Config
-
-        Config.initialize("")
+        reload_ray_config()
 
 
 def jobs_client(address: str):

@@ -56,6 +56,15 @@ def load(storage: str, run: str) -> RunRecord | None:
     return reg
 
 
+def load_existing(storage: str, run: str) -> RunRecord:
+    """The run's record where one must exist (a run being closed, restarted or handed over); FileNotFoundError
+    naming its file when it is gone."""
+    reg = load(storage, run)
+    if reg is None:
+        raise FileNotFoundError(Layout(storage).run_registry(run))
+    return reg
+
+
 def save(storage: str, run: str, reg: RunRecord) -> None:
     reg.updated_at = time.time()
     active = reg.watched
@@ -98,9 +107,7 @@ def unmark(index: str, run: str) -> None:
 
 def update(storage: str, run: str, **fields: Any) -> RunRecord:
     """Read, set top-level fields, write back; returns the new record."""
-    reg = load(storage, run)
-    if reg is None:
-        raise FileNotFoundError(Layout(storage).run_registry(run))
+    reg = load_existing(storage, run)
     reg.set(**fields)
     save(storage, run, reg)
     return reg
@@ -249,7 +256,9 @@ def _cluster_record(cfg, cluster: dict[str, Any]) -> dict[str, Any]:
     return cluster_record(cfg, cluster)
 
 
-def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, flow_run_id, job_spec) -> int:
+def _begin(cfg: Config, cluster: dict[str, Any], dataset_id: str, resume_from: str | None, started_by: str,
+           extra: dict[str, Any] | None, flow_run_id: str | None,
+           job_spec: Callable[[int], Any] | None) -> int:  # fmt: skip
     if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
         raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")
     reg = load(cfg.storage, cfg.name) or RunRecord(name=cfg.name, created_at=time.time(), attempts=[], incidents=[],
@@ -264,13 +273,15 @@ def _begin(cfg, cluster, dataset_id, resume_from, started_by, extra, flow_run_id
         superseded.set(action="superseded", reason=f"a new flow run started attempt {attempt}")
     reg.unset("suspect")
     reg.unset("closing_since")
-    reg.set(state="submitted", config=json.loads(cfg.model_dump_json()), dataset_id=dataset_id,
-            cluster=ClusterRecord(**_cluster_record(cfg, cluster)), **(extra or {}))  # fmt: skip
+    recorded = ClusterRecord(**_cluster_record(cfg, cluster))
+    reg.set(state="submitted", config=json.loads(cfg.model_dump_json()), dataset_id=dataset_id, cluster=recorded,
+            **(extra or {}))  # fmt: skip
     reg.attempts.append(Attempt(attempt=attempt, submission_id=submission_id(cfg.storage, cfg.name, attempt),
                                 started_at=time.time(), started_by=started_by, resume_from=resume_from,
                                 status="SUBMITTED", **({"flow_run_id": flow_run_id} if flow_run_id else {})))  # fmt: skip
     # a run whose backend leaves something behind if it ends without its ``down``: the janitor's, once it is over
-    if index := backend_class(reg.cluster.backend).janitor_index(cfg.storage):
+    assert recorded.backend is not None, "a backend's record() names it (control/backends/base.py: record)"
+    if index := backend_class(recorded.backend).janitor_index(cfg.storage):
         _mark(index, cfg.name, True)
     save(cfg.storage, cfg.name, reg)
     return attempt
@@ -312,7 +323,7 @@ def mark_running(storage: str, run: str, attempt: int) -> bool:
     holds the run (the next poll, or the watchdog itself, does it). True once nothing is left to do: a caller polls
     until then, and takes the lease only when the registry still needs the change (one lease, not one a poll)."""
     reg = load(storage, run)
-    if reg is None or not set_running(reg.copy(), attempt):
+    if reg is None or not set_running(reg.deep_copy(), attempt):
         return True
     lease = leases.acquire(storage, run, ttl_s=30)
     if lease is None:

@@ -10,7 +10,7 @@ and the watchdog adopts it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from control import registry, series
 from control.backends.base import ClusterError
@@ -23,7 +23,7 @@ SLOT_LEASE_S = 60  # a crashed holder's slot frees itself after this long
 
 
 @contextlib.asynccontextmanager
-async def one_run_per_series(series: str) -> AsyncIterator[None]:
+async def one_run_per_series(series: str) -> AsyncGenerator[None, None]:
     """Hold the global concurrency limit ``unbroken-series-<series>`` (limit 1) for the whole flow run: a second
     run of the series waits for the first (two dataset events queue in order, and the second then sees what the
     first trained) instead of training beside it. A fixed run name is its own series."""

@@ -68,7 +68,7 @@ def _started_at() -> float:
 )
 async def finetune(
     config_path: str | None = None, overrides: list[str] | None = None, dataset_uri: str | None = None
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Fine-tune a causal LM on Ray Train from a YAML config (plus ``a.b=c`` overrides, and ``dataset_uri`` as
     ``data.train`` when a dataset event started the run); returns the summary."""
     try:
@@ -97,7 +97,8 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
             return nothing_new(cfg, done)
         early = early or _provision_early(cfg)  # the cluster comes up while the data is staged
         staged, handle = stage_for(cfg, model_path)  # a cluster here only when staging ran on it
-        handle = handle or early.result()
+        if handle is None:  # staged here, or found staged already: no cluster came up with the data
+            handle = early.result() if early is not None else provision_cluster(cfg)
         early = None
         staged_as = cfg.name
         cfg = cfg.resolved(staged.dataset_id, _started_at())
@@ -147,7 +148,9 @@ def nothing_new(cfg: Config, done: SeriesRun) -> State:
     says so (a cron tick with unchanged data, or the same dataset event twice)."""
     from prefect.states import Completed
 
-    final = registry.load(cfg.storage, done.run).final_model
+    rec = registry.load(cfg.storage, done.run)
+    assert rec is not None, "find_trained_run returns only a run whose record says it succeeded"
+    final = rec.final_model
     message = f"nothing new to train: run {done.run} already trained on dataset {done.dataset_id}"
     get_run_logger().info(message)
     summary = {"run": done.run, "dataset_id": done.dataset_id, "nothing_new": True, "message": message,

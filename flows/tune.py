@@ -10,6 +10,7 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
+from prefect.states import State
 
 from control.config import ConfigError, check_flow
 from control.sources import SourceRefused
@@ -28,7 +29,7 @@ def tune_run_name() -> str:
 
 
 @flow(name="tune", flow_run_name=tune_run_name, on_cancellation=[stop_on_cancel], on_crashed=[stop_on_crash])
-async def tune(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+async def tune(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any] | State:
     """Search hyperparameters with Ray Tune over the config's ``tune.space``; returns the trials and the winner."""
     cfg = run_config(config_path, overrides)
     check_flow(cfg, search=True, source=str(config_path or "config"))

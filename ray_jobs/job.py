@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from typing import TypedDict
 
 from ray_jobs.config import Config, job_spec
 from ray_jobs.secrets import mask, mask_output
@@ -51,8 +52,10 @@ def loop_config(spec: dict, cfg: Config) -> dict:
 def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
     """Ray Train's TorchTrainer for this run: every worker runs ``train_loop_per_worker(loop)``. ``callbacks``: Ray
     Train callbacks (a search's trial passes Tune's, which forwards rank 0's reports to the scheduler)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    # Ray Train V2's own classes (what ``ray.train`` re-exports while V2 is on, Ray's default; ``ray.train.torch``'s
+    # TorchTrainer is V2's and takes only these): ``max_preemption_failures`` is V2's alone
     from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig
 
     from ray_jobs.train.heartbeat import group_restarts
     from ray_jobs.train.preemption import torch_config
@@ -98,19 +101,28 @@ def lighthouse(cfg: Config) -> dict | None:
 def scaling_config(cfg: Config):
     """Ray Train's ScalingConfig: a fixed number of workers, or ``(min, max)`` for its elastic policy (it restarts
     with as many workers as fit after a node is lost and grows back every ``cluster.resize_check_s``)."""
-    from ray.train import ScalingConfig
+    from ray.train.v2.api.config import ScalingConfig  # V2's, as in build_trainer: it takes a (min, max) range
 
     c = cfg.cluster
-    elastic = {"elastic_resize_monitor_interval_s": c.resize_check_s} if c.elastic else {}
     return ScalingConfig(
         num_workers=cfg.workers if c.elastic else cfg.workers[1],  # live recovery's standbys included
         use_gpu=c.use_gpu,
         resources_per_worker={"CPU": c.cpus_per_worker},
-        **elastic,
+        # read by Ray Train's elastic scaling policy alone: a fixed number of workers never looks at it
+        elastic_resize_monitor_interval_s=c.resize_check_s,
     )
 
 
-def root_cause(e: BaseException) -> dict[str, str]:
+class RootCause(TypedDict):
+    """What a failed job prints after ``UNBROKEN_FAILURE`` (read by the watchdog's ``observe``)."""
+
+    type: str
+    message: str
+    kinds: list[str]
+    preempted: bool
+
+
+def root_cause(e: BaseException) -> RootCause:
     """The exception a worker raised, under Ray Train's wrappers: its type name, its classes, first message line."""
     failures = getattr(e, "worker_failures", None) or {}
     if failures:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -31,7 +31,7 @@ def poll_until(
 
 
 @contextlib.contextmanager
-def repeating(call: Callable[[], object], every_s: float, name: str) -> Iterator[None]:
+def repeating(call: Callable[[], object], every_s: float, name: str) -> Generator[None, None, None]:
     """``call()`` every ``every_s`` seconds from a daemon thread while the body runs (the first one after
     ``every_s``); a call that returns False ends the calls. The thread is stopped and joined when the body ends."""
     stop = threading.Event()

@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -127,7 +127,7 @@ class Reporter:
     def finish(self, done: float | None = None, **counts: float) -> Snapshot | None:
         """The final snapshot, said when anything was said before (work that stayed quiet ends quiet too); said once,
         however often it is called."""
-        if self.last is None or self.last.final:
+        if self.last is None or self.start is None or self.last.final:  # no start: no update, so no last either
             return self.last
         now = self.clock()
         final = self._snapshot(now, self.last.done if done is None else done, counts or self.last.counts, final=True)
@@ -138,6 +138,7 @@ class Reporter:
         return final
 
     def _snapshot(self, now: float, done: float, counts: dict[str, float], final: bool) -> Snapshot:
+        assert self.start is not None, "update() sets start before it takes the first snapshot"
         t0, done0, counts0 = self.start
         took = now - t0
         if final and self.total is not None:
@@ -179,7 +180,7 @@ def then(before: Reporter, after: Reporter) -> Callable[..., None]:
 
 
 @contextlib.contextmanager
-def polled(reporter: Reporter, read_done: Callable[[], float], poll_s: float = 1.0) -> Iterator[Reporter]:
+def polled(reporter: Reporter, read_done: Callable[[], float], poll_s: float = 1.0) -> Generator[Reporter, None, None]:
     """``reporter.update(read_done())`` every ``poll_s`` from a thread while the body runs (work that cannot report
     itself: a library writing a file, an upload), then ``reporter.finish()``. A failing read is skipped."""
 

@@ -14,6 +14,7 @@ SYMBOLS = (
     ("ray._private.authentication.http_token_authentication", "get_auth_headers_if_auth_enabled"),
     ("ray.train.torch.config", "_TorchBackend"),
     ("ray.train.v2.torch.torchft_config", "_TorchftBackend"),
+    ("ray._raylet", "Config"),
 )
 # Private attributes read (not imported): (class, attribute path) for the same test.
 ATTRIBUTES = (("ray.tune.schedulers.async_hyperband.AsyncHyperBandScheduler", "_brackets[0]._rungs"),)
@@ -25,6 +26,15 @@ def auth_headers() -> dict[str, str]:
     from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
 
     return get_auth_headers_if_auth_enabled({})
+
+
+def reload_ray_config() -> None:
+    """Make Ray's C++ config read its environment again (``RAY_AUTH_MODE`` set after Ray was imported): Ray has no
+    public call for it."""
+    # ray/_raylet.pyi lists only the ID classes, not the Cython ``Config`` the compiled module has
+    from ray._raylet import Config  # ty: ignore[import-not-found]
+
+    Config.initialize("")
 
 
 def torch_backend() -> type[Any]:

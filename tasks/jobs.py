@@ -82,15 +82,17 @@ def _steps_of(cfg: Config):
     """What a poll reads of a search's progress: (steps trained, steps in all), from its trials (their records
     brought up to date on the way, so ``unbroken runs`` shows each trial's state while the search runs), at most
     every few seconds."""
-    last = {"at": 0.0, "step": 0}
+    assert cfg.tune is not None, "only a search's watch reads its progress from its trials"
+    read_at, step = 0.0, 0
     total = cfg.train.max_steps * cfg.tune.num_trials
 
     def read() -> tuple[int, int]:
-        if time.monotonic() - last["at"] >= SEARCH_POLL_S:
+        nonlocal read_at, step
+        if time.monotonic() - read_at >= SEARCH_POLL_S:
             found = series.sync_trials(cfg.storage, cfg.name)
             # a trial stopped early counts as done: the steps it will never train are not waited for
-            last.update(at=time.monotonic(), step=sum(cfg.train.max_steps if t["state"] in DONE else t["step"]
-                                                      for t in found.values()))  # fmt: skip
-        return last["step"], total
+            read_at = time.monotonic()
+            step = sum(cfg.train.max_steps if t["state"] in DONE else t["step"] for t in found.values())
+        return step, total
 
     return read

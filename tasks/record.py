@@ -4,6 +4,8 @@ are control/registry.py; the watchdog makes its own changes there under the run'
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
@@ -32,8 +34,8 @@ def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest
     flow that is refused never overwrites the winner's -- and the run's place in its series (a search's trials too:
     each a run). Returns (attempt, job spec URL)."""
     _stop_superseded_job(cfg)
-    extra = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
-             "score_manifest_url": pin.manifest_url}  # fmt: skip
+    extra: dict[str, Any] = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
+                             "score_manifest_url": pin.manifest_url}  # fmt: skip
     if cfg.tune is not None:  # a search: its trials are runs of their own, recorded before it starts
         trials = series.record_trials(cfg, dataset_id, extra)
         extra |= {"kind": "search", "trials": [t.name for t in trials]}
@@ -55,6 +57,7 @@ def _stop_superseded_job(cfg: Config) -> None:
     reg = registry.load(cfg.storage, cfg.name)
     if reg and reg.attempts and reg.state == "recovering":
         last = reg.current
+        assert reg.cluster is not None, "every attempt is recorded with its cluster (registry.begin_attempt)"
         if stop_and_wait(reg.cluster.url(), last.submission_id):
             run_logger().warning("stopped Ray job %s of the recovering attempt", last.submission_id)
 

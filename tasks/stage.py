@@ -6,7 +6,7 @@ import asyncio
 import re
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -95,15 +95,19 @@ class ProgressArtifact:
 
     def __init__(self, cfg: Config):
         self.key = re.sub(r"[^a-z0-9-]+", "-", f"{cfg.series_name}-staging".lower()).strip("-")
-        self.id = None
+        self.id: uuid.UUID | None = None
 
     def show(self, snap: Snapshot | dict[str, Any]) -> None:
         """``snap``: a Reporter's snapshot, or its JSON (what a staging job writes)."""
         pct, line = (snap.percent, snap.line()) if isinstance(snap, Snapshot) else (snap["percent"], snap["line"])
+        # _sync=True: the sync function, even on an async flow's thread. Prefect's async_dispatch takes it at run
+        # time, but its type declares neither the argument nor that the result is then the sync function's (a UUID)
         if self.id is None:
-            self.id = create_progress_artifact(pct or 0.0, key=self.key, description=line, _sync=True)
+            created = create_progress_artifact(pct or 0.0, key=self.key, description=line,
+                                               _sync=True)  # ty: ignore[unknown-argument]  # fmt: skip
+            self.id = cast(uuid.UUID, created)
         else:
-            update_progress_artifact(self.id, pct or 0.0, description=line, _sync=True)
+            update_progress_artifact(self.id, pct or 0.0, description=line, _sync=True)  # ty: ignore[unknown-argument]
 
 
 class _JobProgress:

@@ -23,7 +23,11 @@ def sweep(backend: type[Backend], storage: str) -> list[str]:
     that are over; a finished run is unmarked once every place was looked at without an error (not read again on
     later passes). Returns what was removed."""
     index = backend.janitor_index(storage)
-    seen, removed, done = set(), [], []
+    if index is None:  # a backend that leaves nothing behind keeps no markers: nothing to sweep
+        return []
+    seen: set[object] = set()  # the janitor_scope() of each place looked at this pass
+    removed: list[str] = []
+    done: list[str] = []
     for run in registry.marked_runs(index):
         reg = registry.load(storage, run)
         if reg is None:  # where it ran is unknown now; any other run's look there still finds what it left

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from control.records.base import Part, Record
+from control.records.base import Part, Record, RecordError
 from ray_jobs.config import Config, from_json
 from ray_jobs.secrets import reveal
 
@@ -197,6 +197,14 @@ class RunRecord(Record):
         return (self.active or self.closing_since is not None) and self.search is None
 
     @property
+    def recorded_cluster(self) -> ClusterRecord:
+        """The cluster the current attempt was recorded on (``registry.begin_attempt`` records one with every
+        attempt); RecordError for a record without one -- the watchdog leaves such a run alone, named."""
+        if self.cluster is None:
+            raise RecordError(f"run {self.name}: its record names no cluster, though the watchdog must reach one")
+        return self.cluster
+
+    @property
     def current(self) -> Attempt:
         return self.attempts[-1]
 
@@ -218,6 +226,7 @@ class RunRecord(Record):
         (``from_json``: the record holds them masked)."""
         return from_json(json.dumps(self.config))
 
-    def copy(self) -> RunRecord:
-        """A deep copy (what a pure decision changes, leaving the record it was given as it was)."""
+    def deep_copy(self) -> RunRecord:
+        """A deep copy (what a pure decision changes, leaving the record it was given as it was). Not named ``copy``:
+        that is pydantic's own (deprecated, shallow by default), whose signature this would break."""
         return self.model_copy(deep=True)

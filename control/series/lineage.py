@@ -135,7 +135,9 @@ def begin_run(cfg: Config, dataset_id: str, eval_pin: EvalPin, parent: str | Non
             children = trial_entries(cfg, dataset_id, parent) if search else []
             e = SeriesRun(run=cfg.name, dataset_id=dataset_id, recipe=None if search else recipe(cfg),
                           started_at=time.time(), parent=parent, init_from=cfg.model.init_from, score=None,
-                          verdict=None, **({"trials": [c.run for c in children]} if search else {}))  # fmt: skip
+                          verdict=None)  # fmt: skip
+            if search:  # set only for a search: a field never set is not written (control/records/base.py)
+                e.trials = [c.run for c in children]
             rec.runs += [e, *children]
         e.flow_run_id = flow_run_id or e.flow_run_id
         return rec.eval

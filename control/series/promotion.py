@@ -47,8 +47,8 @@ def finish_run(storage: str, run: str) -> Verdict | None:
     """A run succeeded: score it against the champion, publish it if it wins, apply retention. Called by whoever
     closes the run (the finetune flow, or the watchdog for a run it restarted); the first caller decides and emits
     the event, a later one gets the same verdict. None for a run without a series entry (one started before
-    series existed)."""
-    cfg = registry.load(storage, run).cfg()
+    series existed). FileNotFoundError when the run has no record."""
+    cfg = registry.load_existing(storage, run).cfg()
     series = cfg.series_name
     if _entry(storage, series, run) is None:  # not started as part of a lineage: nothing to gate or trim
         return None
@@ -87,6 +87,7 @@ def _close(storage: str, rec: SeriesRecord, cfg: Config, score: float | None, fi
     e.set(ended_at=time.time(), score=score)
     verdict = _judge(rec, cfg, score)
     if verdict.promoted:
+        assert score is not None, "_judge promotes only a scored run"
         _publish(storage, cfg.series_name, cfg.name, score, files)
         rec.champion = cfg.name
     e.verdict = verdict

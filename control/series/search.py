@@ -99,7 +99,7 @@ def winner(found: dict[str, dict[str, Any]]) -> str | None:
 
 def finish_search(storage: str, search: str) -> Verdict | None:
     """The search's job succeeded: its trials recorded, their checkpoints trimmed, the winner put to the gate."""
-    cfg = registry.load(storage, search).cfg()
+    cfg = registry.load_existing(storage, search).cfg()
     found = sync_trials(storage, search)
     best = winner(found)
     mutate(storage, cfg.series_name, lambda rec: _record_trials(storage, rec, search, found, best))

@@ -104,7 +104,7 @@ def failed_job_incident(cfg: Config, attempt: int, address: str, failure: Except
     would have written."""
     from control.jobs import ClusterLost
 
-    reg = registry.load(cfg.storage, cfg.name)
+    reg = registry.load_existing(cfg.storage, cfg.name)  # the flow recorded the attempt it watched
     reg.attempts = reg.attempts[:attempt]  # the attempt the flow watched is the one the incident is about
     lost = isinstance(failure, ClusterLost)
     error = None if lost else job_failure(address, reg.current.submission_id)

@@ -28,8 +28,9 @@ from control.watchdog.decide import (
     finish,
     stand_down,
 )
-from control.watchdog.observe import recorded_handle
+from control.watchdog.observe import Observations, recorded_handle
 from control.watchdog.restart import restart, stop_leftovers
+from control.watchdog.verdict import Verdict
 from ray_jobs.config import Config
 
 
@@ -67,9 +68,9 @@ def give_up(cfg: Config, reg: RunRecord, lease: leases.Lease) -> None:
     processes Ray had already ended are stopped too where the backend can), record the run failed, end its trackers'
     runs (a search's trials too)."""
     sid = reg.current.submission_id
-    with contextlib.suppress(ClusterError):
-        stop_leftovers(cfg, reg, sid)
-    if reg.cluster is not None:
+    if reg.cluster is not None:  # a record without one has no cluster to stop anything on
+        with contextlib.suppress(ClusterError):
+            stop_leftovers(cfg, reg, sid)
         with contextlib.suppress(ClusterError):
             backend_for(cfg).stop_job(recorded_handle(reg), sid)
     save(cfg, reg, lease)
@@ -78,8 +79,9 @@ def give_up(cfg: Config, reg: RunRecord, lease: leases.Lease) -> None:
         series.end_unfinished(cfg.storage, cfg.name, "the watchdog gave up on its search")
 
 
-def _stand_down(cfg: Config, reg: RunRecord, verdict, again, lease: leases.Lease) -> Outcome:
+def _stand_down(cfg: Config, reg: RunRecord, verdict: Verdict, again: Observations, lease: leases.Lease) -> Outcome:
     incident = reg.open_incident()
+    assert incident is not None, "a restart is decided only for an open incident (decide.handle_incident)"
     stand_down(reg, incident, verdict, again.now)
     save(cfg, reg, lease)
     run_logger().warning("run %s: %s no longer holds; not restarting", cfg.name, incident.kind)

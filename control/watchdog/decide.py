@@ -91,19 +91,21 @@ class Decision:
 # -- the decision -----------------------------------------------------------------------------------------------
 def decide(reg: RunRecord, obs: Observations, cfg: Config) -> Decision:
     """The whole judgement of one pass over an active run (or a succeeded one still to be closed)."""
-    reg, now = reg.copy(), obs.now
+    reg, now = reg.deep_copy(), obs.now
     if reg.state == "succeeded":
         return close(reg, now, cfg)
     incident = reg.open_incident()
     if incident is not None:
         return handle_incident(reg, incident, cfg, now, [])
-    verdict = classify(obs.job, reg.current, obs.heartbeat, cfg, now, reg.cluster.address, obs.error, obs.beat_age_s,
-                       obs.job_gone)  # fmt: skip
+    assert obs.job is not None, "observe() asks the Jobs API whenever no incident is open"
+    verdict = classify(obs.job, reg.current, obs.heartbeat, cfg, now, reg.recorded_cluster.address, obs.error,
+                       obs.beat_age_s, obs.job_gone)  # fmt: skip
     seen = confirm(reg, verdict, cfg, now)
     if seen == "healthy":
         return healthy(reg, verdict, obs, cfg)
     if seen == "suspect":
         s = reg.suspect
+        assert s is not None, "confirm() keeps in reg.suspect the suspicion it calls suspect"
         detail = (f"{verdict.kind} seen {s.observations}x over {now - s.first_at:.0f}s, not acted on yet: "
                   f"{first_line(verdict.detail)}")  # fmt: skip
         return Decision(reg, [Save()], Outcome(reg.name, "observing", detail))
@@ -359,6 +361,7 @@ def restarted(reg: RunRecord, new_attempt: int, sid: str, resume_from: str | Non
               now: float) -> Incident:  # fmt: skip
     """Record the restart on the run's open incident; the run is ``submitted`` again."""
     incident = reg.open_incident()
+    assert incident is not None, "the restart acts on the run's open incident, saved before the new attempt began"
     incident.set(action="restarted", new_attempt=new_attempt, submission_id=sid, resumed_from=resume_from,
                  resumed_step=resumed_step(resume_from) if resume_from else None, restarted_at=now,
                  reprovisioned=reprovisioned)  # fmt: skip

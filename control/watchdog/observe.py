@@ -62,7 +62,7 @@ def live_heartbeat(cfg: Config, attempt: int) -> str | None:
     """For the flow's watch: what says the attempt's job still trains (its heartbeat is fresh), or None -- the
     channel that vetoes "the cluster is lost" while only the Jobs API is silent."""
     beat, age = heartbeat_seen(cfg.storage, cfg.name, attempt)
-    if beat is None or age > fresh_s(cfg):
+    if beat is None or age is None or age > fresh_s(cfg):  # age is None exactly when beat is
         return None
     return f"its heartbeat is fresh (step {beat.get('step')}, written {age:.0f}s ago)"
 
@@ -97,7 +97,7 @@ def observe(reg: RunRecord, cfg: Config, now: float | None = None) -> Observatio
 
 def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
     """One look at the current attempt's job: its status and heartbeat, then what that status makes worth reading."""
-    address, attempt = reg.cluster.url(), reg.current
+    address, attempt = reg.recorded_cluster.url(), reg.current
     beat, age = heartbeat_seen(cfg.storage, cfg.name, attempt.attempt)  # storage outlives the cluster
     view = jobsapi.read_job(address, attempt.submission_id)
     ended = view.api == "ok" and view.status in ("FAILED", "STOPPED")
@@ -123,4 +123,4 @@ def job_gone(cfg: Config, reg: RunRecord) -> bool | None:
 
 def recorded_handle(reg: RunRecord) -> ClusterHandle:
     """The run's cluster as its record has it (its backend rebuilds the handle)."""
-    return handle_from_record(reg.cluster.dump())
+    return handle_from_record(reg.recorded_cluster.dump())

@@ -65,14 +65,15 @@ def _deterministic(reg: RunRecord, incident: Incident) -> str | None:
     """The same job error (a root cause the job printed) at the same step, twice in a row. Trouble without a root
     cause -- a head reclaimed twice while loading, two waits for GPUs that stalled -- is the platform's, and only the
     budget bounds it."""
-    if not (incident.error or {}).get("type"):
+    error = incident.error or {}
+    if not error.get("type"):
         return None
     past = [i for i in reg.incidents if i is not incident and i.action == "restarted"]
     same = [i for i in past[-(SAME_FAILURE_LIMIT - 1) :] if _same_failure(i, incident)]
     if incident.failed_step is not None and len(same) == SAME_FAILURE_LIMIT - 1:
         return (
             f"deterministic failure: {SAME_FAILURE_LIMIT} attempts in a row failed at step {incident.failed_step} "
-            f"({incident.kind}: {incident.error['type']}); a restart would fail the same way"
+            f"({incident.kind}: {error['type']}); a restart would fail the same way"
         )
     return None
 

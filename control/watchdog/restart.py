@@ -9,6 +9,8 @@ counted against the budget and backed off, so a cluster gone for good ends in a 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from control import lease as leases
 from control import registry, series
@@ -18,28 +20,33 @@ from control.cluster import provision
 from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
 from control.rayapi import first_line
+from control.records.base import RecordError
 from control.records.run import Incident, RunRecord
 from control.watchdog import credentials
 from control.watchdog.decide import Outcome, restarted, resumed_step
-from control.watchdog.observe import heartbeat_seen, look, recorded_handle
-from control.watchdog.verdict import classify
+from control.watchdog.observe import Observations, heartbeat_seen, look, recorded_handle
+from control.watchdog.verdict import Verdict, classify
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.poll import poll_until
 from ray_jobs.storage import Layout
 
 STOP_WAIT_S = 60.0
+# What to do when the trouble is gone on the second look: (the record, the new verdict, that look) -> its outcome
+StandDown = Callable[[RunRecord, Verdict, Observations], Outcome]
 
 
-def restart(cfg: Config, reg: RunRecord, lease: leases.Lease, stand_down) -> Outcome:
+def restart(cfg: Config, reg: RunRecord, lease: leases.Lease, stand_down: StandDown) -> Outcome:
     """Stop what is left, re-provision if needed, resume from the newest valid checkpoint under a new submission.
     ``stand_down(reg, verdict, observations)``: what to do when the trouble is gone on the second look."""
     again = look(cfg, reg, time.time())  # decided maybe a backoff ago: look again
-    verdict = classify(again.job, reg.current, again.heartbeat, cfg, again.now, reg.cluster.address, again.error,
-                       again.beat_age_s, again.job_gone)  # fmt: skip
+    assert again.job is not None, "look() always asks the Jobs API"
+    verdict = classify(again.job, reg.current, again.heartbeat, cfg, again.now, reg.recorded_cluster.address,
+                       again.error, again.beat_age_s, again.job_gone)  # fmt: skip
     if not verdict.trouble:
         return stand_down(reg, verdict, again)
     incident = reg.open_incident()
+    assert incident is not None, "a restart is decided only for an open incident (decide.handle_incident)"
     try:
         stop_leftovers(cfg, reg, reg.current.submission_id)  # verified, or StopUnverified: nothing is submitted
         _seen_to_stop(cfg, reg, incident)
@@ -59,7 +66,7 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
     lease.check()
     spec = Layout(cfg.storage).job_spec(cfg.name, attempt)
     sid = submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), entrypoint(cfg), spec, env)
-    reg = registry.load(cfg.storage, cfg.name)
+    reg = registry.load_existing(cfg.storage, cfg.name)
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
     lease.check()
     registry.save(cfg.storage, cfg.name, reg)
@@ -71,13 +78,18 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
 def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str | None, lease: leases.Lease) -> int:
     """Record the new attempt with its job spec, under the lease (the cluster it runs on owed a release if this run
     brought it up, now or before)."""
-    owned = handle.started_here or (reg.cluster.started_here and reg.cluster.url() == handle.address)
+    was = reg.recorded_cluster
+    owned = handle.started_here or (was.started_here and was.url() == handle.address)
     extra = {k: getattr(reg, k) for k in ("manifest_url", "model_path", "score_manifest_url")}
+    manifest_url, model_path, dataset_id = reg.manifest_url, reg.model_path, reg.dataset_id
+    if manifest_url is None or model_path is None or dataset_id is None:  # a flow records them with every attempt
+        raise RecordError(f"run {cfg.name}: its record lacks what a resubmission needs (manifest_url, model_path, "
+                          "dataset_id)")  # fmt: skip
 
     def job_spec(attempt: int) -> None:
-        write_job_spec(cfg, attempt, reg.manifest_url, reg.model_path, resume_from, reg.score_manifest_url, reg.parent)
+        write_job_spec(cfg, attempt, manifest_url, model_path, resume_from, reg.score_manifest_url, reg.parent)
 
-    return registry.begin_attempt(cfg, handle.to_dict() | {"started_here": owned}, reg.dataset_id,
+    return registry.begin_attempt(cfg, handle.to_dict() | {"started_here": owned}, dataset_id,
                                   resume_from=resume_from, started_by="watchdog", extra=extra, lease=lease,
                                   job_spec=job_spec)  # fmt: skip
 
@@ -85,27 +97,26 @@ def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str 
 def failed_restart(cfg: Config, reg: RunRecord, incident: Incident, e: Exception, lease: leases.Lease) -> Outcome:
     """A restart that could not complete: counted on the incident (against the budget, and for the backoff before the
     next try); the run stays ``recovering`` until a try completes or a rule gives up on it."""
-    now = time.time()
+    now, why = time.time(), first_line(f"{type(e).__name__}: {e}")
     incident.set(failed_tries=(incident.failed_tries or 0) + 1, last_try_at=now, action="waiting",
-                 last_try_error=first_line(f"{type(e).__name__}: {e}"))  # fmt: skip
+                 last_try_error=why)  # fmt: skip
     lease.check()
     registry.save(cfg.storage, cfg.name, reg)
-    run_logger().warning("run %s: restart %d could not complete: %s", cfg.name, incident.failed_tries,
-                         incident.last_try_error)  # fmt: skip
-    return Outcome(cfg.name, "restart-failed", incident.last_try_error, incident)
+    run_logger().warning("run %s: restart %d could not complete: %s", cfg.name, incident.failed_tries, why)
+    return Outcome(cfg.name, "restart-failed", why, incident)
 
 
-def still_beating(cfg: Config, reg: RunRecord) -> dict | None:
+def still_beating(cfg: Config, reg: RunRecord) -> dict[str, Any] | None:
     """The current attempt's heartbeat if its processes still write it -- it moves twice within a few of its beats
     (once more may be a dying writer's last word) -- though Ray, or the silence, says the job is over: a driver
     orphaned by its wrapper's death trains on, and a restart now would train twice into one folder. None once it is
     quiet."""
     first, age = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)
     window = 3 * cfg.fault_tolerance.heartbeat_every_s + 1.0
-    if first is None or age > window:
+    if first is None or age is None or age > window:  # age is None exactly when first is
         return None
     seen = {first.get("time")}
-    last: list[dict] = []
+    last: list[dict[str, Any]] = []
 
     def moved_twice() -> bool:
         beat, _ = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)
@@ -167,7 +178,7 @@ def stop_leftovers(cfg: Config, reg: RunRecord, sid: str) -> None:
     its own (``stop_unreachable``: a local head's processes on this host, a launcher's head that refuses its GCS
     port too, a RayCluster the Kubernetes API calls unhealthy) or raises StopUnverified, and no new attempt is made
     -- two jobs must never train into the same checkpoints."""
-    address = reg.cluster.url()
+    address = reg.recorded_cluster.url()
     try:
         if stop_and_wait(address, sid, STOP_WAIT_S):
             run_logger().info("stopped what was left of Ray job %s", sid)

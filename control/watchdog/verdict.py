@@ -99,7 +99,6 @@ def classify(
 def _unanswered(view: JobView, attempt: Attempt, beat: dict[str, Any] | None, cfg: Config, now: float, address: str,
                 age: float | None, job_gone: bool | None) -> Verdict:  # fmt: skip
     """The Jobs API cannot tell (no answer, or it does not know the job): what the other channels make of it."""
-    alive = age is not None and age <= fresh_s(cfg)
     job_gone = job_gone and attempt.status != "SUBMITTED"  # never seen yet: its processes may not be started yet
     if (beat or {}).get("phase") == "done":  # everything it owed is on storage: its heartbeat says so
         return Verdict("succeeded", f"the Jobs API cannot tell ({view.why}), but the job's heartbeat says it exported "
@@ -107,7 +106,7 @@ def _unanswered(view: JobView, attempt: Attempt, beat: dict[str, Any] | None, cf
     if view.api == "missing" and still_submitting(attempt, cfg, now):
         return Verdict("running", status="SUBMITTING", heartbeat=beat)
     why = f"the Jobs API at {address} gave no answer ({view.why})" if view.api == "unknown" else view.why
-    if alive:
+    if beat is not None and age is not None and age <= fresh_s(cfg):  # alive (an age comes only with a heartbeat)
         return _api_fails(why, beat, age)
     if view.api == "unknown":
         return Verdict("cluster-unreachable", f"the Jobs API at {address} gave no answer: {view.why}{_gone(job_gone)}",
@@ -139,7 +138,7 @@ def stall_verdict(
     stall_s = cfg.fault_tolerance.stall_timeout_s
     if phase == "restarting":  # written once by Ray Train's controller: no process beats until the new group does
         stall_s = max(stall_s, limit)
-    if age is not None and age > stall_s:  # frozen (SIGSTOP, a dead host), dead, or storage away
+    if beat is not None and age is not None and age > stall_s:  # frozen (SIGSTOP, a dead host), dead, or storage away
         at = f"at step {beat['step']}"
         return Verdict("stalled", f"Ray job {attempt.submission_id} is {status} but its heartbeat was last written "
                        f"{age:.0f}s ago, {at} in phase {phase!r} (fault_tolerance.stall_timeout_s={stall_s:g})",

@@ -116,6 +116,7 @@ class Checkpointer:
         self._manifest_landed(report)
 
     def _parts_landed(self) -> None:
+        assert self.pending is not None, "commit() runs only while a checkpoint is in flight"
         step, _ = self.pending
         try:
             written = self.writer.collect()
@@ -131,6 +132,7 @@ class Checkpointer:
         self.manifest_pending = True
 
     def _manifest_landed(self, report: bool) -> None:
+        assert self.pending is not None, "commit() runs only while a checkpoint is in flight"
         step, metrics = self.pending
         landed = True
         if self.rt.rank == 0:

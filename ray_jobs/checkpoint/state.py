@@ -7,11 +7,14 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ray_jobs.checkpoint.format import MODEL_FILE, OPTIM_FILE, CheckpointInvalid, decode, model_part, optim_part
 from ray_jobs.data.reading import Cursor
 from ray_jobs.secrets import mask_tree
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass
@@ -42,7 +45,8 @@ def rng_state() -> dict[str, Any]:
     import torch
 
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)  # numpy's stub types the default call as the dict form
+    assert isinstance(np_state, tuple), "the global RandomState is MT19937, whose legacy state is a tuple"
     out = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
@@ -142,7 +146,9 @@ def model_state(model, fsdp: bool, trainable_only: bool, stage=_fresh) -> dict[s
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # torch types any state dict's values as ValueType (tensors, numbers, strings, nested); a model's are tensors
+        sd = cast("dict[str, Tensor]", get_model_state_dict(model, options=options))
     else:
         sd = unwrap(model).state_dict()
     sd = {k: v for k, v in sd.items() if k not in aliases and (keep is None or k in keep)}

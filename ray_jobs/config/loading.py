@@ -6,7 +6,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import yaml
 from pydantic import ValidationError
@@ -18,6 +18,10 @@ from ray_jobs.config.run import Config
 from ray_jobs.secrets import CREDENTIALS_ENV, reveal_tree, still_masked
 
 
+@overload
+def absolute_url(url: str) -> str: ...
+@overload
+def absolute_url(url: str | None) -> str | None: ...
 def absolute_url(url: str | None) -> str | None:
     """Local relative paths become absolute (the job runs elsewhere); URLs are left alone."""
     if not url or "://" in url:
@@ -102,6 +106,7 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         problems += cluster_problems(cluster, str(raw.get("storage") or ""))
     if problems:
         raise ConfigError(problems, source)
+    assert cfg is not None, "a config that did not validate has its problems raised just above"
     cfg.storage = absolute_url(cfg.storage)
     cfg.data.train = absolute_url(cfg.data.train)
     cfg.data.eval = absolute_url(cfg.data.eval)

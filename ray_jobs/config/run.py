@@ -141,15 +141,15 @@ class Config(Section):
                 f"({self.model.tiny.max_position_embeddings})"
             )
         if self.tune is not None:
-            problems = tune_problems(self) + self._search_names()
+            problems = tune_problems(self) + self._search_names(self.tune)
             if self.cluster.backend_name == "local" and (p := concurrency_problem(self, local_cpus())):
                 problems.append(p + " (a local head has one CPU per core of this machine)")
             if problems:
                 raise ValueError("\n  - ".join(problems))
         return self
 
-    def _search_names(self) -> list[str]:
-        last = trial_name(render_name(self.name, PLACEHOLDERS), self.tune.num_trials - 1)
+    def _search_names(self, tune: TuneConfig) -> list[str]:
+        last = trial_name(render_name(self.name, PLACEHOLDERS), tune.num_trials - 1)
         if RUN_NAME.fullmatch(last):
             return []
         return [f"name: the trials of a search are named <name>-tNN ({last!r}); that {RUN_NAME_RULE}"]

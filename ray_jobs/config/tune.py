@@ -11,7 +11,7 @@ import math
 import random
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from ray_jobs.config.base import Section
 
@@ -170,7 +170,7 @@ def _check_field(cfg: Any, field: str, kind: str, args: list[Any]) -> None:
         try:
             type(cfg).model_validate(tree)
         except ValueError as e:  # pydantic's ValidationError: the field's own message
-            why = e.errors()[0]["msg"] if hasattr(e, "errors") else str(e)
+            why = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
             raise ValueError(f"{where}: {value!r} is not a valid value: {why}") from None
 
 

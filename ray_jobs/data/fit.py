@@ -35,9 +35,10 @@ def truncate(tok: Tokenized, rec: Record) -> tuple[Example | None, str]:
         if tok.render is None:
             return None, "no chat template renderer to truncate it with"
         for shorter in _fewer_exchanges(rec.messages):
-            rec = _chat(tok, rec, shorter)
-            if rec is None:
+            fewer = _chat(tok, rec, shorter)
+            if fewer is None:
                 return None, "the chat template cannot render it with fewer turns"
+            rec = fewer  # the reply is cut from the shortest conversation tried
             ids, labels = tok.example(rec)
             if len(ids) <= tok.seq_len:
                 return (ids, labels), ""

@@ -124,6 +124,7 @@ class _Partial:
 
     def take(self, max_chars: int | None) -> bytes | LongLine:
         if self.over:
+            assert max_chars is not None, "a line is over only under a cap, and the cap comes from max_chars"
             return LongLine(self.size, self.parts[0], max_chars)
         return b"".join(self.parts)
 

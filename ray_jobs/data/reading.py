@@ -97,7 +97,7 @@ class RankSampler:
         self._perm: np.ndarray | None = None
 
     def permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
+        if epoch != self._epoch or self._perm is None:
             self._perm = np.random.default_rng([self.seed, self.rank, epoch]).permutation(self.num_rows)
             self._epoch = epoch
         return self._perm

@@ -60,6 +60,13 @@ class Examples(NamedTuple):
         ]
 
 
+def _rejected(rec: Record) -> Record:
+    """A preference record's rejected answer: a staging's records share one format, and ``preference`` requires a
+    non-blank rejected answer of each, so every record of a batch whose first has one has one too."""
+    assert rec.pair is not None, "a preference record always holds its rejected answer"
+    return rec.pair
+
+
 class Tokenized:
     """Token ids and per-token labels (IGNORE_INDEX where not learned) of records; unfit records become rejects.
 
@@ -78,7 +85,7 @@ class Tokenized:
         self.truncated = 0
         kept_ids, kept_labels = [], []
         if records and records[0].pair is not None:  # preference records: chosen and rejected, kept or rejected whole
-            both = [r for rec in records for r in (rec, rec.pair)]
+            both = [r for rec in records for r in (rec, _rejected(rec))]
             kept_ids, kept_labels = self._fit_pairs(records, encode_records(tokenizer, both))
         else:
             for rec, (ids, offsets) in zip(records, encode_records(tokenizer, records), strict=True):
@@ -113,7 +120,7 @@ class Tokenized:
         (or holds an unrepresentable character) is rejected whole, naming which answer."""
         ids, labels = [], []
         for k, rec in enumerate(records):
-            pair = [self._example(r, *encoded[2 * k + j]) for j, r in enumerate((rec, rec.pair))]
+            pair = [self._example(r, *encoded[2 * k + j]) for j, r in enumerate((rec, _rejected(rec)))]
             problem = next(filter(None, (self._pair_problem(*x, side) for x, side in zip(pair, ("chosen", "rejected"),
                                                                                       strict=True))), None)  # fmt: skip
             if problem:

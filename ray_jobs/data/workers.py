@@ -17,13 +17,16 @@ import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ray_jobs.config import DataConfig
 from ray_jobs.data.documents import DocPieces, DocSink, Documents
 from ray_jobs.data.records import Record, Reject, batch_records, record_char_limit, record_in_eval
 from ray_jobs.data.sources import Position, SourceBatch, SourceRange, read_range
 from ray_jobs.data.tokenize import Examples, Tokenized, chat_renderer
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 log = logging.getLogger("unbroken.staging")
 
@@ -129,6 +132,7 @@ def _init_worker(work: BatchWork) -> None:
 
 
 def _run(piece: SourceBatch | SourceRange, split: str) -> BatchResult:
+    assert _WORK is not None, "a worker process or actor runs pieces only after _init_worker gave it its work"
     return _WORK(piece, split)
 
 
@@ -204,7 +208,9 @@ def ray_results(work: BatchWork, pieces: Pieces, workers: int) -> Iterator[tuple
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
     )  # fmt: skip
     work_ref = ray.put(work)
-    actors = [actor.remote(work_ref) for _ in range(workers)]
+    # Ray types a new actor as "its handle or the class" (so that @ray.method-decorated methods type-check); it is
+    # always the handle, whose methods are looked up at run time
+    actors = [cast("ActorHandle[StageActor]", actor.remote(work_ref)) for _ in range(workers)]
     nodes = ray_get([a.node.remote() for a in actors])  # every actor up (its tokenizer loaded) before the first piece
     log.info("staging with %d actors on %d nodes: %s", workers, len(set(nodes)),
              ", ".join(f"{n[:12]} x{nodes.count(n)}" for n in sorted(set(nodes))))  # fmt: skip
@@ -223,10 +229,11 @@ def ray_results(work: BatchWork, pieces: Pieces, workers: int) -> Iterator[tuple
 def ray_get(refs):
     """``ray.get``, raising a task's own exception (a StagingError names file and line) rather than Ray's wrap."""
     import ray
+    from ray.exceptions import RayTaskError
 
     try:
         return ray.get(refs)
-    except ray.exceptions.RayTaskError as e:
+    except RayTaskError as e:
         if isinstance(e.cause, Exception):
             raise e.cause from None
         raise

@@ -93,7 +93,8 @@ def forgo_bitsandbytes(quantization: str) -> bool:
     import sys
 
     if quantization == "none" and "bitsandbytes" not in sys.modules:
-        sys.modules["bitsandbytes"] = None
+        # typeshed types sys.modules as dict[str, ModuleType]; None there is Python's documented import blocker
+        sys.modules["bitsandbytes"] = None  # ty: ignore[invalid-assignment]
     return "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None
 
 

@@ -54,6 +54,7 @@ def build_tuner(cfg: Config, trials: list[Trial], loops: list[dict[str, Any]], c
         return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs)
     root = Layout(cfg.storage).ray_storage()
     t = cfg.tune
+    assert t is not None, "a search's Tuner is built after its trials, which refuse a config with no tune section"
     return tune.Tuner(
         trainable,
         param_space={"trial": tune.grid_search([tr.index for tr in trials])},

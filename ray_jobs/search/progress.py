@@ -15,7 +15,7 @@ import contextlib
 import time
 from typing import Any
 
-from ray.tune import Callback
+from ray.tune import Callback, Stopper
 
 from ray_jobs.config import Config
 from ray_jobs.search.trials import Trial, read_trials
@@ -33,13 +33,23 @@ class TrialProgress(Callback):
                                "eval_loss": None, "history": [], "error": None} for t in trials}  # fmt: skip
         self.doc: dict[str, Any] | None = None
 
-    def setup(self, **info: Any) -> None:
+    def setup(
+        self,
+        stop: Stopper | None = None,
+        num_samples: int | None = None,
+        total_num_samples: int | None = None,
+        **info: Any,
+    ) -> None:  # Callback.setup's parameters, unused: the trials were named in __init__
         found = read_trials(self.storage, self.search)
         self.doc = found if found and set(found.get("trials", {})) == set(self.names) else {"trials": self.fresh}
         self._save()
 
     def _trial(self, trial: Any) -> dict[str, Any]:
-        return self.doc["trials"][self.names[trial.config["trial"]]]
+        return self._loaded()["trials"][self.names[trial.config["trial"]]]
+
+    def _loaded(self) -> dict[str, Any]:
+        assert self.doc is not None, "Tune calls setup, which reads or makes the doc, before any trial event"
+        return self.doc
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         t = self._trial(trial)
@@ -66,8 +76,9 @@ class TrialProgress(Callback):
         self._save()
 
     def _save(self) -> None:
-        self.doc["updated_at"] = time.time()
-        write_json_atomic(Layout(self.storage).search_trials(self.search), self.doc)
+        doc = self._loaded()
+        doc["updated_at"] = time.time()
+        write_json_atomic(Layout(self.storage).search_trials(self.search), doc)
 
 
 def _first_line(text: str) -> str:
@@ -103,6 +114,7 @@ class SearchHeartbeat:
         return beats
 
     def state(self, beats: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self.cfg.tune is not None, "a search's heartbeat starts after its trials, which need a tune section"
         return {
             "run": self.cfg.name,
             "attempt": self.attempt,

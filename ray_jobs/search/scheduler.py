@@ -25,6 +25,7 @@ def make_scheduler(cfg: Config) -> Any:
     from ray.tune.schedulers import FIFOScheduler
 
     t = cfg.tune
+    assert t is not None, "a search's scheduler is made after its trials, which refuse a config with no tune section"
     if t.scheduler == "fifo":
         return FIFOScheduler()
     return restorable_asha()(
@@ -50,8 +51,8 @@ def restorable_asha() -> type:
             self.saved: dict[str, dict[str, float]] | None = None  # milestone -> trial index -> value, once read
             self.index_of: dict[str, int] = {}  # trial id -> trial index
 
-        def on_trial_add(self, controller: Any, trial: Any) -> None:
-            super().on_trial_add(controller, trial)
+        def on_trial_add(self, tune_controller: Any, trial: Any) -> None:  # the base class's names: keywords work
+            super().on_trial_add(tune_controller, trial)
             if self.saved is None:
                 self.saved = _read(self.url)
             index = trial.config["trial"]
@@ -61,13 +62,13 @@ def restorable_asha() -> type:
                 if value is not None:
                     recorded[trial.trial_id] = value
 
-        def on_trial_result(self, controller: Any, trial: Any, result: dict) -> str:
-            action = super().on_trial_result(controller, trial, result)
+        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+            action = super().on_trial_result(tune_controller, trial, result)
             self._save()
             return TrialScheduler.CONTINUE if result.get(self._time_attr, 0) >= self._max_t else action
 
-        def on_trial_complete(self, controller: Any, trial: Any, result: dict) -> None:
-            super().on_trial_complete(controller, trial, result)
+        def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
+            super().on_trial_complete(tune_controller, trial, result)
             self._save()
 
         def _save(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -13,11 +13,20 @@ from ray_jobs.config import Config
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import ShardRows, open_rows
 from ray_jobs.storage import write_json_atomic
-from ray_jobs.train.runtime import Runtime
 
 log = logging.getLogger("unbroken.train")
 
 IGNORE_INDEX = -100
+
+
+class Ranks(Protocol):
+    """What eval needs of a runtime (:class:`~ray_jobs.train.runtime.Runtime`, or live recovery's one-slice view):
+    which slice of the rows is this rank's, and the sum over ranks."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]: ...
 
 
 def eval_batches(num_rows: int, world_size: int, micro_batch_size: int, max_batches: int) -> int:
@@ -27,7 +36,7 @@ def eval_batches(num_rows: int, world_size: int, micro_batch_size: int, max_batc
     return min(batches, max_batches) if max_batches else batches
 
 
-def eval_loss(model, rows: ShardRows, rt: Runtime, device, autocast: Callable[[], AbstractContextManager],
+def eval_loss(model, rows: ShardRows, rt: Ranks, device, autocast: Callable[[], AbstractContextManager],
               micro_batch_size: int, max_batches: int) -> float:  # fmt: skip
     """Mean loss per target token over ``rows``; each rank reads only its slice of the rows (every
     ``world_size``-th), and all run equally many batches."""

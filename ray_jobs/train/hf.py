@@ -29,22 +29,26 @@ from typing import Any
 
 from ray_jobs.checkpoint.state import rng_state, set_rng_state
 from ray_jobs.train import faults
-from ray_jobs.train.model import build_model
+from ray_jobs.train.model import Placement, build_model
 from ray_jobs.train.trainer import Trainer
 
 
 class _Unwrapped:
-    """The runtime as the model builder sees it under the hf engine: accelerate, inside HF's Trainer, wraps the model
-    in DDP; a model Ray Train had wrapped already would be wrapped twice."""
+    """The runtime as the model builder sees it (its :class:`~ray_jobs.train.model.Placement`) under the hf engine:
+    accelerate, inside HF's Trainer, wraps the model in DDP; a model Ray Train had wrapped already would be wrapped
+    twice."""
 
-    def __init__(self, rt):
+    def __init__(self, rt: Placement):
         self.rt = rt
 
     def prepare_model(self, model):
         return model
 
-    def __getattr__(self, name: str):
-        return getattr(self.rt, name)
+    def device(self):
+        return self.rt.device()
+
+    def shard_model(self, model):
+        return self.rt.shard_model(model)
 
 
 class HfTrainer(Trainer):
@@ -75,6 +79,7 @@ class HfTrainer(Trainer):
         """After HF's optimizer step: the native step's end (agree, advance, log, eval, checkpoint, preemption);
         True when training should stop here."""
         if self.preference:  # TRL's per-micro-batch numbers, kept until the next logged row (not in TRL's own lists)
+            assert self._engine is not None, "HF calls back from inside engine().train()"
             for key, values in self._engine._metrics["train"].items():
                 self._window.setdefault(key, []).extend(values)
             self._engine._metrics["train"].clear()

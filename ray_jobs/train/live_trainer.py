@@ -108,13 +108,19 @@ class LiveTrainer(Trainer):
         self.checkpointer.last_step = self.loop.step
         self.healed = {}  # timed by _join
 
+    @property
+    def joined(self) -> Replica:
+        """This worker's replica, which ``resume_or_start`` makes before any step (``close`` allows for none)."""
+        assert self.replica is not None, "resume_or_start makes the replica before it joins or steps"
+        return self.replica
+
     def _join(self) -> tuple[int, int]:
         """This step's quorum; a replica behind it (a newcomer, or one that missed a commit) receives the whole
         state from a live peer first (``_load_heal_state``)."""
         began = time.monotonic()
-        quorum = self.replica.quorum()
+        quorum = self.joined.quorum()
         if self.healed == {}:
-            self.healed = timed_heal(self.replica, began, self.loop.step, None)
+            self.healed = timed_heal(self.joined, began, self.loop.step, None)
         return quorum
 
     # -- a step ---------------------------------------------------------------------------------------------------
@@ -126,14 +132,14 @@ class LiveTrainer(Trainer):
             place, size = self._quorum or self._join()
             self._quorum = None
             grads, local = self._compute(place, size)
-            v = self.replica.sum(self._vector(local))
+            v = self.joined.sum(self._vector(local))
             consistent = self._consistent(v, size)
-            if self.replica.commit() and consistent:
+            if self.joined.commit() and consistent:
                 break
-            cause = self.replica.failure()
+            cause = self.joined.failure()
             log.warning("replica %d: step %d not committed (%s: %s); computing it again", self.ray_rank,
                         self.loop.step + 1, type(cause).__name__, str(cause).splitlines()[0][:200] if cause else "")  # fmt: skip
-            retries.failed(self.loop.step + 1, cause, self.replica.heal_failed)  # raises StepStuck when stuck
+            retries.failed(self.loop.step + 1, cause, self.joined.heal_failed)  # raises StepStuck when stuck
             self._discard()
         return self._apply(grads, v, started)
 
@@ -156,7 +162,7 @@ class LiveTrainer(Trainer):
             flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
         if self.trace is not None:  # (before the sum: a replica killed once its share counted has left its rows)
             self.trace.computed(self.loop.step + 1)
-        return self.replica.sum(flat), (loss, tokens)
+        return self.joined.sum(flat), (loss, tokens)
 
     def _share(self, slots: list[int]) -> tuple[float, int]:
         """One replica's micro-batches, accumulated as that replica accumulates them in an ordinary run."""
@@ -194,7 +200,7 @@ class LiveTrainer(Trainer):
         """Every replica of the quorum stands at this step (else the lower one heals at the next quorum)."""
         ok = int(v[2]) == self.loop.step * size and int(v[HEAD : HEAD + self.workers].sum()) == size
         if not ok:
-            self.replica.fail(RuntimeError("the quorum's replicas are at different steps"))
+            self.joined.fail(RuntimeError("the quorum's replicas are at different steps"))
         return ok
 
     def _discard(self) -> None:
@@ -252,6 +258,7 @@ class LiveTrainer(Trainer):
         """This replica leads from now: the attempt's log reopened, every row of it written again (once)."""
         if self.metrics is None:
             Trainer._open_log(self, self.history_base)
+            assert self.metrics is not None, "Trainer._open_log opens it"
             for row in self.history:
                 self.metrics.append(row)
         log.info("replica %d leads (heartbeat, metrics, checkpoints) from step %d", self.ray_rank, self.loop.step)

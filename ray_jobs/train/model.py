@@ -4,16 +4,26 @@ and the model rank 0 exports at the end."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Protocol
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.model.loading import config_dict, load_model_fp32, quantized_loading, saved_dtype
 from ray_jobs.model.lora import check_lora, ties_embeddings
-from ray_jobs.train.runtime import Runtime
 
 
-def build_model(cfg: Config, model_path: str, rt: Runtime):
+class Placement(Protocol):
+    """What building the model needs of a :class:`~ray_jobs.train.runtime.Runtime`: its device, and how a model is
+    wrapped (DDP) or sharded (FSDP) there."""
+
+    def device(self): ...
+
+    def prepare_model(self, model): ...
+
+    def shard_model(self, model): ...
+
+
+def build_model(cfg: Config, model_path: str, rt: Placement):
     device = rt.device()
     model = load_model_fp32(model_path, cfg.data.cache_dir,
                             **quantized_loading(cfg.model.quantization, device, bf16_training(cfg, device)))  # fmt: skip
@@ -39,6 +49,7 @@ def apply_lora(model, cfg: Config):
     from peft import LoraConfig, get_peft_model
 
     lc = cfg.model.lora
+    assert lc is not None, "callers apply LoRA only when model.lora is set"
     check_lora(model, lc, cfg.model.name_or_path)
     if getattr(model, "is_loaded_in_4bit", False):  # peft's own preparation of a k-bit base: frozen, norms in fp32
         from peft import prepare_model_for_kbit_training
@@ -51,7 +62,7 @@ def apply_lora(model, cfg: Config):
         model,
         LoraConfig(
             r=lc.r,
-            lora_alpha=lc.alpha,
+            lora_alpha=lc.alpha,  # ty: ignore[invalid-argument-type]  # peft annotates int; it computes alpha / r
             lora_dropout=lc.dropout,
             target_modules=targets,
             modules_to_save=list(lc.modules_to_save) or None,  # a copy: peft edits this list in place
@@ -194,8 +205,8 @@ def build_optimizer(cfg: Config, model, device):
     params = [p for p in model.parameters() if p.requires_grad]
     # On a GPU the fused AdamW (one kernel for every parameter's update, fp32 moments as the parameters); on a
     # CPU the default, whose bits the CPU resume guarantees were shown with.
-    fused = {"fused": True} if device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, **fused)
+    fused = True if device.type == "cuda" else None  # None: torch's default, as when it is not passed
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
     return optimizer, get_scheduler(t.lr_schedule, optimizer, t.warmup_steps, t.max_steps)
 
 
@@ -240,4 +251,5 @@ def clip_grads(model, max_grad_norm: float):
     max_norm = max_grad_norm or float("inf")
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    full_tensor = getattr(norm, "full_tensor", None)  # a DTensor's (FSDP2): the global norm, whole on every rank
+    return full_tensor() if full_tensor is not None else norm

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ log = logging.getLogger("unbroken.train")
 
 
 def choose_resume(
-    checkpoints_dir: str, explicit: str | None, check=None, refused: list[str] = ()
+    checkpoints_dir: str, explicit: str | None, check=None, refused: Sequence[str] = ()
 ) -> tuple[str | None, str, dict[str, Any] | None]:
     """Which checkpoint this start resumes from: (url or None, why, its manifest). Reads manifests and one listing
     per checkpoint (``ckpt.check``), no tensor bytes; ``refused``: checkpoints a rank already failed to load.
@@ -95,7 +95,10 @@ def resume_agreed(rt: Runtime, checkpoints_dir: str, explicit: str | None,
     refused: list[str] = []
     while True:
         url, reason, manifest = agreed_choice(rt, checkpoints_dir, explicit, refused)
-        if url is None or load(url, manifest):
+        if url is None:
+            return url, reason
+        assert manifest is not None, "choose_resume returns a checkpoint with the manifest it checked"
+        if load(url, manifest):
             return url, reason
         log.warning("checkpoint %s: a rank found its part bad; every rank falls back to the previous one", url)
         if rt.rank == 0:
@@ -174,12 +177,14 @@ def load_checkpoint(rt: Runtime, cfg: Config, url: str, manifest: dict[str, Any]
     together(rt, failed)
     if rt.all_reduce_sum([bad])[0] > 0:
         return None, read
+    assert files is not None, "a rank that read none set bad or failed, and every rank returned or raised above"
     restored, own_cursor = None, None
     try:
         restored, own_cursor = restore(rt, cfg, files, manifest, model, optimizer, scheduler, data_ranks)
     except Exception as e:
         failed = f"rank {rt.rank} could not load checkpoint {url}: {type(e).__name__}: {e}"
     together(rt, failed)
+    assert restored is not None, "restore returned, or its failure was raised on every rank by together()"
     if restored.cursors is None:  # a checkpoint from before the global cursor: each rank held its own
         restored.cursors = [Cursor(**c) for c in rt.all_gather_object(own_cursor)]
     return restored, read
@@ -201,5 +206,8 @@ def restore(rt: Runtime, cfg: Config, files: dict[str, bytes], manifest: dict[st
     cursors = [Cursor(**c) for c in data["cursors"]] if "cursors" in data else None
     if mine is not None:
         ckpt.set_rng_state(mine["rng"])
-    own = mine["cursor"] if cursors is None else None
+    own = None
+    if cursors is None:  # a checkpoint from before the global cursor: check_resumable kept the world size, so
+        assert mine is not None, "every rank of an unchanged world has its part"
+        own = mine["cursor"]
     return Restored(loop, cursors, state.get("last_eval_loss")), own

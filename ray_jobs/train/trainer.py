@@ -23,7 +23,7 @@ from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.checkpoint.checkpointer import Checkpointer
 from ray_jobs.config import Config
 from ray_jobs.data.cache import ShardCache
-from ray_jobs.data.reading import ShardRows, StepPlan, open_rows
+from ray_jobs.data.reading import Cursor, ShardRows, StepPlan, open_rows
 from ray_jobs.storage import Layout
 from ray_jobs.train import faults, preemption, rowtrace
 from ray_jobs.train.determinism import setup_determinism
@@ -67,7 +67,7 @@ class Trainer:
         self.autocast = autocast_for(cfg, self.device)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model, self.device)
         self.loop = LoopState(world_size=rt.world_size, dataset_id=manifest["dataset_id"])
-        self.cursors = self.plan.start()  # the global cursor: one per data rank, the same on every worker
+        self.cursors: list[Cursor] = self.plan.start()  # the global cursor: one per data rank, the same on every worker
         self.trace = rowtrace.open_trace(rt)  # test-only (None unless UNBROKEN_TRACE_ROWS is set)
         self.metrics: MetricsLog | None = None
         self.staging = ckpt.HostStaging()  # host buffers reused by every checkpoint's device-to-host copy
@@ -149,6 +149,7 @@ class Trainer:
         self.bytes_resumed = read or self.bytes_resumed
         if restored is None:
             return False
+        assert restored.cursors is not None, "load_checkpoint gathers the ranks' own when the checkpoint has none"
         self.loop, self.cursors, self.last_eval = restored.loop, restored.cursors, restored.last_eval
         written_by, self.loop.world_size = self.loop.world_size, self.rt.world_size
         if written_by != self.rt.world_size and self.rt.rank == 0:

@@ -48,8 +48,9 @@ def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
-        if trainer is not None and hasattr(trainer, "close"):
-            trainer.close()  # live recovery: its replica leaves the quorum, its heartbeat stops
+        close = getattr(trainer, "close", None)  # live recovery's: its replica leaves the quorum, its heartbeat stops
+        if close is not None:
+            close()
     after = {k: v - trainer.warmup[k] for k, v in trainer.cache.counters().items()}  # what training itself read
     log.info("rank %d shard cache after warm-up: %s; checkpoint stalls (s): %s", trainer.rt.rank, after,
              [round(s, 4) for s in trainer.checkpointer.stalls_s])  # fmt: skip

@@ -32,12 +32,15 @@ import os
 import posixpath
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_jobs.config import MLflowConfig
 from ray_jobs.secrets import CREDENTIALS_ENV, is_masked, mask
 from ray_jobs.storage import is_local, join
 from ray_jobs.train.tracking.hub import METRICS, RunInfo, kept
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 RUN_TAG = "unbroken.run"
 FINAL_MODEL_TAG = "unbroken.final_model"
@@ -104,7 +107,7 @@ def artifact_location(uri: str, storage: str, experiment: str) -> str | None:
     return join(root, "mlflow-artifacts", experiment)
 
 
-def client(uri: str):
+def client(uri: str) -> MlflowClient:
     """An ``MlflowClient`` on ``uri`` (MLflow's usage telemetry off unless asked for: no calls out of the cluster)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
@@ -158,11 +161,11 @@ def params(flat: dict[str, Any]) -> dict[str, str]:
 
 class MLflowTracker:
     name = "mlflow"
+    mc: MlflowClient  # these two set by ``open``: the hub logs to and closes only a tracker that opened
+    run_id: str
 
     def __init__(self, cfg: MLflowConfig):
         self.cfg = cfg
-        self.mc = None
-        self.run_id: str | None = None
         self.t0 = 0  # the MLflow run's start time (ms): the timestamp of step 0
         self.held: dict[str, set[int]] = {}  # the steps a reopened run already holds a point at, per metric
         self.links: dict[str, str] = {}

@@ -67,6 +67,7 @@ class PrometheusTracker:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._gauges: dict[str, Any] = {}
+        self.links: dict[str, str] = {}  # none to record: the gauges are where Ray serves its metrics
 
     def open(self, info: RunInfo) -> None:
         from ray.util.metrics import Gauge

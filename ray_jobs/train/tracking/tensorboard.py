@@ -20,20 +20,24 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from ray_jobs.config import TensorBoardConfig
 from ray_jobs.storage import is_local, join
 from ray_jobs.train.tracking.hub import RunInfo, kept
+
+if TYPE_CHECKING:
+    from tensorboardX import SummaryWriter
 
 SYNC_S = 10.0
 
 
 class TensorBoardTracker:
     name = "tensorboard"
+    writer: SummaryWriter  # made by ``open``: the hub logs to and closes only a tracker that opened
 
     def __init__(self, cfg: TensorBoardConfig):
         self.cfg = cfg
-        self.writer = None
         self.synced_at = 0.0
         self.links: dict[str, str] = {}
 

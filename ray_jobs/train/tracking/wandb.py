@@ -32,11 +32,14 @@ import re
 import struct
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ray_jobs.config import WandbConfig
 from ray_jobs.storage import is_local, join
 from ray_jobs.train.tracking.hub import RunInfo, kept
+
+if TYPE_CHECKING:
+    from wandb import Run
 
 MAX_TAG = 64  # W&B's limit on a tag's length
 _NOT_ID = re.compile(r"[^A-Za-z0-9_-]+")  # what a W&B run id may not hold
@@ -59,7 +62,7 @@ def folder(cfg: WandbConfig, info: RunInfo) -> str:
     return os.path.join(tempfile.gettempdir(), "unbroken-wandb", info.run)
 
 
-def settings(mode: str):
+def settings(mode: Literal["offline", "online"]):
     """Quiet, local and light: no console capture or output, no git, code or package snapshot. Made the process's
     W&B settings too (``wandb.setup``): W&B's usage telemetry, sent from a thread of its own at every export and at
     exit, goes by those, not the run's -- a run offline in a process W&B thinks online still calls W&B's server."""
@@ -74,10 +77,10 @@ def settings(mode: str):
 
 class WandbTracker:
     name = "wandb"
+    run: Run  # made by ``open``: the hub logs to and closes only a tracker that opened
 
     def __init__(self, cfg: WandbConfig):
         self.cfg = cfg
-        self.run = None
         self.links: dict[str, str] = {}
 
     def open(self, info: RunInfo) -> None:
@@ -88,13 +91,14 @@ class WandbTracker:
         os.makedirs(self.dir, exist_ok=True)
         rid = run_id(info.run, info.storage)
         again = info.resumed_step is not None or info.attempt > 0 or bool(offline_parts(self.dir, rid))
-        at = {"resume_from": f"{rid}?_step=0"} if again else {"id": rid}
+        resume_from, first_id = (f"{rid}?_step=0", None) if again else (None, rid)  # None: wandb.init's default
         config = info.params | {"unbroken.run": info.run, "unbroken.series": info.series,
                                 "unbroken.dataset": info.dataset_id, "unbroken.attempt": info.attempt,
                                 "unbroken.parent": info.parent}  # fmt: skip
         tags = [t[:MAX_TAG] for t in (info.series, info.dataset_id and f"dataset:{info.dataset_id}") if t]
         self.run = wandb.init(project=self.cfg.project or info.series, dir=self.dir, name=info.run, config=config,
-                              tags=tags, allow_val_change=True, settings=quiet, **at)  # fmt: skip
+                              tags=tags, allow_val_change=True, settings=quiet, id=first_id,
+                              resume_from=resume_from)  # fmt: skip
         sync = f"wandb sync --include-offline {os.path.join(self.dir, 'wandb', f'offline-run-*-{rid}*')}"
         online = getattr(self.run, "url", None) if self.cfg.mode == "online" else None
         self.links = {"run_id": rid, "dir": os.path.join(self.dir, "wandb")} | ({"url": online} if online else
@@ -195,7 +199,7 @@ def _records(path: str) -> Any:
             return
         buf, pos = buf + data[pos : pos + size], pos + size
         if kind in (1, 4):  # a whole record, or the last chunk of one
-            rec = pb.Record()
+            rec = pb.Record()  # ty: ignore[missing-attribute]  # wandb's pb2 star-imports it per protobuf version
             rec.ParseFromString(buf)
             buf = b""
             yield rec
