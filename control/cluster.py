@@ -5,7 +5,7 @@ watchdog directly."""
 from __future__ import annotations
 
 from control.backends import backend_class, backend_for, fit
-from control.backends.base import ClusterError, ClusterHandle
+from control.backends.base import ClusterError, ClusterHandle, StartedAhead
 from control.logs import run_logger
 from ray_jobs.config import Config
 
@@ -34,7 +34,7 @@ def preflight(cfg: Config) -> None:
     backend_for(cfg).preflight()
 
 
-def begin(cfg: Config):
+def begin(cfg: Config) -> StartedAhead | None:
     """Start bringing the run's cluster up in the background of this process, before any flow runs (``unbroken run``
     does, while Prefect's server boots); the flow's provision-cluster takes it over. Returns what to ``release()``
     once the flow ended (a cluster it never took is let go), or None when the backend starts nothing ahead."""

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import logging
 import re
 import shlex
 import time
@@ -15,16 +16,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from control import jobsapi
 from control.backends.base import JOB_ENV, ClusterError, ClusterHandle, StopUnverified, jobs_client
 from control.confirm import Suspicion
 from control.logs import run_logger
 from ray_jobs.config import Config
+from ray_jobs.contracts.job_spec import JobSpec
 from ray_jobs.poll import poll_until
 from ray_jobs.secrets import MaskedError
 from ray_jobs.storage import Layout, write_json_atomic
+
+T = TypeVar("T")
+RunLogger = logging.Logger | logging.LoggerAdapter  # control/logs.run_logger's
+OnPoll = Callable[[str], Coroutine[Any, Any, None]]  # the watch's hook, given the job's status each time
 
 __all__ = ["ClusterLost", "JobFailed", "StopUnverified", "run_to_end", "stop_and_wait", "submit", "watch"]
 
@@ -88,16 +94,16 @@ def write_job_spec(
     the series' pinned eval set the finished model is scored on; ``parent``: the series run it warm-starts from
     (its trackers tag the run with it)."""
     url = Layout(cfg.storage).job_spec(cfg.name, attempt)
-    spec = {
-        "config": json.loads(cfg.model_dump_json()),
-        "manifest_url": manifest_url,
-        "model_path": model_path,
-        "resume_from": resume_from,
-        "attempt": attempt,
-        "score_manifest_url": score_manifest_url,
-        "parent": parent,
-    }
-    write_json_atomic(url, spec)
+    spec = JobSpec(
+        config=json.loads(cfg.model_dump_json()),
+        manifest_url=manifest_url,
+        model_path=model_path,
+        resume_from=resume_from,
+        attempt=attempt,
+        score_manifest_url=score_manifest_url,
+        parent=parent,
+    )
+    write_json_atomic(url, spec.model_dump(mode="json"))  # every field, its schema_version too
     return url
 
 
@@ -115,7 +121,7 @@ def submit(
     if _already_submitted(handle.address, submission_id):
         log.info("Ray job %s was already submitted; watching it", submission_id)
         return submission_id
-    job = {
+    job: dict[str, Any] = {
         "entrypoint": f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
         "submission_id": submission_id,
         # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
@@ -153,7 +159,7 @@ def _already_submitted(address: str, submission_id: str) -> bool:
     return view.api == "ok"
 
 
-def _bounded(call, timeout_s: float, what: str):
+def _bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
     """``call()``, given up on after ``timeout_s`` (ClusterError). For the Jobs SDK's submission, whose requests
     have no timeout: it is kept rather than redone by hand because it packages and uploads the working dir first
     (gitignore rules, content-hashed package URIs, the runtime_env's validation), which a copy would have to track
@@ -181,7 +187,7 @@ class _LogForwarder:
     proxy's reset, a restarting dashboard -- is re-opened, skipping the lines already forwarded), and once the job
     ended, completed from one read of the whole log: the stream delivers its last lines ~2-3 s after the end."""
 
-    def __init__(self, address: str, submission_id: str, log):
+    def __init__(self, address: str, submission_id: str, log: RunLogger) -> None:
         self.address, self.sid, self.log = address, submission_id, log
         self.forwarded = 0  # lines of the job's log forwarded so far
 
@@ -242,7 +248,7 @@ def judge(view: jobsapi.JobView, suspicion: Suspicion | None, confirm_s: float, 
 class _Watch:
     """The state of one watch: the open suspicion (consecutive unanswered polls), rate-limited plumbing warnings."""
 
-    def __init__(self, address: str, submission_id: str, confirm_s: float, log):
+    def __init__(self, address: str, submission_id: str, confirm_s: float, log: RunLogger) -> None:
         self.address, self.sid, self.confirm_s, self.log = address, submission_id, confirm_s, log
         self.unanswered: Suspicion | None = None
         self.warned_at: dict[str, float] = {}
@@ -284,7 +290,8 @@ class _Watch:
             self.log.warning(message)
 
 
-async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, on_poll=None, confirm_s: float = 30.0,
+async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, on_poll: OnPoll | None = None,
+                confirm_s: float = 30.0,
                 alive: Callable[[], str | None] | None = None) -> str:  # fmt: skip
     """Poll the job until it ends, forwarding its log. Errors of the watch's own plumbing (``on_poll``: progress
     artifacts, the registry) are logged and retried, never fatal to the job; an unanswered poll is a blip until it
@@ -322,7 +329,11 @@ async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, 
 
 
 def run_to_end(
-    handle: ClusterHandle, submission_id: str, poll_s: float = 1.0, confirm_s: float = 30.0, on_poll=None
+    handle: ClusterHandle,
+    submission_id: str,
+    poll_s: float = 1.0,
+    confirm_s: float = 30.0,
+    on_poll: OnPoll | None = None,
 ) -> str:
     """Wait from sync code (a sync task) for a submitted job to end: :func:`watch` itself -- the same status polls,
     confirmation rule, log forwarding, ``on_poll`` hook and stop on cancel -- on an event loop of its own. Its final
@@ -364,7 +375,7 @@ def _run_beside(main: Coroutine[Any, Any, str]) -> str:
             raise
 
 
-def _stop_for_cancel(address: str, submission_id: str, log) -> None:
+def _stop_for_cancel(address: str, submission_id: str, log: RunLogger) -> None:
     try:
         if stop_and_wait(address, submission_id, wait_s=30):
             log.warning("flow run cancelled: stopped Ray job %s", submission_id)

@@ -29,6 +29,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from ray_jobs.coordination import check_conditional_writes, create_exclusive, modified_at, storage_now
@@ -95,7 +96,7 @@ class Lease:
         self.renewed = started
 
     @contextlib.contextmanager
-    def kept(self, every_s: float | None = None):
+    def kept(self, every_s: float | None = None) -> Generator[Lease, None, None]:
         """Renew the lease in the background while a long step runs (provisioning a cluster may take longer than
         the lease lasts: a second watchdog must not provision beside this one). A renewal that fails stops the
         renewals; the holder learns of it at its next ``check``."""
@@ -122,7 +123,7 @@ class Lease:
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

@@ -8,11 +8,12 @@ the job writes), so it needs no connection to the cluster and costs the watch on
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 from ray_jobs.config import Config
 from ray_jobs.progress import Reporter, _duration, every_s
@@ -55,7 +56,8 @@ class TrainingProgress:
     """Polled by the watch: ``poll(beat)`` with the attempt's heartbeat (or None) returns (step, max_steps);
     ``close(done)`` when the watch ends."""
 
-    def __init__(self, cfg: Config, log, stream=None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: Config, log: logging.Logger | logging.LoggerAdapter, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.max_steps, self.log, self.stream, self.clock = cfg.train.max_steps, log, stream, clock
         self.metrics = MetricsTail(Layout(cfg.storage).metrics(cfg.name))
         self.began = clock()

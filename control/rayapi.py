@@ -7,9 +7,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ray_jobs.ray_private import auth_headers, reload_ray_config
 from ray_jobs.secrets import mask
+
+if TYPE_CHECKING:  # imported when first used: flows import this module without Ray
+    import requests
+    from ray.job_submission import JobSubmissionClient
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
@@ -26,7 +31,7 @@ def enable_token_auth() -> None:
         reload_ray_config()
 
 
-def jobs_client(address: str):
+def jobs_client(address: str) -> JobSubmissionClient:
     enable_token_auth()
     from ray.job_submission import JobSubmissionClient
 
@@ -42,8 +47,8 @@ def headers() -> dict[str, str]:
     return auth_headers()
 
 
-def get(address: str, path: str, timeout_s: float):
-    """(response, None) or (None, why) when there was no HTTP answer at all."""
+def get(address: str, path: str, timeout_s: float) -> tuple[requests.Response | None, str]:
+    """(response, "") or (None, why) when there was no HTTP answer at all."""
     import requests
     from ray.exceptions import AuthenticationError
 
@@ -52,7 +57,7 @@ def get(address: str, path: str, timeout_s: float):
     except AuthenticationError:  # token auth on, no token on this machine yet (a fresh one): we cannot ask
         return None, "no Ray auth token here (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
     try:
-        return requests.get(address.rstrip("/") + path, headers=hdrs, timeout=timeout_s), None
+        return requests.get(address.rstrip("/") + path, headers=hdrs, timeout=timeout_s), ""
     except requests.RequestException as e:
         return None, f"{type(e).__name__}: {first_line(str(e))}"
 

@@ -18,9 +18,9 @@ from typing import Any
 from control import lease as leases
 from control.backends import backend_class
 from control.backends import record as cluster_record
-from control.records.base import RecordError
-from control.records.run import ACTIVE, STATES, Attempt, ClusterRecord, Incident, RunRecord
+from control.records.run import ACTIVE, STATES, Attempt, ClusterRecord, Incident, RunRecord, State
 from ray_jobs.config import Config, without_later_defaults
+from ray_jobs.contracts.base import RecordError
 from ray_jobs.errors import UserError
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import (
@@ -250,7 +250,7 @@ def begin_attempt(
         return _begin(*args)
 
 
-def _cluster_record(cfg, cluster: dict[str, Any]) -> dict[str, Any]:
+def _cluster_record(cfg: Config, cluster: dict[str, Any]) -> dict[str, Any]:
     """Which backend made the run's cluster, from what (``spec``), where it answers and who owns it (``mode``): what
     its backend records (control/backends: ``record``)."""
     return cluster_record(cfg, cluster)
@@ -341,7 +341,7 @@ def set_running(reg: RunRecord, attempt: int) -> bool:
 
 
 def end_attempt(
-    cfg: Config, attempt: int, status: str, message: str = "", state: str | None = None, **extra: Any
+    cfg: Config, attempt: int, status: str, message: str = "", state: State | None = None, **extra: Any
 ) -> RunRecord | None:
     """Record how the flow's attempt ended; the run state follows (succeeded / failed) unless ``state`` says
     otherwise. Under the run's lease, and only while the attempt is still the run's current, unfinished one: a
@@ -355,7 +355,8 @@ def hand_over(cfg: Config, attempt: int, message: str, incident: Incident) -> Ru
     return _end(cfg, attempt, "FAILED", message, "recovering", incident, {})
 
 
-def _end(cfg, attempt, status, message, state, incident, extra) -> RunRecord | None:
+def _end(cfg: Config, attempt: int, status: str, message: str, state: State | None, incident: Incident | None,
+         extra: dict[str, Any]) -> RunRecord | None:  # fmt: skip
     with leases.acquire_wait(cfg.storage, cfg.name):
         reg = load(cfg.storage, cfg.name)
         if reg is None:

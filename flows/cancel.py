@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
 
 from control import registry, series
 from control.backends.base import ClusterError
 from control.logs import run_logger
 from control.tracking import end_tracker_runs
 from flows.params import run_config
-from ray_jobs.config import ConfigError
+from ray_jobs.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from prefect import Flow
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import State
+
+    from control.records.run import Attempt, RunRecord
 
 SLOT_LEASE_S = 60  # a crashed holder's slot frees itself after this long
 
@@ -50,7 +58,7 @@ async def one_run_per_series(series: str) -> AsyncGenerator[None, None]:
             run_logger().warning("could not release concurrency slot %s: %s", name, e)
 
 
-def _current_attempt(flow_run):
+def _current_attempt(flow_run: FlowRun) -> tuple[Config, RunRecord, Attempt] | None:
     """(config, registry record, attempt) of the attempt this flow run started, or None when it never got as far as
     one -- a second flow run of the same run name (a queued duplicate waiting on the series' slot) has none, and its
     cancel or crash must never touch the first one's job or record."""
@@ -64,11 +72,13 @@ def _current_attempt(flow_run):
             return None
         cfg = cfg.named(run)
     reg = registry.load(cfg.storage, cfg.name)
-    attempt = registry.attempt_of_flow_run(reg, str(flow_run.id)) if reg else None
+    if reg is None:
+        return None
+    attempt = registry.attempt_of_flow_run(reg, str(flow_run.id))
     return None if attempt is None else (cfg, reg, attempt)
 
 
-def stop_ray_job(flow_run, why: str) -> str | None:
+def stop_ray_job(flow_run: FlowRun, why: str) -> str | None:
     """Stop the Ray job of this flow run's current attempt if it still runs; returns its submission id."""
     from control.jobs import stop_and_wait
 
@@ -77,6 +87,7 @@ def stop_ray_job(flow_run, why: str) -> str | None:
         return None
     _, reg, attempt = found
     sid = attempt.submission_id
+    assert reg.cluster is not None, "an attempt is recorded with its cluster, in one write (registry._begin)"
     try:
         stopped = stop_and_wait(reg.cluster.url(), sid, wait_s=30)
     except ClusterError as e:
@@ -88,7 +99,7 @@ def stop_ray_job(flow_run, why: str) -> str | None:
     return sid
 
 
-def stop_on_cancel(flow, flow_run, state) -> None:
+def stop_on_cancel(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> None:
     """``on_cancellation``: stop the job; the run ends ``failed`` (cancelled), so no watchdog restarts it."""
     stop_ray_job(flow_run, "was cancelled")
     with contextlib.suppress(Exception):
@@ -101,7 +112,7 @@ def stop_on_cancel(flow, flow_run, state) -> None:
                 series.end_unfinished(cfg.storage, cfg.name, f"its search's flow run {flow_run.name} was cancelled")
 
 
-def stop_on_crash(flow, flow_run, state) -> None:
+def stop_on_crash(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> None:
     """``on_crashed``: the flow's process died, so nothing in it watches the job any more. The job itself is fine:
     it trains on, and the watchdog (triggered by this crash, or on its schedule) adopts it -- the attempt belongs
     to the run's registry, not to a flow process. Recorded so the watchdog also closes what the flow would have

@@ -18,6 +18,7 @@ from prefect.runtime import flow_run
 from prefect.states import State
 
 from control import registry, series
+from control.backends.base import StartedAhead
 from control.config import Config, ConfigError, check_flow, load_config
 from control.jobs import JobFailed
 from control.records.series import SeriesRun
@@ -118,7 +119,7 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
             release_cluster(cfg, handle)
 
 
-def start_cluster_early(cfg: Config):
+def start_cluster_early(cfg: Config) -> StartedAhead | None:
     """For ``unbroken run``, before the flow starts (while Prefect's temporary server boots): begin bringing up the
     cluster when the run will surely need it -- staging runs here, and no succeeded run of this series trained this
     recipe (so the run cannot have nothing new to train). Returns what to ``release()`` after the flow, or None."""

@@ -12,11 +12,17 @@ import logging
 import os
 import sys
 import time
-from typing import TypedDict
+from typing import TYPE_CHECKING
 
 from ray_jobs.config import Config, job_spec
+from ray_jobs.contracts.failure import JobFailure
+from ray_jobs.contracts.job_spec import JobSpec
 from ray_jobs.secrets import mask, mask_output
 from ray_jobs.storage import Layout, pyarrow_filesystem, read_json, strip_protocol
+
+if TYPE_CHECKING:
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.config import ScalingConfig
 
 log = logging.getLogger("unbroken.job")
 
@@ -42,14 +48,14 @@ def worker_config(
             "parent": parent}  # fmt: skip
 
 
-def loop_config(spec: dict, cfg: Config) -> dict:
+def loop_config(spec: JobSpec, cfg: Config) -> dict:
     """:func:`worker_config` from a job spec: the manifests are read once, here, not by every rank."""
-    score = read_json(spec["score_manifest_url"]) if spec.get("score_manifest_url") else None
-    return worker_config(cfg, read_json(spec["manifest_url"]), spec["model_path"], spec.get("resume_from"),
-                         spec.get("attempt", 0), score, spec.get("parent"))  # fmt: skip
+    score = read_json(spec.score_manifest_url) if spec.score_manifest_url else None
+    return worker_config(cfg, read_json(spec.manifest_url), spec.model_path, spec.resume_from, spec.attempt, score,
+                         spec.parent)  # fmt: skip
 
 
-def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None):
+def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None) -> TorchTrainer:
     """Ray Train's TorchTrainer for this run: every worker runs ``train_loop_per_worker(loop)``. ``callbacks``: Ray
     Train callbacks (a search's trial passes Tune's, which forwards rank 0's reports to the scheduler)."""
     # Ray Train V2's own classes (what ``ray.train`` re-exports while V2 is on, Ray's default; ``ray.train.torch``'s
@@ -98,7 +104,7 @@ def lighthouse(cfg: Config) -> dict | None:
     return {"min_replicas": 1, "heartbeat_timeout_ms": ms, "join_timeout_ms": ms, "quorum_tick_ms": 50}
 
 
-def scaling_config(cfg: Config):
+def scaling_config(cfg: Config) -> ScalingConfig:
     """Ray Train's ScalingConfig: a fixed number of workers, or ``(min, max)`` for its elastic policy (it restarts
     with as many workers as fit after a node is lost and grows back every ``cluster.resize_check_s``)."""
     from ray.train.v2.api.config import ScalingConfig  # V2's, as in build_trainer: it takes a (min, max) range
@@ -113,16 +119,7 @@ def scaling_config(cfg: Config):
     )
 
 
-class RootCause(TypedDict):
-    """What a failed job prints after ``UNBROKEN_FAILURE`` (read by the watchdog's ``observe``)."""
-
-    type: str
-    message: str
-    kinds: list[str]
-    preempted: bool
-
-
-def root_cause(e: BaseException) -> RootCause:
+def root_cause(e: BaseException) -> JobFailure:
     """The exception a worker raised, under Ray Train's wrappers: its type name, its classes, first message line."""
     failures = getattr(e, "worker_failures", None) or {}
     if failures:
@@ -135,12 +132,12 @@ def root_cause(e: BaseException) -> RootCause:
     # A preemption Ray Train could not absorb (the just-in-time checkpoint is saved): the platform's doing, which
     # the watchdog keeps out of the run's failure budget.
     preempted = "Preempted" in (name, *kinds)
-    return {"type": name, "message": (lines[0] if lines else "")[:500], "kinds": kinds, "preempted": preempted}
+    return JobFailure(type=name, message=(lines[0] if lines else "")[:500], kinds=kinds, preempted=preempted)
 
 
 def main(argv: list[str] | None = None) -> int:
     mask_output()  # the job's log never shows a credential (ray_jobs/secrets.py); its workers mask their own
-    spec, cfg = job_spec("ray_jobs.job", argv)
+    spec, cfg = job_spec("ray_jobs.job", JobSpec, argv)
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # One row-trace group per job (tests): a live replica replaced mid-job trains in the same group as its peers.
@@ -149,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.fit()
     except Exception as e:  # Ray wraps worker errors; name the root cause plainly for the watchdog's policy
         log.error("training failed: %s", e)
-        print("UNBROKEN_FAILURE " + json.dumps(root_cause(e)), flush=True)
+        print(root_cause(e).line(), flush=True)
         return 1
     ckpt = result.checkpoint.path if result.checkpoint else None
     print("UNBROKEN_RESULT " + json.dumps({"metrics": result.metrics, "checkpoint": ckpt}), flush=True)

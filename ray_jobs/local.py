@@ -22,10 +22,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ray_jobs.config import Config, ConfigError, job_spec
+from ray_jobs.contracts.job_spec import JobSpec
 from ray_jobs.secrets import mask_output
+
+if TYPE_CHECKING:
+    from ray_jobs.train.runtime import Runtime
 
 log = logging.getLogger("unbroken.local")
 
@@ -87,7 +91,7 @@ def prepare(cfg: Config) -> dict[str, Any]:
     return worker_config(cfg, staged.manifest, model_path)
 
 
-def runtime(cfg: Config):
+def runtime(cfg: Config) -> Runtime:
     """The Runtime this process trains through: torch.distributed under torchrun (WORLD_SIZE > 1; NCCL when
     ``cluster.use_gpu``), else in-process on the GPU (``use_gpu``) or the CPU."""
     _, size, _ = world()
@@ -125,7 +129,7 @@ def train(cfg: Config) -> str | None:
     return _run(loop, rt)
 
 
-def _run(loop: dict[str, Any], rt) -> str | None:
+def _run(loop: dict[str, Any], rt: Runtime) -> str | None:
     import torch.distributed as dist
 
     from ray_jobs.storage import Layout
@@ -143,7 +147,7 @@ def _run(loop: dict[str, Any], rt) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     mask_output()  # what it prints never shows a credential (ray_jobs/secrets.py)
-    spec, cfg = job_spec("ray_jobs.local", argv)
+    spec, cfg = job_spec("ray_jobs.local", JobSpec, argv)
     from ray_jobs.job import loop_config
 
     check_local(cfg)

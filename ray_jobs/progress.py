@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from ray_jobs.poll import repeating
 
@@ -96,7 +96,7 @@ class Reporter:
     def __init__(self, what: str, total: float | None = None, unit: str = "B", *, every: float | None = None,
                  quiet_s: float = 0.0, rates: tuple[str, ...] = (), log: logging.Logger | logging.LoggerAdapter
                  | None = None, on_update: Callable[[Snapshot], None] | None = None, tty: bool | None = None,
-                 stream=None, clock: Callable[[], float] = time.monotonic):  # fmt: skip
+                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.what, self.total, self.unit, self.rate_keys = what, total, unit, rates
         self.every_s = every_s() if every is None else every
         self.quiet_s, self.on_update, self.clock = quiet_s, on_update, clock
@@ -197,7 +197,7 @@ def polled(reporter: Reporter, read_done: Callable[[], float], poll_s: float = 1
         reporter.finish()
 
 
-def _isatty(stream) -> bool:
+def _isatty(stream: TextIO) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

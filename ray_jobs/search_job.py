@@ -14,6 +14,8 @@ import os
 import sys
 
 from ray_jobs.config import job_spec
+from ray_jobs.contracts.failure import JobFailure
+from ray_jobs.contracts.job_spec import JobSpec
 from ray_jobs.job import POLL_INTERVAL_ENV, POLL_INTERVAL_S, loop_config, root_cause
 from ray_jobs.secrets import mask_output
 
@@ -29,22 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     from ray_jobs.search.trials import trials as search_trials
 
     mask_output()  # the job's log never shows a credential (ray_jobs/secrets.py)
-    spec, cfg = job_spec("ray_jobs.search_job", argv)
+    spec, cfg = job_spec("ray_jobs.search_job", JobSpec, argv)
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     trials = search_trials(cfg)
     base = loop_config(spec, cfg)  # the manifests read once, here
     loops = [base | {"config": t.config.model_dump_json()} for t in trials]
     ray.init(ignore_reinit_error=True)
-    with SearchHeartbeat(cfg, trials, spec.get("attempt", 0)):
+    with SearchHeartbeat(cfg, trials, spec.attempt):
         grid = build_tuner(cfg, trials, loops, ray.cluster_resources().get("CPU", 0.0)).fit()
     states = {name: t["state"] for name, t in trial_states(cfg.storage, cfg.name).items()}
     print("UNBROKEN_RESULT " + json.dumps({"trials": states}), flush=True)
     if any(state not in DONE for state in states.values()) or all(s == "failed" for s in states.values()):
         errors = [r.error for r in grid if r.error is not None]
-        cause = root_cause(errors[0]) if errors else {"type": "SearchIncomplete", "message": f"trials: {states}",
-                                                      "kinds": [], "preempted": False}  # fmt: skip
-        print("UNBROKEN_FAILURE " + json.dumps(cause), flush=True)
+        cause = root_cause(errors[0]) if errors else JobFailure(type="SearchIncomplete", message=f"trials: {states}")
+        print(cause.line(), flush=True)
         return 1
     return 0
 

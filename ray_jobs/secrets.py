@@ -23,7 +23,7 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 MASK = "***"
 CREDENTIALS_ENV = "UNBROKEN_CREDENTIALS"
@@ -232,7 +232,7 @@ class MaskedError(Exception):
     """A base of exceptions whose message is masked when made: their text becomes a flow run's state message, an
     incident in a run record, a log line, and may quote a URI (a source's, a cluster's address)."""
 
-    def __init__(self, *args: object):
+    def __init__(self, *args: object) -> None:
         super().__init__(*(mask(a) if isinstance(a, str) else a for a in args))
 
 
@@ -270,7 +270,7 @@ def _masked(record: logging.LogRecord) -> logging.LogRecord:
 class _MaskedStream:
     """A text stream whose writes are masked; everything else is the stream's own."""
 
-    def __init__(self, stream: Any):
+    def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:

@@ -18,6 +18,7 @@ import logging
 import sys
 
 from ray_jobs.config import job_spec
+from ray_jobs.contracts.job_spec import StageSpec
 from ray_jobs.data.sources import SourceUnreadable, StagingError
 from ray_jobs.data.staging import stage
 from ray_jobs.model.loading import load_tokenizer
@@ -32,31 +33,31 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     mask_output()  # the job's log never shows a credential (a source URL's)
-    spec, cfg = job_spec("ray_jobs.stage_job", argv)
+    spec, cfg = job_spec("ray_jobs.stage_job", StageSpec, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ray.init()
     try:
-        tokenizer = load_tokenizer(spec["model_path"], cfg.data.cache_dir)
+        tokenizer = load_tokenizer(spec.model_path, cfg.data.cache_dir)
         progress = _reporter(spec)
         writing = Reporter("writing shards", unit="rows", log=log, quiet_s=5.0, tty=False)
-        result = stage(cfg.data, tokenizer, spec["model_path"], cfg.storage, on="cluster", progress=progress.update,
+        result = stage(cfg.data, tokenizer, spec.model_path, cfg.storage, on="cluster", progress=progress.update,
                        writing=then(progress, writing))  # fmt: skip
         progress.finish()
         writing.finish()
     except StagingError as e:
-        write_json_atomic(spec["outcome_url"], {"error": str(e), "unreadable": isinstance(e, SourceUnreadable)})
+        write_json_atomic(spec.outcome_url, {"error": str(e), "unreadable": isinstance(e, SourceUnreadable)})
         print(f"STAGING FAILED: {e}", flush=True)
         return 2
     outcome = {"dataset_id": result.dataset_id, "manifest_url": result.manifest_url, "cache_hit": result.cache_hit,
                "sources_read": result.sources_read}  # fmt: skip
-    write_json_atomic(spec["outcome_url"], outcome)
+    write_json_atomic(spec.outcome_url, outcome)
     log.info("staged %s on the cluster (%s)", result.dataset_id, "cache hit" if result.cache_hit else "new")
     return 0
 
 
-def _reporter(spec: dict) -> Reporter:
+def _reporter(spec: StageSpec) -> Reporter:
     """Progress lines into the job's log, each also written to ``progress_url`` (for the flow's artifact)."""
-    url = spec.get("progress_url")
+    url = spec.progress_url
 
     def write(snap: Snapshot) -> None:
         if url:

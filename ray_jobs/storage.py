@@ -10,11 +10,15 @@ import errno
 import json
 import os
 import uuid
+from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.core import url_to_fs
+
+if TYPE_CHECKING:
+    from pyarrow.fs import PyFileSystem
 
 
 def fs_and_path(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -50,7 +54,7 @@ def listing(url: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: Path, timeout_s: float = 3600.0):
+def exclusive_lock(path: Path, timeout_s: float = 3600.0) -> Generator[None]:
     """Hold an exclusive lock on a local lock file (its folder made if missing) while the block runs; waiting longer
     than ``timeout_s`` for it is an error naming the file (its holder is hung: a dead one's lock is released)."""
     from filelock import FileLock, Timeout
@@ -96,7 +100,7 @@ class StorageFull(OSError):
 
 
 @contextlib.contextmanager
-def storage_errors(url: str):
+def storage_errors(url: str) -> Generator[None]:
     """Name the file in a full disk's error (:class:`StorageFull`); any other error passes through as it was."""
     try:
         yield
@@ -252,7 +256,7 @@ class Layout:
     """Where everything lives under a storage root (the contract: docs/architecture.md's storage layout, which
     tests/unit/test_docs.py checks against this class)."""
 
-    def __init__(self, storage: str):
+    def __init__(self, storage: str) -> None:
         self.root = storage.rstrip("/")
 
     # datasets/<dataset_id>/...
@@ -348,7 +352,7 @@ class Layout:
         return join(self.ray_storage(), run)
 
 
-def pyarrow_filesystem(url: str):
+def pyarrow_filesystem(url: str) -> PyFileSystem | None:
     """A pyarrow filesystem for Ray Train's ``storage_filesystem`` that goes through the same fsspec config.
 
     Returns ``None`` for local paths (Ray handles those natively).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from prefect import task
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact
@@ -78,7 +79,7 @@ def _beat(cfg: Config, attempt: int) -> dict | None:
     return beat if isinstance(beat, dict) and beat.get("attempt") == attempt else None
 
 
-def _steps_of(cfg: Config):
+def _steps_of(cfg: Config) -> Callable[[], tuple[int, int]]:
     """What a poll reads of a search's progress: (steps trained, steps in all), from its trials (their records
     brought up to date on the way, so ``unbroken runs`` shows each trial's state while the search runs), at most
     every few seconds."""

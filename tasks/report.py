@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -12,6 +12,9 @@ from control.logs import run_logger
 from ray_jobs.config import Config, DataConfig
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout, exists, read_json
+
+if TYPE_CHECKING:
+    from ray_jobs.data.records import Renderer
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
 CHART_POINTS = 60  # mermaid renders a few dozen points legibly
@@ -111,7 +114,7 @@ def eval_examples(cfg: Config, limit: int, model_path: str) -> list[tuple[str, s
     return out
 
 
-def _chat_renderer(data: DataConfig, model_path: str):
+def _chat_renderer(data: DataConfig, model_path: str) -> Renderer | None:
     """The renderer staging used for ``data`` with this model's tokenizer (None where records are not rendered)."""
     from ray_jobs.data.workers import BatchWork
     from ray_jobs.model.loading import load_tokenizer

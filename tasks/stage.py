@@ -6,7 +6,7 @@ import asyncio
 import re
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -16,12 +16,16 @@ from control.backends.base import ClusterHandle
 from control.jobs import JobFailed, run_to_end, submit
 from control.logs import run_logger
 from ray_jobs.config import Config
+from ray_jobs.contracts.job_spec import StageSpec
 from ray_jobs.data.fingerprint import describe
 from ray_jobs.data.staging import StageResult, StagingError, cached, stage, summary
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.progress import Reporter, Snapshot, then
 from ray_jobs.secrets import job_env
 from ray_jobs.storage import Layout, exists, is_local, read_json, write_json_atomic
+
+if TYPE_CHECKING:  # transformers is imported when a tokenizer is loaded, not with the flow
+    from transformers import PreTrainedTokenizerBase
 
 PROGRESS_POLL_S = 2.0  # how often the flow reads the progress a staging job on the cluster writes (every 5 s)
 
@@ -51,7 +55,7 @@ def stages_on_cluster(cfg: Config) -> bool:
     return size >= cfg.data.cluster_stage_mb * 1e6
 
 
-def _tokenizer(cfg: Config, model_path: str):
+def _tokenizer(cfg: Config, model_path: str) -> PreTrainedTokenizerBase:
     try:
         return load_tokenizer(model_path, cfg.data.cache_dir)
     except (OSError, ValueError) as e:
@@ -93,7 +97,7 @@ class ProgressArtifact:
     """Staging's progress as one Prefect progress artifact (key ``<series>-staging``), created on the first update
     and updated in place, its description the progress line. Never fails the staging."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config) -> None:
         self.key = re.sub(r"[^a-z0-9-]+", "-", f"{cfg.series_name}-staging".lower()).strip("-")
         self.id: uuid.UUID | None = None
 
@@ -115,7 +119,7 @@ class _JobProgress:
     seconds), read while the flow waits for the job, into the progress artifact. Its lines reach the run's log with
     the job's own (the forwarded job log)."""
 
-    def __init__(self, url: str, artifact: ProgressArtifact):
+    def __init__(self, url: str, artifact: ProgressArtifact) -> None:
         self.url, self.artifact, self.seen = url, artifact, None
 
     async def poll(self, status: str) -> None:
@@ -133,8 +137,9 @@ def _stage_on_cluster(cfg: Config, model_path: str, handle: ClusterHandle) -> St
     layout = Layout(cfg.storage)
     spec_url, outcome_url = layout.staging_job(sid), layout.staging_job(sid, outcome=True)
     progress = _JobProgress(spec_url.removesuffix(".json") + ".progress.json", ProgressArtifact(cfg))
-    write_json_atomic(spec_url, {"config": cfg.model_dump(mode="json"), "model_path": model_path,
-                                 "outcome_url": outcome_url, "progress_url": progress.url})  # fmt: skip
+    spec = StageSpec(config=cfg.model_dump(mode="json"), model_path=model_path, outcome_url=outcome_url,
+                     progress_url=progress.url)
+    write_json_atomic(spec_url, spec.model_dump(mode="json"))
     run_logger().info("staging on the cluster at %s (Ray job %s)", handle.address, sid)
     submit(handle, sid, "ray_jobs.stage_job", spec_url, job_env(cfg.model_dump(mode="json")))  # a source's credentials
     try:

@@ -14,6 +14,8 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
 
 from control.config import check_flow, load_config
 from ray_jobs.secrets import export_credentials, mask, mask_logs
@@ -73,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config_parsers(command) -> None:
+def _config_parsers(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """The commands that take a config: run, tune, stage, train."""
     commands = (
         ("run", "run the finetune flow"),
@@ -95,7 +97,7 @@ def _config_parsers(command) -> None:
                            "Ray, `unbroken run` trains); under torchrun --nproc-per-node N, N processes")  # fmt: skip
 
 
-def _serving_parsers(command) -> None:
+def _serving_parsers(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """serve (the deployments) and server (a local Prefect server)."""
     sv = command("serve", "serve the deployments (finetune, tune, stage-dataset, watchdog, dataset-sensor)")
     sv.add_argument("--config", default="configs/demo.yaml", help="config the finetune/stage deployments run")
@@ -109,7 +111,7 @@ def _serving_parsers(command) -> None:
     srv.add_argument("--port", type=int, default=4200)
 
 
-def _watchdog_parser(command) -> None:
+def _watchdog_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     wd = command("watchdog", "check every active run under a storage root and recover what broke")
     _storage(wd, "storage root")
     wd.add_argument("--once", action="store_true", help="one pass, then exit (a scheduled deployment does this)")
@@ -135,14 +137,18 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _with_early_cluster(args: argparse.Namespace, run_flow):
+def _with_early_cluster(
+    args: argparse.Namespace, run_flow: Callable[[], Coroutine[Any, Any, object]]
+) -> dict[str, Any]:
     """Run a flow (``run_flow()``, a coroutine) while the cluster it will surely need starts coming up beside
     Prefect's temporary server; a head the flow never took over (it ended before it needed one) is released."""
     from flows.finetune import start_cluster_early
 
     early = start_cluster_early(args.cfg)
     try:
-        return asyncio.run(run_flow())
+        # Prefect types a flow's call as its function's return (the summary, or a State carrying it: nothing new to
+        # train), but the call resolves a returned State to its data (flow_engine's result): the summary either way
+        return cast(dict[str, Any], asyncio.run(run_flow()))
     finally:
         if early is not None:
             early.release()

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from control import jobsapi
 from control.rayapi import AUTH_MODE_ENV, enable_token_auth, jobs_client, redact
 from ray_jobs.config import ClusterConfig, Config
 from ray_jobs.errors import UserError
 from ray_jobs.secrets import MaskedError
+
+if TYPE_CHECKING:
+    from control.backends.health import Health
+    from control.records.run import ClusterRecord
 
 __all__ = [
     "AUTH_MODE_ENV",
@@ -61,6 +66,13 @@ class ClusterHandle:
         return asdict(self)
 
 
+class StartedAhead(Protocol):
+    """A cluster start begun ahead of need (``Backend.begin_up``): ``release`` undoes it if no ``up`` took it over,
+    saying what was done (None: taken over, or nothing to undo)."""
+
+    def release(self) -> str | None: ...
+
+
 class Backend:
     """One way of having a Ray cluster, as a node provider is for Ray's cluster launcher: the finetune flow and the
     watchdog call only these verbs, so bringing a cluster back after it died is the same code whatever made it, and
@@ -88,7 +100,7 @@ class Backend:
     # runs), ``existing`` (someone else's), ``managed`` (one unbroken brought up).
     mode: ClassVar[str] = "managed"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
     @classmethod
@@ -108,7 +120,7 @@ class Backend:
         """Refuse, before any other work, a cluster this run must not use (a ConfigError naming the fields); nothing
         by default. The CLI asks this first, so a refusal is one line, not a failed flow run."""
 
-    def begin_up(self, run: str | None = None):
+    def begin_up(self, run: str | None = None) -> StartedAhead | None:
         """Start bringing the cluster up in the background, in this process, for a later ``up`` to take over; an
         object whose ``release()`` undoes it if no ``up`` did, or None when the backend starts nothing ahead."""
         return None
@@ -121,7 +133,7 @@ class Backend:
     def address(self) -> str | None:
         raise NotImplementedError
 
-    def health(self, handle: ClusterHandle):
+    def health(self, handle: ClusterHandle) -> Health:
         from control.backends import health
 
         return health.read(handle.address)
@@ -132,7 +144,7 @@ class Backend:
         return None
 
     @classmethod
-    def elsewhere(cls, cluster: Any) -> str | None:
+    def elsewhere(cls, cluster: ClusterRecord) -> str | None:
         """Why this process cannot act on the cluster the run record names (``cluster``: its ClusterRecord) -- it can
         neither see it nor stop anything of it from here -- or None (the default: a cluster reached by its URL)."""
         return None
@@ -199,7 +211,7 @@ class Backend:
         """Where this backend's janitor looks (one pass per place, however many runs used it)."""
         return None
 
-    def janitor(self, is_over) -> list[str]:
+    def janitor(self, is_over: Callable[[str, str], bool]) -> list[str]:
         """Remove what unbroken made there whose run ``is_over(storage, run)``; what was removed, for the log."""
         return []
 

@@ -10,6 +10,7 @@ training job's workers now warm their own shards while their model loads.)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from control.backends.base import ClusterError
@@ -71,17 +72,17 @@ def check_fit(cfg: Config, total: dict[str, float], manifest: dict) -> list[str]
     return data_problems(cfg, manifest) + resource_problems(cfg, total)
 
 
-def wait_for_room(cfg: Config, total: Callable[[], dict[str, float]], sleep=None, clock=None) -> list[str]:
+def wait_for_room(cfg: Config, total: Callable[[], dict[str, float]], sleep: Callable[[float], None] = time.sleep,
+                  clock: Callable[[], float] = time.monotonic) -> list[str]:  # fmt: skip
     """Wait up to ``cluster.start_timeout_s`` for the cluster to hold the fewest workers; the problems left when it
     gives up (none: there is room). ``total``: reads the cluster's resources now."""
-    kw = {k: v for k, v in (("sleep", sleep), ("clock", clock)) if v is not None}
     problems: list[str] = []
 
     def room() -> bool:
         problems[:] = resource_problems(cfg, total())
         return not problems
 
-    poll_until(room, cfg.cluster.start_timeout_s, every_s=2.0, **kw)
+    poll_until(room, cfg.cluster.start_timeout_s, every_s=2.0, sleep=sleep, clock=clock)
     if problems:
         problems[-1] += f" (waited cluster.start_timeout_s={cfg.cluster.start_timeout_s:g} s)"
     return problems

@@ -22,13 +22,18 @@ from __future__ import annotations
 import base64
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from control.backends.base import Backend, ClusterError, ClusterHandle, StopUnverified, reachable
 from control.rayapi import headers
 from ray_jobs.config import ClusterConfig, Config
 from ray_jobs.poll import poll_until
 from ray_jobs.storage import Layout
+
+if TYPE_CHECKING:  # the kubernetes client is imported when first used (heavy, and only this backend needs it)
+    from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi
+    from kubernetes.client.exceptions import ApiException
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 RAY_VERSION = "2.60.0"
@@ -184,7 +189,7 @@ def config_problems(c: ClusterConfig, storage: str) -> list[str]:
 class KubeRay(Backend):
     name = "kuberay"
 
-    def __init__(self, cfg: Config, api_client=None):
+    def __init__(self, cfg: Config, api_client: ApiClient | None = None) -> None:
         super().__init__(cfg)
         self._client = api_client
 
@@ -197,7 +202,7 @@ class KubeRay(Backend):
         return {"namespace": k.namespace, "name": cluster_name(self.cfg), "context": k.context, "image": k.image}
 
     # -- the Kubernetes API ------------------------------------------------------------------------------------
-    def _api(self):
+    def _api(self) -> ApiClient:
         if self._client is None:
             from kubernetes import client, config
 
@@ -214,12 +219,12 @@ class KubeRay(Backend):
             self._client = client.ApiClient(conf)
         return self._client
 
-    def _custom(self):
+    def _custom(self) -> CustomObjectsApi:
         from kubernetes import client
 
         return client.CustomObjectsApi(self._api())
 
-    def _core(self):
+    def _core(self) -> CoreV1Api:
         from kubernetes import client
 
         return client.CoreV1Api(self._api())
@@ -229,8 +234,9 @@ class KubeRay(Backend):
 
         k = self.cfg.cluster.kuberay
         try:
-            return self._custom().get_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
-                                                               cluster_name(self.cfg))  # fmt: skip
+            obj = self._custom().get_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
+                                                              cluster_name(self.cfg))  # fmt: skip
+            return cast(dict[str, Any], obj)  # the client annotates ``object``: it is the decoded JSON object, a dict
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -244,11 +250,13 @@ class KubeRay(Backend):
         body = token_secret_manifest(self.cfg, run, _local_token())
         ns = self.cfg.cluster.kuberay.namespace
         try:
-            self._core().create_namespaced_secret(ns, body)
+            # the client's pydantic validate_call turns the dict body into its V1Secret; the annotation names the model
+            self._core().create_namespaced_secret(ns, body)  # ty: ignore[invalid-argument-type]
         except ApiException as e:
             if e.status != 409:
                 raise ClusterError(f"Kubernetes API: creating Secret {body['metadata']['name']}: {_why(e)}") from e
-            self._core().replace_namespaced_secret(body["metadata"]["name"], ns, body)  # ours: keep it current
+            name = body["metadata"]["name"]  # ours: keep it current (a dict body, as above)
+            self._core().replace_namespaced_secret(name, ns, body)  # ty: ignore[invalid-argument-type]
 
     # -- the interface -----------------------------------------------------------------------------------------
     def _jobs_api(self) -> str:
@@ -335,13 +343,14 @@ class KubeRay(Backend):
         k = self.cfg.cluster.kuberay
         return f"namespace {k.namespace}" + (f" of context {k.context}" if k.context else "")
 
-    def janitor(self, is_over) -> list[str]:
+    def janitor(self, is_over: Callable[[str, str], bool]) -> list[str]:
         """Delete the RayClusters unbroken made in this namespace whose run is over -- ``is_over(storage, run)``
         decides (a finished, failed or vanished run that did not ask to keep its cluster). Returns their names."""
         k = self.cfg.cluster.kuberay
         selector = ",".join(f"{a}={b}" for a, b in MANAGED_BY.items())
         found = self._custom().list_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
                                                              label_selector=selector)  # fmt: skip
+        found = cast(dict[str, Any], found)  # the client annotates ``object``: the decoded JSON list, a dict
         deleted = []
         for obj in found.get("items", []):
             meta = obj.get("metadata") or {}
@@ -356,11 +365,11 @@ class KubeRay(Backend):
         return deleted
 
 
-def _why(e) -> str:
+def _why(e: ApiException) -> str:
     """An ApiException as one line: the Status message the API server sent, or the HTTP reason."""
     import json
 
     try:
-        return f"HTTP {e.status}: {json.loads(e.body).get('message')}"
+        return f"HTTP {e.status}: {json.loads(e.body or '').get('message')}"  # no body: the reason
     except (TypeError, ValueError, AttributeError):
         return f"HTTP {e.status}: {e.reason}"

@@ -13,6 +13,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -41,6 +42,9 @@ from control.rayapi import get as api_get
 from ray_jobs.config import Config
 from ray_jobs.poll import poll_until
 from ray_jobs.storage import exclusive_lock
+
+if TYPE_CHECKING:
+    from control.records.run import ClusterRecord
 
 __all__ = ["LocalHead", "head_dir", "head_pids", "head_processes", "start_local_head", "stop_local_head"]
 
@@ -109,7 +113,7 @@ def _head_command(cfg: Config, temp_dir: Path, metrics_port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _head_lock(port: int):
+def _head_lock(port: int) -> contextlib.AbstractContextManager[None]:
     """Two runs provisioning the same local head at once: one starts it, the other then finds it up."""
     return exclusive_lock(head_dir(port).with_name(f"{port}.lock"))
 
@@ -255,14 +259,14 @@ def stop_local_head(handle_or_port: ClusterHandle | int, grace_s: float = 10.0) 
 # -- started ahead of need ------------------------------------------------------------------------------------
 # A start begun early in this process (``LocalHead.begin_up``: the CLI, while Prefect's temporary server boots), by
 # dashboard port; the first ``up`` for that port takes it over instead of starting the head itself.
-_EARLY: dict[int, tuple[Future, str]] = {}
+_EARLY: dict[int, tuple[Future[ClusterHandle], str]] = {}
 
 
 class EarlyStart:
     """A local head coming up in the background for a run; ``release`` stops it if no ``up`` took it over (the run
     ended before it needed a cluster), as the run's own ``down`` would."""
 
-    def __init__(self, backend: LocalHead, future: Future, run: str):
+    def __init__(self, backend: LocalHead, future: Future[ClusterHandle], run: str) -> None:
         self.backend, self.future, self.run = backend, future, run
 
     def release(self) -> str | None:
@@ -286,7 +290,7 @@ class LocalHead(Backend):
         return {"head_port": c.head_port, "dashboard_port": c.dashboard_port, "host": host_identity()}
 
     @classmethod
-    def elsewhere(cls, cluster) -> str | None:
+    def elsewhere(cls, cluster: ClusterRecord) -> str | None:
         return elsewhere(cluster.spec or {})
 
     @classmethod

@@ -68,7 +68,7 @@ def elsewhere(spec: dict[str, Any]) -> str | None:
 class HeadMismatch(ConfigError):
     """A Ray head already answers on the run's ports but was not started for runs like this one."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str) -> None:
         self.problems = [message]
         ValueError.__init__(self, message)  # one line, not the config's list
 

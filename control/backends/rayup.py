@@ -17,6 +17,7 @@ import re
 import socket
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import yaml
@@ -83,7 +84,8 @@ class RayUp(Backend):
     def spec(self) -> dict[str, Any]:
         return {"config": self.cfg.cluster.ray_up.config, "cluster_name": self._yaml().get("cluster_name")}
 
-    def _sdk(self):
+    def _sdk(self) -> ModuleType:
+        """``ray.autoscaler.sdk``, imported when first needed, with token auth on."""
         enable_token_auth()
         from ray.autoscaler import sdk
 

@@ -30,7 +30,7 @@ def warning(area: str, text: str) -> Finding:
 class RunRefused(UserError):
     """What ``check`` (and ``run``, first) found that stops the run; one problem a line."""
 
-    def __init__(self, problems: list[Finding]):
+    def __init__(self, problems: list[Finding]) -> None:
         self.problems = problems
         super().__init__("\n".join(p.text if p.text.startswith(p.area) else f"{p.area}: {p.text}" for p in problems))
 

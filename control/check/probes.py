@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import TYPE_CHECKING
 
 from control.check.findings import Finding, ok, problem, warning
 from control.check.plan import ModelShape
 from ray_jobs.config import Config
 from ray_jobs.errors import UserError
+
+if TYPE_CHECKING:  # check imports without torch/transformers; the model probe imports them when it runs
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 def model(cfg: Config, build: bool = True) -> tuple[list[Finding], ModelShape | None]:
@@ -66,13 +70,13 @@ def _unreadable(name: str, e: OSError) -> str:
             "local model is a folder holding config.json")  # fmt: skip
 
 
-def _meta_of(name: str):
+def _meta_of(name: str) -> PreTrainedModel:
     from ray_jobs.model.loading import meta_model
 
     return meta_model(name)
 
 
-def _meta(config):
+def _meta(config: PretrainedConfig) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +84,7 @@ def _meta(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def _shape(cfg: Config, lm) -> tuple[ModelShape, str]:
+def _shape(cfg: Config, lm: PreTrainedModel) -> tuple[ModelShape, str]:
     c = lm.config
     params = sum(p.numel() for p in lm.parameters())  # parameters() yields a tied matrix once
     trainable, text = params, ""
@@ -90,7 +94,9 @@ def _shape(cfg: Config, lm) -> tuple[ModelShape, str]:
         layers = [lm.get_submodule(n) for n in targeted(lm, lora.target_modules)]
         saved = sum(p.numel() for n, m in lm.named_modules() if any(n.endswith(s) for s in lora.modules_to_save)
                     for p in m.parameters())  # fmt: skip
-        trainable = sum(lora.r * (m.in_features + m.out_features) for m in layers if hasattr(m, "in_features"))
+        linear = [m for m in layers if hasattr(m, "in_features")]
+        # torch types a module's attributes Tensor | Module: a linear layer's in/out_features are ints
+        trainable = sum(lora.r * (m.in_features + m.out_features) for m in linear)  # ty: ignore[unsupported-operator]
         trainable += saved
         text = f" (LoRA r={lora.r} on {len(layers)} layers)"
     hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 0)

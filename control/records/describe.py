@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from control.records.run import Attempt, Incident
+from control.records.run import Attempt, Incident, RunRecord
 from control.registry import _pick, load
 from ray_jobs.errors import RunNotFound
 from ray_jobs.storage import Layout, read_json
@@ -47,7 +47,7 @@ def describe(storage: str, run: str) -> str:
     return "\n".join(lines)
 
 
-def _trial(storage: str, reg) -> str:
+def _trial(storage: str, reg: RunRecord) -> str:
     """A search's trial: its values, how it ended, its heartbeat; its jobs are the search's."""
     values = ", ".join(f"{k}={v}" for k, v in (reg.params or {}).items())
     lines = [f"run {reg.name}: {reg.state}", f"  trial of search {reg.search} (unbroken status {reg.search}: its "

@@ -16,8 +16,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from control.records.base import Part, Record, RecordError
 from ray_jobs.config import Config, from_json
+from ray_jobs.contracts.base import Part, Record, RecordError
+from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.secrets import reveal
 
 State = Literal["submitted", "running", "recovering", "succeeded", "failed", "stopped-early"]
@@ -77,7 +78,7 @@ class Incident(Part):
     attempt: int
     action: str | None = None
     detail: str = ""
-    error: dict[str, Any] | None = None  # the root cause the job printed (type, message, kinds, preempted)
+    error: JobFailure | None = None  # the root cause the job printed
     phase: str | None = None
     failed_step: int | None = None
     progress_steps: int = 0  # what the failed attempt trained: enough of it resets the restart budget
@@ -118,8 +119,8 @@ class Incident(Part):
     @property
     def preempted(self) -> bool:
         """A preemption (SIGTERM, a drained node) is the platform's doing, never a failure of the run."""
-        error = self.error or {}
-        return bool(error.get("preempted")) or error.get("type") == "Preempted" or self.kind == "preempted"
+        error = self.error
+        return self.kind == "preempted" or (error is not None and (error.preempted or error.type == "Preempted"))
 
 
 class Suspect(Part):

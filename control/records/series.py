@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from control.records.base import Part, Record
+from ray_jobs.contracts.base import Part, Record
 
 
 class EvalPin(Part):

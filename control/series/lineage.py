@@ -136,7 +136,7 @@ def begin_run(cfg: Config, dataset_id: str, eval_pin: EvalPin, parent: str | Non
             e = SeriesRun(run=cfg.name, dataset_id=dataset_id, recipe=None if search else recipe(cfg),
                           started_at=time.time(), parent=parent, init_from=cfg.model.init_from, score=None,
                           verdict=None)  # fmt: skip
-            if search:  # set only for a search: a field never set is not written (control/records/base.py)
+            if search:  # set only for a search: a field never set is not written (ray_jobs/contracts/base.py)
                 e.trials = [c.run for c in children]
             rec.runs += [e, *children]
         e.flow_run_id = flow_run_id or e.flow_run_id

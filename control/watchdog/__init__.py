@@ -15,7 +15,6 @@ import time
 from control import lease as leases
 from control import registry
 from control.backends import backend_class
-from control.records.base import RecordError
 from control.records.run import Incident
 from control.watchdog import metrics
 from control.watchdog.act import act as carry_out
@@ -24,6 +23,7 @@ from control.watchdog.janitor import janitor
 from control.watchdog.observe import Observations, heartbeat_seen, job_failure, last_step, observe
 from control.watchdog.verdict import Verdict
 from ray_jobs.config import Config, ConfigError
+from ray_jobs.contracts.base import RecordError
 from ray_jobs.storage import StorageFull
 
 __all__ = ["Outcome", "check_run", "failed_job_incident", "janitor", "left_alone", "metrics", "storage_error"]

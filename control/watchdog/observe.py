@@ -4,7 +4,6 @@ the cluster's health while the job runs -- each read only when the look so far m
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from control.records.run import RunRecord
 from control.series.search import final_model
 from control.watchdog.verdict import classify, fresh_s
 from ray_jobs.config import Config
+from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.coordination import modified_at, storage_now
 from ray_jobs.storage import Layout, read_json
 from ray_jobs.train.metrics import MetricsTail
@@ -29,7 +29,7 @@ class Observations:
     now: float
     job: jobsapi.JobView | None = None
     heartbeat: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None  # the root cause a FAILED/STOPPED job printed
+    error: JobFailure | None = None  # the root cause a FAILED/STOPPED job printed
     metrics_step: int = 0  # newest step in the metrics log (read only when the attempt is in trouble)
     health: Health | None = None  # the cluster's nodes (read only while the job runs)
     disk: tuple[int, int] | None = None  # free/total bytes of a local storage path
@@ -67,18 +67,10 @@ def live_heartbeat(cfg: Config, attempt: int) -> str | None:
     return f"its heartbeat is fresh (step {beat.get('step')}, written {age:.0f}s ago)"
 
 
-def job_failure(address: str, sid: str) -> dict[str, Any] | None:
+def job_failure(address: str, sid: str) -> JobFailure | None:
     """The root cause ``ray_jobs.job`` printed when training raised (None when the driver died without a word, or
     its last failure line cannot be read: no root cause, never a pass that raises)."""
-    logs = jobsapi.job_logs(address, sid) or ""
-    lines = [ln for ln in logs.splitlines() if ln.startswith("UNBROKEN_FAILURE ")]
-    if not lines:
-        return None
-    try:
-        cause = json.loads(lines[-1].split(" ", 1)[1])
-    except ValueError:
-        return None
-    return cause if isinstance(cause, dict) and isinstance(cause.get("type"), str) else None
+    return JobFailure.last_in(jobsapi.job_logs(address, sid) or "")
 
 
 def last_step(storage: str, run: str) -> int:

@@ -52,10 +52,10 @@ def give_up_reason(reg: RunRecord, cfg: Config, incident: Incident) -> str | Non
 
 
 def _user_error(incident: Incident) -> str | None:
-    error = incident.error or {}
-    if USER_ERRORS.intersection(error.get("kinds") or [error.get("type")]):
+    error = incident.error
+    if error is not None and USER_ERRORS.intersection(error.names()):
         return (
-            f"the job raised {error['type']}: {error.get('message', '')} -- an error in the code, data or config, "
+            f"the job raised {error.type}: {error.message} -- an error in the code, data or config, "
             "which a restart would repeat"
         )
     return None
@@ -65,15 +65,15 @@ def _deterministic(reg: RunRecord, incident: Incident) -> str | None:
     """The same job error (a root cause the job printed) at the same step, twice in a row. Trouble without a root
     cause -- a head reclaimed twice while loading, two waits for GPUs that stalled -- is the platform's, and only the
     budget bounds it."""
-    error = incident.error or {}
-    if not error.get("type"):
+    error = incident.error
+    if error is None or not error.type:
         return None
     past = [i for i in reg.incidents if i is not incident and i.action == "restarted"]
     same = [i for i in past[-(SAME_FAILURE_LIMIT - 1) :] if _same_failure(i, incident)]
     if incident.failed_step is not None and len(same) == SAME_FAILURE_LIMIT - 1:
         return (
             f"deterministic failure: {SAME_FAILURE_LIMIT} attempts in a row failed at step {incident.failed_step} "
-            f"({incident.kind}: {error['type']}); a restart would fail the same way"
+            f"({incident.kind}: {error.type}); a restart would fail the same way"
         )
     return None
 
@@ -109,5 +109,5 @@ def _same_failure(a: Incident, b: Incident) -> bool:
     return (
         a.failed_step == b.failed_step
         and a.kind == b.kind
-        and (a.error or {}).get("type") == (b.error or {}).get("type")
+        and (a.error.type if a.error else None) == (b.error.type if b.error else None)
     )

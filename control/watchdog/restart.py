@@ -20,7 +20,6 @@ from control.cluster import provision
 from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
 from control.rayapi import first_line
-from control.records.base import RecordError
 from control.records.run import Incident, RunRecord
 from control.watchdog import credentials
 from control.watchdog.decide import Outcome, restarted, resumed_step
@@ -28,6 +27,7 @@ from control.watchdog.observe import Observations, heartbeat_seen, look, recorde
 from control.watchdog.verdict import Verdict, classify
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
+from ray_jobs.contracts.base import RecordError
 from ray_jobs.poll import poll_until
 from ray_jobs.storage import Layout
 

@@ -19,6 +19,7 @@ from typing import Any
 from control.jobsapi import JobView
 from control.records.run import Attempt
 from ray_jobs.config import Config
+from ray_jobs.contracts.failure import JobFailure
 
 # Kinds of trouble that are facts (the Jobs API said so; the job's own heartbeat says it is stuck): acted on at once.
 DEFINITIVE = ("job-failed", "stalled")
@@ -35,7 +36,7 @@ class Verdict:
 
     kind: str  # running | succeeded | job-failed | stalled | cluster-unreachable | job-lost | api-unreachable
     detail: str = ""
-    error: dict[str, Any] | None = None  # root cause the job printed (type, message)
+    error: JobFailure | None = None  # root cause the job printed
     heartbeat: dict[str, Any] | None = None  # the current attempt's heartbeat, if it wrote one
     status: str = ""
     phase: str = ""  # the job's phase as its heartbeat reports it (``starting`` before the first one)
@@ -72,7 +73,7 @@ def classify(
     cfg: Config,
     now: float,
     address: str = "",
-    error: dict[str, Any] | None = None,
+    error: JobFailure | None = None,
     beat_age_s: float | None = None,
     job_gone: bool | None = None,
 ) -> Verdict:
@@ -91,7 +92,7 @@ def classify(
                            status=view.status, heartbeat=beat)  # fmt: skip
         detail = f"Ray job {sid} ended {view.status}: {view.message or ''}".strip()
         if error:
-            detail += f" [{error['type']}: {error['message']}]"
+            detail += f" [{error.type}: {error.message}]"
         return Verdict("job-failed", detail, error=error, heartbeat=beat, status=view.status)
     return stall_verdict(view.status, attempt, beat, cfg, now, age)
 

@@ -10,7 +10,7 @@ from ray_jobs.errors import UserError
 class ConfigError(UserError, ValueError):
     """A config that cannot be used; the message lists every bad field, one per line."""
 
-    def __init__(self, problems: list[str], source: str = "config"):
+    def __init__(self, problems: list[str], source: str = "config") -> None:
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid {source} ({len(problems)} problem(s)):\n{lines}")

@@ -6,7 +6,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import yaml
 from pydantic import ValidationError
@@ -15,7 +15,10 @@ from ray_jobs.config.base import ConfigError
 from ray_jobs.config.cluster import ClusterConfig, cluster_problems
 from ray_jobs.config.model import BUILTIN_PREFIX
 from ray_jobs.config.run import Config
+from ray_jobs.contracts.job_spec import Spec
 from ray_jobs.secrets import CREDENTIALS_ENV, reveal_tree, still_masked
+
+S = TypeVar("S", bound=Spec)  # a job spec's model (ray_jobs/contracts/job_spec.py)
 
 
 @overload
@@ -147,9 +150,10 @@ def from_json(text: str) -> Config:
     return Config.model_validate_json(json.dumps(reveal_tree(json.loads(text))))
 
 
-def job_spec(prog: str, argv: list[str] | None = None) -> tuple[dict, Config]:
-    """What a Ray Jobs entrypoint (``python -m <prog> --spec <url>``) was given: the spec, and its config parsed
-    (revealed: :func:`from_json`). A credential it was not given is said once, in the job's log, naming its field."""
+def job_spec(prog: str, kind: type[S], argv: list[str] | None = None) -> tuple[S, Config]:
+    """What a Ray Jobs entrypoint (``python -m <prog> --spec <url>``) was given: the spec, read as ``kind``
+    (``ray_jobs/contracts/job_spec.py``; its credentials revealed), and its config parsed (:func:`from_json`). A
+    credential it was not given is said once, in the job's log, naming its field."""
     import argparse
     import logging
 
@@ -157,8 +161,9 @@ def job_spec(prog: str, argv: list[str] | None = None) -> tuple[dict, Config]:
 
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--spec", required=True, help="URL of the job spec JSON the flow wrote to storage")
-    spec = reveal_tree(read_json(parser.parse_args(argv).spec))
-    cfg = from_json(json.dumps(spec["config"]))
+    url = parser.parse_args(argv).spec
+    spec = kind.parse(reveal_tree(read_json(url)), url)
+    cfg = from_json(json.dumps(spec.config))
     if missing := still_masked(json.loads(cfg.model_dump_json())):
         logging.getLogger(prog).warning(
             "the credentials of %s did not reach this job (%s is not set: a restart by a watchdog that had neither "

@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 
@@ -53,13 +54,13 @@ def markdown(model: type[BaseModel], title: str = "Config reference") -> str:
     return "\n".join(out)
 
 
-def _models(annotation) -> list[type[BaseModel]]:
+def _models(annotation: object) -> list[type[BaseModel]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return [m for arg in typing.get_args(annotation) for m in _models(arg)]
 
 
-def _type(annotation) -> str:
+def _type(annotation: object) -> str:
     if annotation is type(None):
         return "none"
     if isinstance(annotation, type) and not typing.get_args(annotation):
@@ -74,10 +75,10 @@ def _type(annotation) -> str:
     return str(annotation).replace("typing.", "")
 
 
-def _default(info) -> str:
+def _default(info: FieldInfo) -> str:
     if info.default is PydanticUndefined and info.default_factory is None:
         return "required"
-    value = info.default_factory() if info.default_factory is not None else info.default
+    value = info.get_default(call_default_factory=True)  # the factory's value, or (a copy of) the default
     if isinstance(value, BaseModel):
         return "(section defaults)"
     return "none" if value is None else repr(value)

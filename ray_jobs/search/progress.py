@@ -26,7 +26,7 @@ from ray_jobs.train.sidewrite import SideWriter
 class TrialProgress(Callback):
     """Tune's trial events -> ``trials.json``. Pickled with the Tuner (a restored search gets it back)."""
 
-    def __init__(self, cfg: Config, trials: list[Trial]):
+    def __init__(self, cfg: Config, trials: list[Trial]) -> None:
         self.storage, self.search, self.max_steps = cfg.storage, cfg.name, cfg.train.max_steps
         self.names = [t.name for t in trials]
         self.fresh = {t.name: {"index": t.index, "params": t.params, "state": "pending", "starts": 0, "step": 0,
@@ -89,7 +89,7 @@ def _first_line(text: str) -> str:
 class SearchHeartbeat:
     """``runs/<search>/heartbeat.json`` from the trials' heartbeats of this attempt, every few seconds."""
 
-    def __init__(self, cfg: Config, trials: list[Trial], attempt: int):
+    def __init__(self, cfg: Config, trials: list[Trial], attempt: int) -> None:
         self.cfg, self.attempt, self.started_at = cfg, attempt, time.time()
         self.urls = [Layout(cfg.storage).heartbeat(t.name) for t in trials]
         self.writer = SideWriter(self.beat, "unbroken-search-heartbeat", every_s=cfg.fault_tolerance.heartbeat_every_s)

@@ -45,7 +45,7 @@ def restorable_asha() -> type:
     from ray_jobs.ray_private import asha_rungs
 
     class RestorableASHA(AsyncHyperBandScheduler):
-        def __init__(self, url: str, **kw: Any):
+        def __init__(self, url: str, **kw: Any) -> None:
             super().__init__(**kw)
             self.url = url
             self.saved: dict[str, dict[str, float]] | None = None  # milestone -> trial index -> value, once read

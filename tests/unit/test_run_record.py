@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from control import registry
-from control.records.base import RecordError
 from control.records.run import RunRecord
+from ray_jobs.contracts.base import RecordError
 
 # A run.json as the untyped registry wrote it (no schema_version): a run that failed once, was restarted by the
 # watchdog, noted a lost node and succeeded.

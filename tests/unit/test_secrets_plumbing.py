@@ -16,6 +16,7 @@ from control.backends.base import ClusterHandle
 from control.jobs import write_job_spec
 from control.records.run import Incident
 from ray_jobs.config import job_spec, load_config
+from ray_jobs.contracts.job_spec import JobSpec
 from ray_jobs.secrets import CREDENTIALS_ENV
 from tests.conftest import ROOT, tiny_overrides
 
@@ -68,11 +69,11 @@ def test_the_flow_submits_the_job_with_the_credentials_in_its_environment(tmp_pa
 def test_the_job_reveals_its_config_from_its_environment_or_says_what_it_lacks(tmp_path, monkeypatch, caplog) -> None:
     url = write_job_spec(cfg(tmp_path), 1, "m", "p", None)
     monkeypatch.setenv(CREDENTIALS_ENV, URI)
-    _, given = job_spec("ray_jobs.job", ["--spec", url])
+    _, given = job_spec("ray_jobs.job", JobSpec, ["--spec", url])
     assert given.tracking.mlflow.tracking_uri == URI
     monkeypatch.delenv(CREDENTIALS_ENV)
     with caplog.at_level(logging.WARNING):
-        _, given = job_spec("ray_jobs.job", ["--spec", url])
+        _, given = job_spec("ray_jobs.job", JobSpec, ["--spec", url])
     assert given.tracking.mlflow.tracking_uri == MASKED
     assert "the credentials of tracking.mlflow.tracking_uri did not reach this job" in caplog.text
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from control import series
-from control.records.base import RecordError
 from control.records.series import ChampionPointer, SeriesRecord
 from control.series import promotion
+from ray_jobs.contracts.base import RecordError
 from tests.unit.test_series import _finished_run, _run
 
 GOLDEN = Path(__file__).parent / "series_golden"

@@ -163,12 +163,19 @@ def test_records_this_release_cannot_read_are_named_and_never_hide_the_others(tm
 def test_a_malformed_failure_line_is_no_root_cause(monkeypatch) -> None:
     from control import jobsapi
     from control.watchdog.observe import job_failure
+    from ray_jobs.contracts.failure import JobFailure
 
     for log in ('UNBROKEN_FAILURE {"type": "Runt', "UNBROKEN_FAILURE [1, 2]", 'UNBROKEN_FAILURE {"message": "x"}'):
         monkeypatch.setattr(jobsapi, "job_logs", lambda address, sid, log=log: f"step 3\n{log}\n")
         assert job_failure("http://h:8265", "s") is None
     monkeypatch.setattr(jobsapi, "job_logs", lambda a, s: 'UNBROKEN_FAILURE {"type": "OSError", "message": "disk"}')
-    assert job_failure("http://h:8265", "s") == {"type": "OSError", "message": "disk"}
+    assert job_failure("http://h:8265", "s") == JobFailure(type="OSError", message="disk")
+    # the line as a job prints it reads back whole; a field this version does not know is no root cause
+    said = JobFailure(type="Preempted", message="node drained", kinds=["Preempted", "Exception"], preempted=True)
+    monkeypatch.setattr(jobsapi, "job_logs", lambda a, s: f"x\n{said.line()}\n")
+    assert job_failure("http://h:8265", "s") == said
+    monkeypatch.setattr(jobsapi, "job_logs", lambda a, s: 'UNBROKEN_FAILURE {"type": "E", "colour": "red"}')
+    assert job_failure("http://h:8265", "s") is None
 
 
 def test_a_beating_heartbeat_is_told_from_a_dying_writers_last_word(tmp_path: Path) -> None:

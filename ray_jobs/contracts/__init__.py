@@ -1,0 +1,9 @@
+"""What crosses a layer or a process, as typed, versioned models: written and read through the same class, unknown
+fields refused, older files migrated on read (``base.Record``). The run and series records (``control/records/``)
+are built on the same base.
+
+- ``job_spec.JobSpec``: what the control plane gives a training or search job (``<storage>/runs/<run>/
+  job-spec-<n>.json``); ``job_spec.StageSpec``: what it gives a staging job.
+- ``failure.JobFailure``: the root cause a failed job prints (its ``UNBROKEN_FAILURE`` line), which the watchdog's
+  restart policy reads and the run record keeps on the incident.
+"""
