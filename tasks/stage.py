@@ -137,8 +137,9 @@ def _stage_on_cluster(cfg: Config, model_path: str, handle: ClusterHandle) -> St
     layout = Layout(cfg.storage)
     spec_url, outcome_url = layout.staging_job(sid), layout.staging_job(sid, outcome=True)
     progress = _JobProgress(spec_url.removesuffix(".json") + ".progress.json", ProgressArtifact(cfg))
-    spec = StageSpec(config=cfg.model_dump(mode="json"), model_path=model_path, outcome_url=outcome_url,
-                     progress_url=progress.url)
+    spec = StageSpec(
+        config=cfg.model_dump(mode="json"), model_path=model_path, outcome_url=outcome_url, progress_url=progress.url
+    )
     write_json_atomic(spec_url, spec.model_dump(mode="json"))
     run_logger().info("staging on the cluster at %s (Ray job %s)", handle.address, sid)
     submit(handle, sid, "ray_jobs.stage_job", spec_url, job_env(cfg.model_dump(mode="json")))  # a source's credentials
