@@ -1,6 +1,7 @@
 """The watchdog's work on one run, as a reconciler: ``observe`` (only reads: the job's status, its heartbeat, the
 cluster's health) -> ``decide`` (pure: the record as it should be, and what to do) -> ``act`` (thin: each side
-effect in order, under the run's lease, a restart re-checked right before it happens).
+effect in order, under the run's lease). A restart is looked at again right before it happens and decided again on
+that look (``decide.recheck``): the pass observes, decides and acts once more.
 
 Ray Train restarts workers inside a job; it cannot restart its own driver, notice a hang, or bring back a cluster.
 This does, from outside: everything it needs is on shared storage (run record, heartbeat, checkpoints, job specs),
@@ -18,9 +19,9 @@ from control.backends import backend_class
 from control.records.run import Incident
 from control.watchdog import metrics
 from control.watchdog.act import act as carry_out
-from control.watchdog.decide import Outcome, decide, new_incident
+from control.watchdog.decide import Outcome, Restart, decide, new_incident, recheck
 from control.watchdog.janitor import janitor
-from control.watchdog.observe import Observations, heartbeat_seen, job_failure, last_step, observe
+from control.watchdog.observe import Observations, heartbeat_seen, job_failure, last_step, look, observe
 from control.watchdog.verdict import Verdict
 from ray_jobs.config import Config, ConfigError
 from ray_jobs.contracts.base import RecordError
@@ -68,6 +69,9 @@ def _check(storage: str, run: str, now: float | None) -> Outcome:
         decision = decide(reg, observe(reg, cfg, now), cfg)
         metrics.decided(reg, decision.record)  # counted once decided: a restart that then fails was still seen
         outcome = carry_out(decision, cfg, lease)
+        if any(isinstance(a, Restart) for a in decision.actions):  # decided maybe a backoff ago: look again first
+            reg = decision.record
+            outcome = carry_out(recheck(reg, look(cfg, reg, time.time()), cfg), cfg, lease)
         metrics.acted(run, outcome.action)
         return outcome
 

@@ -1,7 +1,8 @@
 """The watchdog's hands: carry out a :class:`~control.watchdog.decide.Decision`, one side effect per action, in
-order, under the run's lease. Thin on purpose -- what to do was decided already. Every write of the run record is
-fenced (the lease is checked right before it: a watchdog that stalled past its lease and lost it writes nothing);
-the one action re-checked first is the restart (control/watchdog/restart.py)."""
+order, under the run's lease. Thin on purpose -- what to do was decided already, and nothing here decides: a
+``Restart`` is the pass's to look at again and decide on (decide.recheck) right before it happens, which comes back
+here as a ``Resubmit`` (control/watchdog/restart.py) or a stand-down's actions. Every write of the run record is
+fenced (the lease is checked right before it: a watchdog that stalled past its lease and lost it writes nothing)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,11 @@ from control.watchdog.decide import (
     Outcome,
     ReleaseCluster,
     ReplaceNodes,
-    Restart,
+    Resubmit,
     Save,
-    finish,
-    stand_down,
 )
-from control.watchdog.observe import Observations, recorded_handle
-from control.watchdog.restart import restart, stop_leftovers
-from control.watchdog.verdict import Verdict
+from control.watchdog.observe import recorded_handle
+from control.watchdog.restart import resubmit, stop_leftovers
 from ray_jobs.config import Config
 
 
@@ -51,8 +49,8 @@ def act(decision: Decision, cfg: Config, lease: leases.Lease) -> Outcome:
                 release(cfg, recorded_handle(reg), run=cfg.name)
         elif isinstance(action, FinishSeries):
             series.finish_run(cfg.storage, cfg.name)
-        elif isinstance(action, Restart):
-            outcome = restart(cfg, reg, lease, lambda r, v, again: _stand_down(cfg, r, v, again, lease))
+        elif isinstance(action, Resubmit):
+            outcome = resubmit(cfg, reg, lease)
     return outcome
 
 
@@ -77,17 +75,6 @@ def give_up(cfg: Config, reg: RunRecord, lease: leases.Lease) -> None:
     end_tracker_runs(cfg, "FAILED", "the watchdog gave up on it")
     if reg.kind == "search":
         series.end_unfinished(cfg.storage, cfg.name, "the watchdog gave up on its search")
-
-
-def _stand_down(cfg: Config, reg: RunRecord, verdict: Verdict, again: Observations, lease: leases.Lease) -> Outcome:
-    incident = reg.open_incident()
-    assert incident is not None, "a restart is decided only for an open incident (decide.handle_incident)"
-    stand_down(reg, incident, verdict, again.now)
-    save(cfg, reg, lease)
-    run_logger().warning("run %s: %s no longer holds; not restarting", cfg.name, incident.kind)
-    if verdict.kind == "succeeded":
-        return act(finish(reg, verdict, again, cfg), cfg, lease)
-    return Outcome(cfg.name, "ok", f"{incident.kind} cleared on re-check: {verdict.status or verdict.kind}", incident)
 
 
 def _replace_nodes(cfg: Config, reg: RunRecord, detail: str) -> None:

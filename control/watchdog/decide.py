@@ -35,8 +35,14 @@ class Save:
 
 @dataclass(frozen=True)
 class Restart:
-    """Look once more; unless the trouble is gone, stop what is left, re-provision, resume from the newest valid
-    checkpoint under a new submission."""
+    """Restart -- decided maybe a backoff ago, so the pass looks once more right before it and decides on that look
+    (:func:`recheck`): a :class:`Resubmit`, or the incident stood down."""
+
+
+@dataclass(frozen=True)
+class Resubmit:
+    """Stop what is left of the job, re-provision, resume from the newest valid checkpoint under a new submission
+    (control/watchdog/restart.py)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,25 @@ def handle_incident(reg: RunRecord, incident: Incident, cfg: Config, now: float,
         return Decision(reg, [Save(), *actions], Outcome(reg.name, "waiting", f"restart in {due - now:.0f}s (backoff)",
                                                          incident))  # fmt: skip
     return Decision(reg, [Save(), *actions, Restart()], Outcome(reg.name, "restarting", incident.kind, incident))
+
+
+def recheck(reg: RunRecord, again: Observations, cfg: Config) -> Decision:
+    """A restart decided, looked at again right before it happens (under the lease): still trouble -> Resubmit;
+    gone -> the incident stood down, the attempt carries on (or, found succeeded, is finished)."""
+    reg = reg.deep_copy()
+    incident = reg.open_incident()
+    assert incident is not None and again.job is not None, "a restart is decided for an open incident; look() asks"
+    verdict = classify(again.job, reg.current, again.heartbeat, cfg, again.now, reg.recorded_cluster.address,
+                       again.error, again.beat_age_s, again.job_gone)  # fmt: skip
+    if verdict.trouble:
+        return Decision(reg, [Resubmit()], Outcome(reg.name, "restarting", incident.kind, incident))
+    stand_down(reg, incident, verdict, again.now)
+    steps = [Save(), Log("warning", f"run {reg.name}: {incident.kind} no longer holds; not restarting")]
+    if verdict.kind == "succeeded":
+        done = finish(reg, verdict, again, cfg)
+        return Decision(done.record, steps + done.actions, done.outcome)
+    why = f"{incident.kind} cleared on re-check: {verdict.status or verdict.kind}"
+    return Decision(reg, steps, Outcome(reg.name, "ok", why, incident))
 
 
 def confirm(reg: RunRecord, verdict: Verdict, cfg: Config, now: float) -> str:
@@ -355,18 +380,6 @@ def stand_down(reg: RunRecord, incident: Incident, verdict: Verdict, now: float)
     if incident.detected_by != "watchdog":
         attempt.set(adopted_by="watchdog", adopted_at=now)
     reg.state = "running" if attempt.status == "RUNNING" else "submitted"
-
-
-def restarted(reg: RunRecord, new_attempt: int, sid: str, resume_from: str | None, reprovisioned: bool,
-              now: float) -> Incident:  # fmt: skip
-    """Record the restart on the run's open incident; the run is ``submitted`` again."""
-    incident = reg.open_incident()
-    assert incident is not None, "the restart acts on the run's open incident, saved before the new attempt began"
-    incident.set(action="restarted", new_attempt=new_attempt, submission_id=sid, resumed_from=resume_from,
-                 resumed_step=resumed_step(resume_from) if resume_from else None, restarted_at=now,
-                 reprovisioned=reprovisioned)  # fmt: skip
-    reg.set(restarts=reg.restarts + 1, state="submitted")
-    return incident
 
 
 def resumed_step(resume_from: str | None) -> int:

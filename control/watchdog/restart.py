@@ -1,5 +1,6 @@
 """The watchdog's one action that is re-checked before it happens: a restart (it may come a backoff after the trouble
-was seen). It looks at the job once more; makes sure the old job is over -- Ray says it ended *and* its heartbeat
+was seen), carried out once the pass has looked at the job once more and decided on that look (decide.recheck). It
+makes sure the old job is over -- Ray says it ended *and* its heartbeat
 has gone quiet, its processes stopped where the backend can reach them; when the cluster does not answer, ended for
 certain by the backend on evidence of its own -- re-provisions with the lease kept alive, resumes from the newest
 valid checkpoint, and checks the lease (fencing) right before it submits. A restart that cannot complete (the old
@@ -9,7 +10,6 @@ counted against the budget and backed off, so a cluster gone for good ends in a 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from control import lease as leases
@@ -22,9 +22,8 @@ from control.logs import run_logger
 from control.rayapi import first_line
 from control.records.run import Incident, RunRecord
 from control.watchdog import credentials
-from control.watchdog.decide import Outcome, restarted, resumed_step
-from control.watchdog.observe import Observations, heartbeat_seen, look, recorded_handle
-from control.watchdog.verdict import Verdict, classify
+from control.watchdog.decide import Outcome, resumed_step
+from control.watchdog.observe import heartbeat_seen, recorded_handle
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.contracts.base import RecordError
@@ -32,19 +31,11 @@ from ray_jobs.poll import poll_until
 from ray_jobs.storage import Layout
 
 STOP_WAIT_S = 60.0
-# What to do when the trouble is gone on the second look: (the record, the new verdict, that look) -> its outcome
-StandDown = Callable[[RunRecord, Verdict, Observations], Outcome]
 
 
-def restart(cfg: Config, reg: RunRecord, lease: leases.Lease, stand_down: StandDown) -> Outcome:
-    """Stop what is left, re-provision if needed, resume from the newest valid checkpoint under a new submission.
-    ``stand_down(reg, verdict, observations)``: what to do when the trouble is gone on the second look."""
-    again = look(cfg, reg, time.time())  # decided maybe a backoff ago: look again
-    assert again.job is not None, "look() always asks the Jobs API"
-    verdict = classify(again.job, reg.current, again.heartbeat, cfg, again.now, reg.recorded_cluster.address,
-                       again.error, again.beat_age_s, again.job_gone)  # fmt: skip
-    if not verdict.trouble:
-        return stand_down(reg, verdict, again)
+def resubmit(cfg: Config, reg: RunRecord, lease: leases.Lease) -> Outcome:
+    """Stop what is left, re-provision if needed, resume from the newest valid checkpoint under a new submission --
+    decided on a look taken right before (decide.recheck)."""
     incident = reg.open_incident()
     assert incident is not None, "a restart is decided only for an open incident (decide.handle_incident)"
     try:
@@ -185,3 +176,15 @@ def stop_leftovers(cfg: Config, reg: RunRecord, sid: str) -> None:
     except StopUnverified:  # the backend's to end for certain, or StopUnverified again
         done = backend_for(cfg).stop_unreachable(recorded_handle(reg), cfg.name, sid)
         run_logger().warning("the Ray cluster at %s does not answer: %s", address, done)
+
+
+def restarted(reg: RunRecord, new_attempt: int, sid: str, resume_from: str | None, reprovisioned: bool,
+              now: float) -> Incident:  # fmt: skip
+    """Record the restart on the run's open incident; the run is ``submitted`` again."""
+    incident = reg.open_incident()
+    assert incident is not None, "the restart acts on the run's open incident, saved before the new attempt began"
+    incident.set(action="restarted", new_attempt=new_attempt, submission_id=sid, resumed_from=resume_from,
+                 resumed_step=resumed_step(resume_from) if resume_from else None, restarted_at=now,
+                 reprovisioned=reprovisioned)  # fmt: skip
+    reg.set(restarts=reg.restarts + 1, state="submitted")
+    return incident

@@ -20,8 +20,10 @@ from control.watchdog.decide import (
     ReleaseCluster,
     ReplaceNodes,
     Restart,
+    Resubmit,
     Save,
     decide,
+    recheck,
 )
 from control.watchdog.observe import Observations
 from ray_jobs.config import load_config
@@ -585,3 +587,39 @@ def test_the_flows_watch_takes_a_cluster_for_lost_only_once_its_silence_held(pol
         if j.lost and lost is None:
             lost = i
     assert lost == lost_at
+
+
+RECHECKS = [  # a restart decided, and the look taken right before it: (name, view, heartbeat, outcome, actions, check)
+    ("still failed: resubmit", FAILED, None, "restarting", [Resubmit], {"incidents[-1].action": None}),
+    ("running again, fresh heartbeat: stood down, adopted", JobView("ok", "RUNNING"), beat(), "ok", [Save, Log],
+     {"incidents[-1].action": "observed", "state": "running", "current.adopted_by": "watchdog"}),
+    ("found succeeded: stood down and finished", JobView("ok", "SUCCEEDED"), beat(phase="done"), "succeeded",
+     [Save, Log, ReleaseCluster, FinishSeries, Save], {"incidents[-1].action": "observed", "state": "succeeded"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "view", "b", "outcome", "actions", "check"), RECHECKS, ids=[r[0] for r in RECHECKS])
+def test_a_restart_is_decided_again_on_a_look_taken_right_before_it(name, view, b, outcome, actions, check) -> None:
+    reg = record("FAILED", "recovering", incidents=[restarted_at(1), open_incident()])
+    before = reg.model_dump()
+    decision = recheck(reg, ok(view, b), CFG)
+    assert decision.outcome.action == outcome, decision.outcome.detail
+    assert [type(a) for a in decision.actions] == actions
+    for path, want in check.items():
+        assert _get(decision.record, path) == want, path
+    assert reg.model_dump() == before, "recheck changed the record it was given"
+
+
+def test_act_carries_out_and_decides_nothing() -> None:
+    """act.py imports from decide only what a decision is made of (its action and outcome classes), and nothing of
+    verdict: the restart's re-check is decide's (``recheck``), run by the pass."""
+    import ast
+    import importlib
+
+    decide_module = importlib.import_module("control.watchdog.decide")  # the package's `decide` is the function
+
+    tree = ast.parse((ROOT / "control" / "watchdog" / "act.py").read_text())
+    taken = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    from_decide = [name for module, name in taken if module == "control.watchdog.decide"]
+    assert from_decide and all(isinstance(getattr(decide_module, n), type) for n in from_decide), from_decide
+    assert not [m for m, _ in taken if m == "control.watchdog.verdict"]
