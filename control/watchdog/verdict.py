@@ -14,27 +14,33 @@ own clock plus that age -- never the cluster's clock against the watchdog's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from control.jobsapi import JobView
 from control.records.run import Attempt
 from ray_jobs.config import Config
 from ray_jobs.contracts.failure import JobFailure
 
+# What one look can conclude: the one list of verdict kinds, each in exactly one of the three groups below
+# (tests/unit/test_watchdog.py checks it); a new kind is one more name here and in its group, and ty checks every
+# Verdict made against it.
+VerdictKind = Literal[
+    "running", "succeeded", "api-unreachable", "job-failed", "stalled", "cluster-unreachable", "job-lost"
+]
 # Kinds of trouble that are facts (the Jobs API said so; the job's own heartbeat says it is stuck): acted on at once.
-DEFINITIVE = ("job-failed", "stalled")
+DEFINITIVE: tuple[VerdictKind, ...] = ("job-failed", "stalled")
 # Kinds that may be a blip of the observer's path (a proxy's 502, a restarting dashboard, an auth hiccup): acted on
 # only once they held for fault_tolerance.confirm_s (control/confirm.py).
-AMBIGUOUS = ("cluster-unreachable", "job-lost")
+AMBIGUOUS: tuple[VerdictKind, ...] = ("cluster-unreachable", "job-lost")
 # Looks that are no trouble at all: the job runs, or its API fails while its heartbeat says it trains on.
-FINE = ("running", "succeeded", "api-unreachable")
+FINE: tuple[VerdictKind, ...] = ("running", "succeeded", "api-unreachable")
 
 
 @dataclass
 class Verdict:
     """What the watchdog sees for the current attempt."""
 
-    kind: str  # running | succeeded | job-failed | stalled | cluster-unreachable | job-lost | api-unreachable
+    kind: VerdictKind
     detail: str = ""
     error: JobFailure | None = None  # root cause the job printed
     heartbeat: dict[str, Any] | None = None  # the current attempt's heartbeat, if it wrote one

@@ -405,3 +405,12 @@ def test_ray_trains_controller_marks_a_group_restart_in_the_heartbeat(tmp_path: 
     url.unlink()
     callback.after_exception(None, {0: RuntimeError("worker died")})  # no heartbeat yet: nothing raised into Ray Train
     assert not url.exists()
+
+
+def test_verdict_kinds_have_one_list_and_each_one_group() -> None:
+    from typing import get_args
+
+    from control.watchdog.verdict import AMBIGUOUS, DEFINITIVE, FINE, VerdictKind
+
+    groups = [*DEFINITIVE, *AMBIGUOUS, *FINE]
+    assert sorted(groups) == sorted(get_args(VerdictKind)) and len(set(groups)) == len(groups)
