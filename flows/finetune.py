@@ -86,18 +86,19 @@ async def _finetune(cfg: Config) -> dict[str, Any] | State:
     """The flow's body, the tune flow's too: a config with a ``tune`` section trains a search (one job, its trials
     runs of the series) where another trains one run."""
     search = cfg.tune is not None  # a search always searches: no "nothing new" for it
-    early = _provision_early(cfg) if not base_model_ready(cfg) else None  # a new base: nothing trained on it yet
+    on_cluster = stages_on_cluster(cfg)  # where staging runs, decided once for the run
+    early = _provision_early(cfg, on_cluster) if not base_model_ready(cfg) else None  # a new base: nothing trained
     handle: ClusterHandle | None = None
     try:
         model_path = prepare_base_model(cfg)
         check_model_options(cfg, model_path)  # a LoRA layer the model lacks fails here, before staging or a cluster
         check_series(cfg)
         if (
-            early is None and not search and (done := _trained_already(cfg, model_path))
+            early is None and not search and (done := _trained_already(cfg, model_path, on_cluster))
         ):  # source fingerprints only, no staging
             return nothing_new(cfg, done)
-        early = early or _provision_early(cfg)  # the cluster comes up while the data is staged
-        staged, handle = stage_for(cfg, model_path)  # a cluster here only when staging ran on it
+        early = early or _provision_early(cfg, on_cluster)  # the cluster comes up while the data is staged
+        staged, handle = stage_for(cfg, model_path, on_cluster)  # a cluster here only when staging ran on it
         if handle is None:  # staged here, or found staged already: no cluster came up with the data
             handle = early.result() if early is not None else provision_cluster(cfg)
         early = None
@@ -128,17 +129,17 @@ def start_cluster_early(cfg: Config) -> StartedAhead | None:
     return begin_cluster(cfg)
 
 
-def _provision_early(cfg: Config) -> PrefectFuture | None:
+def _provision_early(cfg: Config, on_cluster: bool) -> PrefectFuture | None:
     """Start provisioning the cluster now, in the background (Prefect's task runner), when staging runs here: a head
     takes seconds to come up, and the base model and the data are prepared meanwhile. None when staging runs on the
     cluster (``stage_for`` provisions it first)."""
-    return None if stages_on_cluster(cfg) else provision_cluster.submit(cfg)
+    return None if on_cluster else provision_cluster.submit(cfg)
 
 
-def _trained_already(cfg: Config, model_path: str) -> SeriesRun | None:
+def _trained_already(cfg: Config, model_path: str, on_cluster: bool) -> SeriesRun | None:
     """The run of this series that already trained this data with this recipe, when source fingerprints alone show
     the dataset staged (no staging, no cluster: a cron tick on unchanged data ends here)."""
-    if stages_on_cluster(cfg):
+    if on_cluster:
         return None
     found = cached_dataset(cfg, model_path)
     return find_trained_run(cfg, found.dataset_id) if found is not None else None

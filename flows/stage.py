@@ -12,10 +12,11 @@ from tasks.model import prepare_base_model
 from tasks.stage import Staged, cached_dataset, stage_dataset, stages_on_cluster
 
 
-def stage_for(cfg: Config, model_path: str) -> tuple[Staged, ClusterHandle | None]:
-    """Stage as ``data.stage_on`` says: here, or on the cluster -- provisioned for it only when source fingerprints
-    do not already show the dataset staged. Returns the cluster it provisioned (the caller releases it), or None."""
-    if not stages_on_cluster(cfg):
+def stage_for(cfg: Config, model_path: str, on_cluster: bool) -> tuple[Staged, ClusterHandle | None]:
+    """Stage where ``on_cluster`` says (``stages_on_cluster``, decided once by the caller): here, or on the cluster --
+    provisioned for it only when source fingerprints do not already show the dataset staged. Returns the cluster it
+    provisioned (the caller releases it), or None."""
+    if not on_cluster:
         return stage_dataset(cfg, model_path), None
     if (found := cached_dataset(cfg, model_path)) is not None:
         return found, None
@@ -31,7 +32,7 @@ def stage_for(cfg: Config, model_path: str) -> tuple[Staged, ClusterHandle | Non
 def stage_flow(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Stage ``data.train`` to ``<storage>/datasets/<id>``; returns the dataset id and manifest URL."""
     cfg = load_config(config_path, overrides or [])
-    staged, handle = stage_for(cfg, prepare_base_model(cfg))
+    staged, handle = stage_for(cfg, prepare_base_model(cfg), stages_on_cluster(cfg))
     if handle is not None:
         stop_cluster(cfg, handle, run=cfg.name)
     return staged.to_dict()
