@@ -143,7 +143,10 @@ def stall_verdict(
     phase, since, limit, field = phase_clock(attempt, beat, cfg)
     quiet = now - since if beat is None else beat.get("time", since) - since + age
     stall_s = cfg.fault_tolerance.stall_timeout_s
-    if phase == "restarting":  # written once by Ray Train's controller: no process beats until the new group does
+    # Beats that end by design: ``restarting`` is written once by Ray Train's controller (no process beats until the
+    # new group does); after ``done`` rank 0's writer has finished while the driver is still leaving (on a loaded host
+    # longer than stall_timeout_s: restarting a job that owes nothing would train nothing and run it twice)
+    if phase in ("restarting", "done"):
         stall_s = max(stall_s, limit)
     if beat is not None and age is not None and age > stall_s:  # frozen (SIGSTOP, a dead host), dead, or storage away
         at = f"at step {beat['step']}"

@@ -248,6 +248,9 @@ def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed
         # does, which may take longer than stall_timeout_s: judged as starting is
         (JobView("ok", "RUNNING"), beat("restarting", 100, 150, refreshed_ago_s=100), "running", False),
         (JobView("ok", "RUNNING"), beat("restarting", 1801, 1900, refreshed_ago_s=1801), "stalled", False),
+        # its final model exported, its rank 0 gone quiet: the driver is still leaving -- judged as an export is
+        (JobView("ok", "RUNNING"), beat("done", 100, 90, refreshed_ago_s=90), "running", False),
+        (JobView("ok", "RUNNING"), beat("done", 3700, 3700, refreshed_ago_s=3700), "stalled", False),
     ],
 )
 def test_one_look_is_classified_by_what_the_api_and_the_heartbeat_say(
