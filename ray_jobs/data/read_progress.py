@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ray_jobs.data.fingerprint import Source
+from ray_jobs.data.formats import reader_for
 from ray_jobs.data.sources import Position, position_unit
-from ray_jobs.storage import fs_and_path
 
 # progress(done, total, records=..., tokens=...): ray_jobs.progress.Reporter.update fits
 ProgressFn = Callable[..., None]
@@ -46,20 +46,6 @@ class ReadProgress:
         if position_unit(self.urls[i]) == "line":
             return min(at.offset, self.sizes[i])
         if i not in self._rows:
-            self._rows[i] = _parquet_rows(self.urls[i])
+            self._rows[i] = reader_for(self.urls[i]).row_count(self.urls[i])
         rows = self._rows[i]
         return int(self.sizes[i] * min(at.offset, rows) / rows) if rows else 0
-
-
-def _parquet_rows(url: str) -> int | None:
-    """Rows of a Parquet file from its footer; None for an Arrow stream or a file that cannot say."""
-    if not url.endswith(".parquet"):
-        return None
-    import pyarrow.parquet as pq
-
-    try:
-        fs, path = fs_and_path(url)
-        with fs.open(path, "rb") as f:
-            return pq.ParquetFile(f).metadata.num_rows
-    except Exception:  # progress only: the read itself reports a bad file
-        return None

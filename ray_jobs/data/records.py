@@ -9,16 +9,16 @@ shapes other tools write become a ``pairs`` or a ``chat`` record (:mod:`ray_jobs
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray_jobs.config import DataConfig
+from ray_jobs.data.formats import reader_for
 from ray_jobs.data.lines import LongLine, capped, parse_line
 from ray_jobs.data.shapes import RecordProblem, shape, string_field  # RecordProblem: imported from here too
-from ray_jobs.data.sources import SourceBatch, SourceFile, StagingError, position_unit
+from ray_jobs.data.sources import SourceBatch, SourceFile, position_unit
 from ray_jobs.secrets import mask
 
 # data.max_record_chars when unset, for records that are not text documents (those are cut into pieces instead)
@@ -90,7 +90,7 @@ def parse_records(
 
     ``render`` renders chat messages with the tokenizer's chat template; only ``chat`` needs it.
     """
-    if src.unit == "row":
+    if position_unit(src.url) == "row":
         objects = _rows(src)
     else:
         limit = record_char_limit(data)
@@ -149,16 +149,7 @@ def row_objects(rows: Iterable[tuple[int, dict]]) -> Iterator[tuple[int, Any, No
 
 
 def _rows(src: SourceFile) -> Iterator[tuple[int, Any, None, str]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    arrow = src.url.endswith(".arrow")
-    try:
-        table = pa.ipc.open_stream(io.BytesIO(src.data)).read_all() if arrow else pq.read_table(io.BytesIO(src.data))
-        rows = table.to_pylist()
-    except Exception as e:  # pyarrow raises several types for a damaged file
-        raise StagingError(f"{src.url}: not a readable {'Arrow' if arrow else 'Parquet'} file: {e}") from e
-    yield from row_objects(enumerate(rows, start=1))
+    yield from row_objects(enumerate(reader_for(src.url).rows(src), start=1))
 
 
 def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos: int, split: str) -> Record:

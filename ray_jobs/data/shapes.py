@@ -15,8 +15,9 @@ import re
 from dataclasses import dataclass
 
 from ray_jobs.config import DataConfig
+from ray_jobs.data.formats import reader_for
 from ray_jobs.data.lines import parse_line
-from ray_jobs.data.sources import SourceUnreadable, StagingError, list_sources, position_unit
+from ray_jobs.data.sources import SourceUnreadable, StagingError, list_sources
 from ray_jobs.storage import fs_and_path
 
 log = logging.getLogger("unbroken.staging")
@@ -261,26 +262,11 @@ def sample_fields(source: str, field_name: str = "data.train") -> tuple[str, lis
     """(file, [(where, top-level fields)]) of the first file of ``source`` (the config's ``field_name``) that has a
     record."""
     for url in list_sources(source, field_name):
-        samples = _columns(url) if position_unit(url) == "row" else _line_keys(url)
+        columns = reader_for(url).columns(url)  # a columnar file's schema; records of a text file say their own
+        samples = [("its columns", columns)] if columns is not None else _line_keys(url)
         if samples:
             return url, samples
     raise StagingError(f"{field_name}: no record in {source} to tell its shape from")
-
-
-def _columns(url: str) -> list[tuple[str, list[str]]]:
-    """A Parquet file's or Arrow stream's column names (its schema: no rows are read)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    fs, path = fs_and_path(url)
-    try:
-        with fs.open(path, "rb") as f:
-            schema = pa.ipc.open_stream(f).schema if url.endswith(".arrow") else pq.ParquetFile(f).schema_arrow
-    except OSError as e:
-        raise SourceUnreadable(f"{url}: cannot read: {e}") from e
-    except (pa.ArrowException, ValueError) as e:
-        raise StagingError(f"{url}: not a readable Parquet/Arrow file: {e}") from e
-    return [("its columns", list(schema.names))]
 
 
 def _line_keys(url: str) -> list[tuple[str, list[str]]]:

@@ -11,49 +11,32 @@ How a JSONL byte range becomes lines, and a line an object or a reason it is non
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
-from ray_jobs.data.lines import line_range
-from ray_jobs.errors import UserError
-from ray_jobs.secrets import MaskedError
+from ray_jobs.data.formats import listed_suffixes, reader_for
+from ray_jobs.data.formats.base import (
+    Position,
+    SourceBatch,
+    SourceFile,
+    SourceRange,
+    SourceUnreadable,
+    StagingError,
+    Unit,
+)
 from ray_jobs.storage import as_url, fs_and_path
 
-_SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet")
+__all__ = ["Position", "SourceBatch", "SourceFile", "SourceRange", "SourceUnreadable", "StagingError", "list_sources",
+           "pieces", "position_unit", "read_batches", "read_range", "read_sources"]  # fmt: skip
 
 
-class StagingError(MaskedError, UserError, ValueError):
-    """Data that cannot be staged; the message names the file (and line) at fault, masked: it is shown in logs, a
-    flow run's state and a staging job's outcome, and a source URL may carry credentials."""
+FROM_THE_START = Position()
 
 
-class SourceUnreadable(StagingError):
-    """A source the store did not serve (a transient failure, maybe): not the data's fault."""
-
-    users_fault = False
-
-
-def position_unit(url: str) -> str:
-    """How a record's position in a source file is counted: JSONL lines, or rows of a columnar file."""
-    return "row" if url.endswith((".parquet", ".arrow")) else "line"
-
-
-@dataclass
-class SourceFile:
-    url: str
-    data: bytes = field(repr=False)
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
-
-    @property
-    def unit(self) -> str:
-        return position_unit(self.url)
+def position_unit(url: str) -> Unit:
+    """How a record's position in a source file is counted: lines of a text file, or rows of a columnar one."""
+    return reader_for(url).unit
 
 
 def list_sources(url: str, field_name: str = "data.train") -> list[str]:
@@ -70,9 +53,10 @@ def list_sources(url: str, field_name: str = "data.train") -> list[str]:
         raise StagingError(f"{field_name}: {url} holds several splits (a DatasetDict); point at one, e.g. {url}/train")
     if "state.json" in names:  # a datasets.Dataset.save_to_disk folder: its Arrow files, in order
         return [f"{url.rstrip('/')}/{name}" for name in _state_files(fs, path, url)]
-    found = sorted(p for p in fs.find(path) if p.endswith(_SOURCE_SUFFIXES))
+    suffixes = listed_suffixes()
+    found = sorted(p for p in fs.find(path) if p.endswith(suffixes))
     if not found:
-        raise StagingError(f"{field_name}: folder {url} has no {'/'.join(_SOURCE_SUFFIXES)} files")
+        raise StagingError(f"{field_name}: folder {url} has no {'/'.join(suffixes)} files")
     return [as_url(url, p) for p in found]
 
 
@@ -107,78 +91,16 @@ def read_sources(url: str, field_name: str) -> list[SourceFile]:
     return out
 
 
-@dataclass(frozen=True)
-class Position:
-    """Where to resume reading a file: ``offset`` bytes (JSONL) or rows (columnar) in, next record number ``next``."""
-
-    offset: int = 0
-    next: int = 1
-
-
-@dataclass
-class SourceBatch:
-    """Consecutive records of one file: ``(line, raw bytes)`` for JSONL, ``(row, dict)`` for Parquet/Arrow."""
-
-    url: str
-    items: list[tuple[int, Any]]
-    end: Position
-
-
-def read_batches(url: str, start: Position = Position(), batch_bytes: int = 4 << 20,
+def read_batches(url: str, start: Position = FROM_THE_START, batch_bytes: int = 4 << 20,
                  max_chars: int | None = None) -> Iterator[SourceBatch]:  # fmt: skip
     """The records of one file from ``start`` on: about ``batch_bytes`` of JSONL, or one record batch of rows. A
     JSONL line over ``line_byte_cap(max_chars)`` is a LongLine."""
     fs, path = fs_and_path(url)
     try:
         with fs.open(path, "rb") as f:
-            if position_unit(url) == "line":
-                yield from _line_batches(url, f, start, batch_bytes, max_chars)
-            else:
-                yield from _row_batches(url, f, start)
+            yield from reader_for(url).batches(url, f, start, batch_bytes, max_chars)
     except OSError as e:
         raise SourceUnreadable(f"{url}: cannot read: {e}") from e
-
-
-def _line_batches(url: str, f, start: Position, batch_bytes: int, max_chars: int | None) -> Iterator[SourceBatch]:
-    """Whole lines only: a batch is the lines that begin in the next ``batch_bytes`` (``start`` begins a line)."""
-    at, lineno = start.offset, start.next
-    while True:
-        items, end = line_range(f, at, at + batch_bytes, max_chars)
-        if not items:
-            return
-        yield SourceBatch(url, [(lineno + n - 1, x) for n, x in items], Position(end, lineno + len(items)))
-        at, lineno = end, lineno + len(items)
-
-
-def _row_batches(url: str, f, start: Position) -> Iterator[SourceBatch]:
-    """Rows of a Parquet file or an Arrow stream (``save_to_disk``), read a record batch at a time."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    arrow = url.endswith(".arrow")
-    try:
-        batches = pa.ipc.open_stream(f) if arrow else pq.ParquetFile(f).iter_batches(batch_size=8192)
-        row = 0
-        for batch in batches:
-            rows = batch.to_pylist()
-            skip = max(0, min(len(rows), start.offset - row))
-            row += len(rows)
-            if skip < len(rows):
-                items = list(enumerate(rows[skip:], start=row - len(rows) + skip + 1))
-                yield SourceBatch(url, items, Position(row, row + 1))
-    except (pa.ArrowException, ValueError) as e:  # pyarrow raises several types for a damaged file
-        raise StagingError(f"{url}: not a readable {'Arrow' if arrow else 'Parquet'} file: {e}") from e
-
-
-@dataclass(frozen=True)
-class SourceRange:
-    """A piece of one file a worker reads itself: the lines that begin at bytes [start, stop) of a JSONL file, or
-    rows [start, stop) of a Parquet file; ``stop`` None: to the end. Its records are numbered from 1 (a worker
-    cannot know how many lines came before ``start``); staging adds the count before it to every reject."""
-
-    url: str
-    start: int
-    stop: int | None
 
 
 def read_range(r: SourceRange, max_chars: int | None = None) -> SourceBatch:
@@ -188,47 +110,17 @@ def read_range(r: SourceRange, max_chars: int | None = None) -> SourceBatch:
     fs, path = fs_and_path(r.url)
     try:
         with fs.open(path, "rb") as f:
-            if position_unit(r.url) == "line":
-                items, end = line_range(f, r.start, r.stop, max_chars)
-            else:
-                items, end = _parquet_range(r.url, f, r.start, r.stop)
+            items, end = reader_for(r.url).read_range(r.url, f, r.start, r.stop, max_chars)
     except OSError as e:
         raise SourceUnreadable(f"{r.url}: cannot read: {e}") from e
     return SourceBatch(r.url, items, Position(end, len(items) + 1))
 
 
-def _parquet_range(url: str, f, start: int, stop: int | None) -> tuple[list[tuple[int, dict]], int]:
-    """Rows [start, stop) of a Parquet file, decoding only the row groups they lie in."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(f)
-        total = pf.metadata.num_rows
-        stop = total if stop is None else min(stop, total)
-        groups, first, row = [], None, 0
-        for g in range(pf.metadata.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if row + n > start and row < stop:
-                groups.append(g)
-                first = row if first is None else first
-            row += n
-        rows: list[dict] = []
-        row = first or 0
-        for batch in pf.iter_batches(batch_size=8192, row_groups=groups) if groups else ():
-            lo, hi = max(start - row, 0), min(stop - row, batch.num_rows)
-            if lo < hi:
-                rows.extend(batch.slice(lo, hi - lo).to_pylist())
-            row += batch.num_rows
-    except (pa.ArrowException, ValueError) as e:  # pyarrow raises several types for a damaged file
-        raise StagingError(f"{url}: not a readable Parquet file: {e}") from e
-    return list(enumerate(rows, start=1)), max(stop, start)
-
-
 def pieces(url: str, size: int, start: Position, piece_bytes: int) -> Iterator[SourceRange | SourceBatch]:
     """The pieces of one file from ``start`` on, each about ``piece_bytes`` of source; at least one, so even an
     empty file ends (staging records a file as done when its last piece is in)."""
-    if url.endswith(".arrow"):  # a stream cannot be entered mid-way: read here, a record batch at a time
+    reader = reader_for(url)
+    if not reader.splittable:  # a stream cannot be entered mid-way: read here, a record batch at a time
         got = False
         for batch in read_batches(url, start, piece_bytes):
             got = True
@@ -236,39 +128,7 @@ def pieces(url: str, size: int, start: Position, piece_bytes: int) -> Iterator[S
         if not got:
             yield SourceBatch(url, [], start)
         return
-    bounds = _row_bounds(url, start.offset, piece_bytes) if position_unit(url) == "row" else None
-    if bounds is None:
-        bounds = list(range(start.offset, size, piece_bytes))[1:] if size > start.offset else []
+    bounds = reader.bounds(url, start.offset, size, piece_bytes)
     edges = [start.offset, *bounds]
     for a, b in zip(edges, [*bounds, None], strict=True):
         yield SourceRange(url, a, b)
-
-
-def _row_bounds(url: str, start: int, piece_bytes: int) -> list[int]:
-    """Row numbers after ``start`` where pieces of a Parquet file begin: small row groups together, big ones cut,
-    about ``piece_bytes`` (uncompressed) each, from the file's footer alone."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    fs, path = fs_and_path(url)
-    try:
-        with fs.open(path, "rb") as f:
-            md = pq.ParquetFile(f).metadata
-    except OSError as e:
-        raise SourceUnreadable(f"{url}: cannot read: {e}") from e
-    except (pa.ArrowException, ValueError) as e:
-        raise StagingError(f"{url}: not a readable Parquet file: {e}") from e
-    cuts, row, held = [], 0, 0
-    for g in range(md.num_row_groups):
-        rg = md.row_group(g)
-        per_row = rg.total_byte_size / max(rg.num_rows, 1)
-        r = 0
-        while r < rg.num_rows:
-            take = min(rg.num_rows - r, max(1, int((piece_bytes - held) / per_row)) if per_row else rg.num_rows)
-            r += take
-            held += take * per_row
-            if held >= piece_bytes:
-                cuts.append(row + r)
-                held = 0
-        row += rg.num_rows
-    return [c for c in cuts if start < c < row]

@@ -146,3 +146,21 @@ def test_no_file_or_function_is_too_long_to_read() -> None:
                 if lines > MAX_FUNCTION_LINES:
                     long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert long_files == [] and long_functions == [], "\n".join(long_files + long_functions)
+
+
+def test_only_the_formats_package_tells_a_source_file_format_by_its_name() -> None:
+    """A new source file format is a module of ray_jobs/data/formats/ and one line in its READERS: nothing else in
+    the product tells a format by a file's suffix (``url.endswith(".parquet")``) -- it asks ``reader_for(url)``."""
+    from ray_jobs.data.formats import READERS
+
+    suffixes = {s for r in READERS for s in r.suffixes}
+    found = []
+    for module, path in _modules().items():
+        if module.startswith("ray_jobs.data.formats"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "endswith":
+                consts = {c.value for a in node.args for c in ast.walk(a) if isinstance(c, ast.Constant)}
+                if consts & suffixes:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
