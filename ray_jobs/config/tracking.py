@@ -57,11 +57,13 @@ class TrackingConfig(Section):
     wandb: WandbConfig | None = None
     """A Weights & Biases run per run, offline by default (``true`` for the defaults)."""
 
-    @field_validator("tensorboard", "mlflow", "wandb", mode="before")
+    @field_validator("*", mode="before")
     @classmethod
     def _switch(cls, v: Any) -> Any:
         return _on(v)
 
     @property
     def enabled(self) -> list[str]:
-        return [name for name in ("tensorboard", "mlflow", "wandb") if getattr(self, name) is not None]
+        """The trackers switched on, by their section's name (ray_jobs.train.tracking.TRACKERS maps each to its
+        tracker)."""
+        return [name for name in type(self).model_fields if getattr(self, name) is not None]

@@ -164,22 +164,23 @@ def sample(name: str, **labels: str) -> float:
 
 def test_check_run_counts_the_incidents_it_records_and_the_restart_it_performs(tmp_path: Path, monkeypatch) -> None:
     import control.watchdog as wd
-    from control.watchdog.decide import Outcome, Restart
+    from control.watchdog.decide import Outcome, Resubmit
     from tests.unit.test_decide import CFG, FAILED, NOW, Observations, record
 
     reg = record(config=CFG.model_dump(mode="json"), name="counted")
     monkeypatch.setattr(wd.registry, "load", lambda storage, run: reg)
     monkeypatch.setattr(wd, "observe", lambda reg, cfg, now: Observations(now, FAILED, metrics_step=80))
+    monkeypatch.setattr(wd, "look", lambda cfg, reg, now: Observations(now, FAILED))  # the re-check: still failed
     carried = []
     monkeypatch.setattr(wd, "carry_out", lambda d, cfg, lease: carried.append(d) or Outcome(
-        "counted", "restarted" if any(isinstance(a, Restart) for a in d.actions) else d.outcome.action))  # fmt: skip
+        "counted", "restarted" if any(isinstance(a, Resubmit) for a in d.actions) else d.outcome.action))  # fmt: skip
     before = sample("unbroken_watchdog_incidents_total", run="counted", kind="job-failed")
     restarts = sample("unbroken_watchdog_restarts_total", run="counted")
 
     assert wd.check_run(str(tmp_path), "counted", now=NOW).action == "waiting"  # the backoff first
     assert sample("unbroken_watchdog_incidents_total", run="counted", kind="job-failed") == before + 1
     assert sample("unbroken_watchdog_restarts_total", run="counted") == restarts
-    reg = carried[-1].record  # the next pass finds the incident open: no new one, a restart
+    reg = carried[-1].record  # the next pass finds the incident open: no new one, a restart (re-checked first)
     assert wd.check_run(str(tmp_path), "counted", now=NOW + 3600).action == "restarted"
     assert sample("unbroken_watchdog_incidents_total", run="counted", kind="job-failed") == before + 1
     assert sample("unbroken_watchdog_restarts_total", run="counted") == restarts + 1

@@ -313,3 +313,21 @@ def test_an_mlflow_store_killed_while_it_is_made_is_made_again_whole(tmp_path) -
     assert [m.step for m in mc.get_metric_history(found.info.run_id, "train/loss")] == [1, 2, 3]
     whole_store(uri)  # there already: kept as it is
     assert len(mc.search_runs([mc.get_experiment_by_name(SERIES).experiment_id])) == 1
+
+
+def test_every_tracking_section_names_a_tracker_module_and_nothing_else_names_them() -> None:
+    """A tracker is one module (``ray_jobs/train/tracking/<name>.py`` with its ``TRACKER``) and its config section:
+    ``open_trackers`` and ``end_runs`` find it by the section's name, and no other product file names it."""
+    import importlib
+    import re
+
+    from ray_jobs.config.tracking import TrackingConfig
+
+    names = list(TrackingConfig.model_fields)
+    for name in names:
+        assert isinstance(importlib.import_module(f"ray_jobs.train.tracking.{name}").TRACKER, type), name
+    pattern = re.compile(rf"[\"'.]({'|'.join(names)})\b")
+    found = []
+    for path in (ROOT / "ray_jobs" / "train" / "tracking" / "__init__.py", *(ROOT / "control").rglob("*.py")):
+        found += [f"{path.name}: {m.group(0)}" for m in pattern.finditer(path.read_text())]
+    assert not found, found

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
+from types import ModuleType
 from typing import Any
 
 from ray_jobs.secrets import mask_tree
@@ -20,25 +22,21 @@ def open_trackers(cfg, attempt: int, dataset_id: str, resumed_step: int | None, 
     """The trackers ``cfg.tracking`` names, and Prometheus gauges whenever this process is a Ray worker (``model``,
     ``seq_len`` and ``world_size`` give them an MFU on a GPU), each opening its run on its own thread (None when
     none is on)."""
-    made: list[Tracker] = []
-    if cfg.tracking.tensorboard is not None:
-        from ray_jobs.train.tracking.tensorboard import TensorBoardTracker
-
-        made.append(TensorBoardTracker(cfg.tracking.tensorboard))
-    if cfg.tracking.mlflow is not None:
-        from ray_jobs.train.tracking.mlflow import MLflowTracker
-
-        made.append(MLflowTracker(cfg.tracking.mlflow))
-    if cfg.tracking.wandb is not None:
-        from ray_jobs.train.tracking.wandb import WandbTracker
-
-        made.append(WandbTracker(cfg.tracking.wandb))
+    made: list[Tracker] = [_module(name).TRACKER(getattr(cfg.tracking, name)) for name in cfg.tracking.enabled]
     from ray_jobs.train.tracking.prometheus import live_tracker
 
     made += live_tracker(cfg, model, seq_len, world_size)
     if not made:
         return None
     return Trackers(made, run_info(cfg, attempt, dataset_id, resumed_step, parent))
+
+
+def _module(name: str) -> ModuleType:
+    """The module of the tracker a ``tracking.<name>`` section switches on: ``ray_jobs/train/tracking/<name>.py``,
+    its ``TRACKER`` class and, where its runs can be left open, ``end_run``. A new tracker is that module and its
+    section in ``ray_jobs/config/tracking.py``; nothing else names it. Imported only when switched on: each module
+    loads its library only when there is work."""
+    return importlib.import_module(f"ray_jobs.train.tracking.{name}")
 
 
 def run_info(cfg, attempt: int = 0, dataset_id: str = "", resumed_step: int | None = None,
@@ -55,14 +53,13 @@ def end_runs(cfg, status: str) -> list[str]:
     cancelled: its rank 0 never closed them) as ``status`` (``FAILED``, ``KILLED``); the names of the trackers whose
     run it ended. Never raises: a tracker that cannot be reached is logged and left. TensorBoard has no run state;
     an MLflow run still RUNNING is terminated; an offline W&B run gets a closing folder (see ``wandb.end_run``)."""
-    from ray_jobs.train.tracking import mlflow, wandb  # these modules only: the libraries load when there is work
-
     info = run_info(cfg)
     ended = []
-    for name, end_run in (("mlflow", mlflow.end_run), ("wandb", wandb.end_run)):
-        section = getattr(cfg.tracking, name)
-        if section is None:
+    for name in cfg.tracking.enabled:
+        end_run = getattr(_module(name), "end_run", None)  # a tracker without run state (TensorBoard) has none
+        if end_run is None:
             continue
+        section = getattr(cfg.tracking, name)
         try:
             if end_run(section, info, status):
                 ended.append(name)

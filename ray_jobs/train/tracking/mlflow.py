@@ -240,3 +240,6 @@ def end_run(cfg: MLflowConfig, info: RunInfo, status: str) -> bool:
         return False
     mc.set_terminated(run.info.run_id, status)
     return True
+
+
+TRACKER = MLflowTracker  # what tracking.mlflow switches on (ray_jobs/train/tracking/__init__.py)

@@ -74,3 +74,6 @@ class TensorBoardTracker:
         for name in os.listdir(self.folder):
             fs.put_file(os.path.join(self.folder, name), f"{path.rstrip('/')}/{name}")
         self.synced_at = time.monotonic()
+
+
+TRACKER = TensorBoardTracker  # what tracking.tensorboard switches on (ray_jobs/train/tracking/__init__.py)

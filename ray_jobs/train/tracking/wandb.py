@@ -226,3 +226,6 @@ def end_run(cfg: WandbConfig, info: RunInfo, status: str) -> bool:
     run.finish(exit_code=0 if status == "FINISHED" else 1)
     _wait_written()  # and no W&B service left in this process, nor its address in the environment children inherit
     return True
+
+
+TRACKER = WandbTracker  # what tracking.wandb switches on (ray_jobs/train/tracking/__init__.py)
