@@ -137,6 +137,21 @@ def baseline_metrics(uninterrupted: tuple[str, Path]) -> dict[str, dict[int, flo
     return logged(uninterrupted[1].parent / "storage", "baseline")
 
 
+def first_checkpoint(handle: ClusterHandle, cfg: Config, sid: str, timeout_s: float = 600) -> tuple[str, dict]:
+    """The run's first valid checkpoint (its manifest written: ``(url, manifest)``), waited for as long as its job runs: a machine the
+    other lane loads takes minutes to start a job (its driver, Ray Train's controller and every worker importing torch
+    and transformers: an FSDP job beside its own torchrun baseline once took 115 s to its first step). A job that
+    ends before it wrote one fails here, with its log."""
+    from ray_jobs import checkpoint as ckpt
+
+    ckpts, client = Layout(cfg.storage).checkpoints_dir(cfg.name), jobs_client(handle.address)
+    found = wait_for("the first checkpoint, or the job's end",
+                     lambda: ckpt.find_latest_valid(ckpts) or client.get_job_status(sid).is_terminal(),
+                     timeout_s=timeout_s, every_s=0.5)  # fmt: skip
+    assert isinstance(found, tuple), f"the job ended before its first checkpoint:\n{job_logs(handle, sid)[-5000:]}"
+    return found
+
+
 def job_logs(handle: ClusterHandle, sid: str) -> str:
     return jobs_client(handle.address).get_job_logs(sid)
 

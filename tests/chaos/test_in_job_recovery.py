@@ -22,6 +22,7 @@ from tests.chaos.harness import (
     baseline_metrics,
     chaos_config,
     final_weights_hash,
+    first_checkpoint,
     heartbeat,
     heartbeat_step,
     job_logs,
@@ -49,7 +50,7 @@ def test_kill_9_after_the_first_checkpoint_then_sigterm_mid_interval_ends_bit_id
     cfg = chaos_config(tmp_path / "storage", "kill9", **TRACKING)
     ckpts = Layout(cfg.storage).checkpoints_dir(cfg.name)
     sid = start_training(ray_cluster, cfg)
-    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(ckpts))  # its manifest written
+    first_checkpoint(ray_cluster, cfg, sid)
     victim = rank0_pid(cfg)
     at_kill, killed_at = heartbeat_step(cfg), time.time()
     kill(victim, signal.SIGKILL)
@@ -105,7 +106,7 @@ def test_fsdp_run_killed_mid_run_ends_bit_identical_and_exports(ray_cluster, tmp
     straight = start_uninterrupted(tmp_path / "a", **fsdp)
     cfg = chaos_config(tmp_path / "b", "fsdp-kill9", **fsdp)
     sid = start_training(ray_cluster, cfg)
-    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name)))
+    first_checkpoint(ray_cluster, cfg, sid)
     kill(rank0_pid(cfg), signal.SIGKILL)
     assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
     assert "resumed from" in job_logs(ray_cluster, sid)
