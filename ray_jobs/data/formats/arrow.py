@@ -5,23 +5,11 @@ their own."""
 from __future__ import annotations
 
 import io
-from collections.abc import Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import IO, Any
 
-from ray_jobs.data.formats.base import Position, SourceBatch, SourceFile, SourceUnreadable, StagingError, Unit
-from ray_jobs.data.formats.parquet import row_batches
+from ray_jobs.data.formats.base import Position, SourceBatch, SourceFile, SourceUnreadable, Unit, readable, row_batches
 from ray_jobs.storage import fs_and_path
-
-
-@contextmanager
-def readable(url: str) -> Generator[None]:
-    import pyarrow as pa
-
-    try:
-        yield
-    except (pa.ArrowException, ValueError) as e:  # pyarrow raises several types for a damaged file
-        raise StagingError(f"{url}: not a readable Arrow file: {e}") from e
 
 
 class ArrowStream:
@@ -35,7 +23,7 @@ class ArrowStream:
                 max_chars: int | None) -> Iterator[SourceBatch]:  # fmt: skip
         import pyarrow as pa
 
-        with readable(url):
+        with readable(url, "Arrow"):
             yield from row_batches(url, pa.ipc.open_stream(f), start)
 
     def read_range(self, url: str, f: IO[bytes], start: int, stop: int | None,
@@ -48,7 +36,7 @@ class ArrowStream:
     def rows(self, src: SourceFile) -> list[dict[str, Any]]:
         import pyarrow as pa
 
-        with readable(src.url):
+        with readable(src.url, "Arrow"):
             return pa.ipc.open_stream(io.BytesIO(src.data)).read_all().to_pylist()
 
     def columns(self, url: str) -> list[str] | None:
@@ -56,7 +44,7 @@ class ArrowStream:
 
         fs, path = fs_and_path(url)
         try:
-            with fs.open(path, "rb") as f, readable(url):
+            with fs.open(path, "rb") as f, readable(url, "Arrow"):
                 return list(pa.ipc.open_stream(f).schema.names)
         except OSError as e:
             raise SourceUnreadable(f"{url}: cannot read: {e}") from e

@@ -6,7 +6,8 @@ in ``ray_jobs.data.formats.READERS``."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
 
@@ -25,6 +26,18 @@ class SourceUnreadable(StagingError):
     """A source the store did not serve (a transient failure, maybe): not the data's fault."""
 
     users_fault = False
+
+
+@contextmanager
+def readable(url: str, kind: str) -> Generator[None]:
+    """pyarrow's errors for a damaged ``kind`` file (Parquet, Arrow) as one StagingError naming it: pyarrow raises
+    several types."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, ValueError) as e:
+        raise StagingError(f"{url}: not a readable {kind} file: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -101,3 +114,15 @@ class SourceReader(Protocol):
     def row_count(self, url: str) -> int | None:
         """How many rows it holds, from metadata alone (progress), or None when it cannot say so cheaply."""
         ...
+
+
+def row_batches(url: str, batches: Any, start: Position) -> Iterator[SourceBatch]:
+    """Rows of pyarrow record ``batches`` from row ``start.offset`` on, numbered from 1 (Parquet and Arrow alike)."""
+    row = 0
+    for batch in batches:
+        rows = batch.to_pylist()
+        skip = max(0, min(len(rows), start.offset - row))
+        row += len(rows)
+        if skip < len(rows):
+            items = list(enumerate(rows[skip:], start=row - len(rows) + skip + 1))
+            yield SourceBatch(url, items, Position(row, row + 1))

@@ -4,23 +4,11 @@ cut), decoding only the row groups a range lies in."""
 from __future__ import annotations
 
 import io
-from collections.abc import Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import IO, Any
 
-from ray_jobs.data.formats.base import Position, SourceBatch, SourceFile, SourceUnreadable, StagingError, Unit
+from ray_jobs.data.formats.base import Position, SourceBatch, SourceFile, SourceUnreadable, Unit, readable, row_batches
 from ray_jobs.storage import fs_and_path
-
-
-@contextmanager
-def readable(url: str) -> Generator[None]:
-    """pyarrow's errors for a damaged file as one StagingError naming it (pyarrow raises several types)."""
-    import pyarrow as pa
-
-    try:
-        yield
-    except (pa.ArrowException, ValueError) as e:
-        raise StagingError(f"{url}: not a readable Parquet file: {e}") from e
 
 
 class Parquet:
@@ -34,7 +22,7 @@ class Parquet:
                 max_chars: int | None) -> Iterator[SourceBatch]:  # fmt: skip
         import pyarrow.parquet as pq
 
-        with readable(url):
+        with readable(url, "Parquet"):
             yield from row_batches(url, pq.ParquetFile(f).iter_batches(batch_size=8192), start)
 
     def read_range(self, url: str, f: IO[bytes], start: int, stop: int | None,
@@ -42,7 +30,7 @@ class Parquet:
         """Rows [start, stop), decoding only the row groups they lie in."""
         import pyarrow.parquet as pq
 
-        with readable(url):
+        with readable(url, "Parquet"):
             pf = pq.ParquetFile(f)
             total = pf.metadata.num_rows
             stop = total if stop is None else min(stop, total)
@@ -84,7 +72,7 @@ class Parquet:
     def rows(self, src: SourceFile) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
-        with readable(src.url):
+        with readable(src.url, "Parquet"):
             return pq.read_table(io.BytesIO(src.data)).to_pylist()
 
     def columns(self, url: str) -> list[str] | None:
@@ -92,7 +80,7 @@ class Parquet:
 
         fs, path = fs_and_path(url)
         try:
-            with fs.open(path, "rb") as f, readable(url):
+            with fs.open(path, "rb") as f, readable(url, "Parquet"):
                 return list(pq.ParquetFile(f).schema_arrow.names)
         except OSError as e:
             raise SourceUnreadable(f"{url}: cannot read: {e}") from e
@@ -109,22 +97,10 @@ def _footer(url: str) -> Any:
 
     fs, path = fs_and_path(url)
     try:
-        with fs.open(path, "rb") as f, readable(url):
+        with fs.open(path, "rb") as f, readable(url, "Parquet"):
             return pq.ParquetFile(f).metadata
     except OSError as e:
         raise SourceUnreadable(f"{url}: cannot read: {e}") from e
-
-
-def row_batches(url: str, batches: Any, start: Position) -> Iterator[SourceBatch]:
-    """Rows of pyarrow record ``batches`` from row ``start.offset`` on, numbered from 1 (Parquet and Arrow alike)."""
-    row = 0
-    for batch in batches:
-        rows = batch.to_pylist()
-        skip = max(0, min(len(rows), start.offset - row))
-        row += len(rows)
-        if skip < len(rows):
-            items = list(enumerate(rows[skip:], start=row - len(rows) + skip + 1))
-            yield SourceBatch(url, items, Position(row, row + 1))
 
 
 READER = Parquet()
