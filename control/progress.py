@@ -13,9 +13,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
 from ray_jobs.config import Config
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.progress import Reporter, _duration, every_s
 from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import MetricsTail
@@ -27,15 +28,14 @@ TRAIN_EVERY_S = 30.0  # between two progress lines where no terminal shows a bar
 class Stint:
     """One training process's time as the heartbeat's writer: who (pid), from which step, in which phase."""
 
-    pid: Any
+    pid: int | None
     started_step: int
     step: int
     phase: str
 
     @classmethod
-    def of(cls, beat: dict[str, Any]) -> Stint:
-        return cls(beat.get("pid"), int(beat.get("started_step") or 0), int(beat.get("step") or 0),
-                   str(beat.get("phase") or ""))  # fmt: skip
+    def of(cls, beat: Beat) -> Stint:
+        return cls(beat.pid, beat.started_step, beat.step, beat.phase or "")
 
 
 def restart_line(before: Stint | None, now: Stint) -> str | None:
@@ -64,7 +64,7 @@ class TrainingProgress:
         self.stint: Stint | None = None
         self.reporter: Reporter | None = None
 
-    def poll(self, beat: dict[str, Any] | None) -> tuple[int, int]:
+    def poll(self, beat: Beat | None) -> tuple[int, int]:
         rows = self.metrics.poll()
         step = int(rows[-1]["step"]) if rows else 0
         if beat is not None and (stint := Stint.of(beat)).phase in ("training", "restarting"):

@@ -18,9 +18,10 @@ from control.logs import run_logger
 from control.progress import TrainingProgress
 from control.watchdog.observe import live_heartbeat
 from ray_jobs.config import Config
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.search.trials import DONE
 from ray_jobs.secrets import job_env
-from ray_jobs.storage import Layout, read_json
+from ray_jobs.storage import Layout
 
 SEARCH_POLL_S = 5.0  # how often the watch of a search reads its trials
 
@@ -69,14 +70,14 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
     return status
 
 
-def _beat(cfg: Config, attempt: int) -> dict | None:
+def _beat(cfg: Config, attempt: int) -> Beat | None:
     """The attempt's heartbeat as its job last wrote it (None: none yet, or another attempt's); no age: the progress
     needs none, and an object store's clock costs a probe write."""
     try:
-        beat = read_json(Layout(cfg.storage).heartbeat(cfg.name))
-    except (FileNotFoundError, ValueError):
+        beat = Beat.read(Layout(cfg.storage).heartbeat(cfg.name))
+    except ValueError:  # torn, or not one this release reads (RecordError): no progress shown from it
         return None
-    return beat if isinstance(beat, dict) and beat.get("attempt") == attempt else None
+    return beat if beat is not None and beat.attempt == attempt else None
 
 
 def _steps_of(cfg: Config) -> Callable[[], tuple[int, int]]:

@@ -7,8 +7,10 @@ import time
 
 from control.records.run import Attempt, Incident, RunRecord
 from control.registry import _pick, load
+from ray_jobs.contracts.base import RecordError
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.errors import RunNotFound
-from ray_jobs.storage import Layout, read_json
+from ray_jobs.storage import Layout
 
 
 def _when(ts: float | None) -> str:
@@ -90,10 +92,10 @@ def _incident_line(i: Incident) -> str:
 
 def _heartbeat_line(storage: str, run: str) -> str:
     try:
-        beat = read_json(Layout(storage).heartbeat(run))
-    except FileNotFoundError:
+        beat = Beat.read(Layout(storage).heartbeat(run))
+    except RecordError as e:  # torn, hand-edited or a newer release's: said, and the rest of the status still shown
+        return f"heartbeat: unreadable ({e})"
+    if beat is None:
         return "heartbeat: none yet"
-    age = time.time() - beat["last_step_at"]
-    return (
-        f"heartbeat: step {beat['step']}/{beat['max_steps']}, last step {age:.0f}s ago, {beat['tokens_per_s']} tokens/s"
-    )
+    age = time.time() - beat.last_step_at
+    return f"heartbeat: step {beat.step}/{beat.max_steps}, last step {age:.0f}s ago, {beat.tokens_per_s} tokens/s"

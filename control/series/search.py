@@ -21,8 +21,9 @@ from control.series import promotion
 from control.series.lineage import mutate
 from control.series.retention import trim_checkpoints
 from ray_jobs.config import Config
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.search.trials import Trial, trial_states, trials
-from ray_jobs.storage import Layout, exists, read_json
+from ray_jobs.storage import Layout, exists
 
 # A trial's state in trials.json -> its run record's state
 RUN_STATE = {"pending": "submitted", "running": "running", "completed": "succeeded", "stopped-early": "stopped-early",
@@ -83,8 +84,9 @@ def lost_steps(storage: str, search: str) -> int:
     for name, t in trial_states(storage, search).items():
         if t["state"] != "running":
             continue
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            step = read_json(Layout(storage).heartbeat(name)).get("step", 0)
+        with contextlib.suppress(ValueError):  # torn, or a newer release's (RecordError): nothing counted from it
+            beat = Beat.read(Layout(storage).heartbeat(name))
+            step = beat.step if beat else 0
             found = ckpt.find_latest_valid(Layout(storage).checkpoints_dir(name))
             lost += max(0, step - (ckpt.checkpoint_step(found[0]) if found else 0))
     return lost

@@ -22,6 +22,7 @@ from control.watchdog.policy import backoff_s, budget_used, give_up_reason
 from control.watchdog.verdict import Verdict, classify, heartbeat_age
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
+from ray_jobs.contracts.heartbeat import Beat
 
 CONFIRM_OBSERVATIONS = 2  # looks an ambiguous sign must be seen in (besides holding for confirm_s)
 CLOSE_GRACE_S = 120.0  # a succeeded run's flow closes it within this; after it, the watchdog does
@@ -164,7 +165,7 @@ def confirm(reg: RunRecord, verdict: Verdict, cfg: Config, now: float) -> str:
         return "healthy"
     if verdict.definitive:
         return "trouble"
-    attempt, beat_time = reg.current.attempt, (verdict.heartbeat or {}).get("time")
+    attempt, beat_time = reg.current.attempt, (verdict.heartbeat.time if verdict.heartbeat else None)
     s = reg.suspect
     if s is None or s.kind != verdict.kind or s.attempt != attempt or s.beat_time != beat_time:
         s = reg.suspect = Suspect(kind=verdict.kind, attempt=attempt, first_at=now, observations=0)
@@ -206,7 +207,7 @@ def healthy(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) ->
         changed |= reg.mark_running(reg.current.attempt)
         noted, findings, more = note_health(reg, cfg, obs)
         changed, actions = changed | noted, actions + more
-    step = verdict.heartbeat["step"] if verdict.heartbeat else "-"
+    step = verdict.heartbeat.step if verdict.heartbeat else "-"
     status = verdict.status or ("Jobs API silent" if verdict.kind == "api-unreachable" else "")
     detail = f"{status}, step {step}, phase {verdict.phase or '-'}" + "".join(f"; {f}" for f in findings)
     return Decision(reg, actions + ([Save()] if changed else []), Outcome(reg.name, "ok", detail))
@@ -234,22 +235,23 @@ def note_api(reg: RunRecord, verdict: Verdict, now: float) -> tuple[bool, list[A
     return True, [Log("warning", message)]
 
 
-def note_heals(reg: RunRecord, beat: dict[str, Any] | None) -> tuple[bool, list[Any]]:
+def note_heals(reg: RunRecord, beat: Beat | None) -> tuple[bool, list[Any]]:
     """Live recovery replaced a lost replica inside the job (its heartbeat counts this attempt's heals): one
     ``replica-replaced`` incident each, observed -- training never stopped, nothing is for the watchdog to do."""
     attempt = reg.current.attempt
-    if not beat or beat.get("attempt") != attempt or not beat.get("heals"):
+    if not beat or beat.attempt != attempt or not beat.heals:
         return False, []
     seen = sum(1 for i in reg.incidents if i.kind == "replica-replaced" and i.attempt == attempt)
-    heal = beat.get("last_heal") or {}
-    detail = (f"replica {heal.get('rank')} replaced at step {heal.get('step')}: healed from a live peer in "
-              f"{heal.get('heal_s')}s, {heal.get('lost_steps', 0)} steps lost, training never stopped")  # fmt: skip
-    for _ in range(int(beat["heals"]) - seen):  # a pass sees the last heal; earlier ones since the last pass, counted
+    heal = beat.last_heal
+    detail = (f"replica {heal.rank if heal else None} replaced at step {heal.step if heal else None}: healed from a "
+              f"live peer in {heal.heal_s if heal else None}s, {heal.lost_steps if heal else 0} steps lost, training "
+              "never stopped")  # fmt: skip
+    for _ in range(beat.heals - seen):  # a pass sees the last heal; earlier ones since the last pass, counted
         reg.incidents.append(Incident(kind="replica-replaced", detected_by="live recovery (in job)",
-                                      detected_at=heal.get("at", beat.get("time", 0.0)), attempt=attempt,
-                                      action="observed", failed_step=heal.get("step"), held_s=heal.get("heal_s"),
+                                      detected_at=heal.at if heal else beat.time, attempt=attempt, action="observed",
+                                      failed_step=heal.step if heal else None, held_s=heal.heal_s if heal else None,
                                       detail=detail))  # fmt: skip
-    if int(beat["heals"]) <= seen:
+    if beat.heals <= seen:
         return False, []
     return True, [Log("info", f"run {reg.name}: {detail}")]
 
@@ -289,18 +291,19 @@ def _release(cfg: Config) -> list[Any]:
     return [] if cfg.cluster.keep_running else [ReleaseCluster()]
 
 
-def note_progress(reg: RunRecord, beat: dict[str, Any] | None) -> bool:
+def note_progress(reg: RunRecord, beat: Beat | None) -> bool:
     """Complete the last restart's incident once its attempt has trained a step: the time to recover.
     True when the record changed."""
-    if not beat or not beat.get("first_step_at"):
+    if not beat or not beat.first_step_at:
         return False
     for inc in reversed(reg.incidents):
-        if inc.action == "restarted" and inc.new_attempt == beat.get("attempt"):
+        if inc.action == "restarted" and inc.new_attempt == beat.attempt:
             if inc.first_new_step_at is not None:
                 return False
-            first = beat["first_step_at"]
-            inc.set(first_new_step_at=first, time_to_recover_s=round(first - inc.detected_at, 3),
-                    downtime_s=round(first - inc.last_progress_at, 3))  # fmt: skip
+            first, since = beat.first_step_at, inc.last_progress_at
+            inc.set(first_new_step_at=first, time_to_recover_s=round(first - inc.detected_at, 3))
+            if since is not None:  # (an incident recorded by an older release may lack it: no downtime, no crash)
+                inc.downtime_s = round(first - since, 3)
             return True
     return False
 
@@ -340,18 +343,18 @@ def note_health(reg: RunRecord, cfg: Config, obs: Observations) -> tuple[bool, l
 def new_incident(cfg: Config, reg: RunRecord, verdict: Verdict, obs: Observations, by: str = "watchdog") -> Incident:
     """An incident record for trouble with the current attempt: what, when, and how far the attempt had got."""
     attempt, beat = reg.current, verdict.heartbeat
-    started_step = beat.get("started_step", resumed_step(attempt.resume_from)) if beat else None
-    started_step = resumed_step(attempt.resume_from) if started_step is None else started_step
-    failed_step = max(beat["step"] if beat else started_step, obs.metrics_step)
-    last_progress = beat["last_step_at"] if beat else attempt.started_at
+    said = beat is not None and "started_step" in beat.model_fields_set  # (a heartbeat that does not say: resumed)
+    started_step = beat.started_step if beat and said else resumed_step(attempt.resume_from)
+    failed_step = max(beat.step if beat else started_step, obs.metrics_step)
+    last_progress = beat.last_step_at if beat else attempt.started_at
     age = heartbeat_age(beat, obs.now, obs.beat_age_s)
-    silent = obs.now - last_progress if beat is None else beat.get("time", last_progress) - last_progress + age
+    silent = obs.now - last_progress if beat is None or age is None else beat.time - last_progress + age
     incident = Incident(kind=verdict.kind, detected_by=by, detected_at=obs.now, attempt=attempt.attempt,
                         failed_step=failed_step, progress_steps=max(0, failed_step - started_step),
                         phase=verdict.phase or None, last_progress_at=last_progress, silent_s=round(silent, 3),
                         detail=first_line(verdict.detail), error=verdict.error)  # fmt: skip
-    if beat and beat.get("time") is not None:
-        incident.beat_time = beat["time"]
+    if beat:
+        incident.beat_time = beat.time
     return incident
 
 

@@ -17,8 +17,9 @@ from control.series.search import final_model
 from control.watchdog.verdict import classify, fresh_s
 from ray_jobs.config import Config
 from ray_jobs.contracts.failure import JobFailure
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.coordination import modified_at, storage_now
-from ray_jobs.storage import Layout, read_json
+from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import MetricsTail
 
 
@@ -28,7 +29,7 @@ class Observations:
 
     now: float
     job: jobsapi.JobView | None = None
-    heartbeat: dict[str, Any] | None = None
+    heartbeat: Beat | None = None
     error: JobFailure | None = None  # the root cause a FAILED/STOPPED job printed
     metrics_step: int = 0  # newest step in the metrics log (read only when the attempt is in trouble)
     health: Health | None = None  # the cluster's nodes (read only while the job runs)
@@ -38,22 +39,23 @@ class Observations:
     job_gone: bool | None = None  # the backend's evidence that no process of the job is left (asked when the API fails)
 
 
-def current_heartbeat(storage: str, run: str, attempt: int) -> dict[str, Any] | None:
+def current_heartbeat(storage: str, run: str, attempt: int) -> Beat | None:
     """The heartbeat file if the given attempt wrote it (an older attempt's says nothing about this one)."""
     return heartbeat_seen(storage, run, attempt)[0]
 
 
-def heartbeat_seen(storage: str, run: str, attempt: int) -> tuple[dict[str, Any] | None, float | None]:
+def heartbeat_seen(storage: str, run: str, attempt: int) -> tuple[Beat | None, float | None]:
     """(the given attempt's heartbeat, its age in seconds by the storage's clock), or (None, None) when the attempt
-    wrote none (or it cannot be read as one). The age compares the storage's stamp on the file with the storage's
+    wrote none (or it cannot be read as one: torn, hand-edited, or a newer release's, RecordError -- never judged
+    by a guess at its fields). The age compares the storage's stamp on the file with the storage's
     now: the watchdog's clock is never set against the cluster's."""
     url = Layout(storage).heartbeat(run)
     try:
         stamped = modified_at(url)
-        beat = read_json(url)
-    except (FileNotFoundError, ValueError):
+        beat = Beat.read(url)
+    except (FileNotFoundError, ValueError):  # RecordError is a ValueError
         return None, None
-    if not isinstance(beat, dict) or beat.get("attempt") != attempt:
+    if beat is None or beat.attempt != attempt:
         return None, None
     return beat, max(0.0, storage_now(Layout(storage).active_index()) - stamped)
 
@@ -64,7 +66,7 @@ def live_heartbeat(cfg: Config, attempt: int) -> str | None:
     beat, age = heartbeat_seen(cfg.storage, cfg.name, attempt)
     if beat is None or age is None or age > fresh_s(cfg):  # age is None exactly when beat is
         return None
-    return f"its heartbeat is fresh (step {beat.get('step')}, written {age:.0f}s ago)"
+    return f"its heartbeat is fresh (step {beat.step}, written {age:.0f}s ago)"
 
 
 def job_failure(address: str, sid: str) -> JobFailure | None:

@@ -10,7 +10,6 @@ counted against the budget and backed off, so a cluster gone for good ends in a 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from control import lease as leases
 from control import registry, series
@@ -27,6 +26,7 @@ from control.watchdog.observe import heartbeat_seen, recorded_handle
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.contracts.base import RecordError
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.poll import poll_until
 from ray_jobs.storage import Layout
 
@@ -97,7 +97,7 @@ def failed_restart(cfg: Config, reg: RunRecord, incident: Incident, e: Exception
     return Outcome(cfg.name, "restart-failed", why, incident)
 
 
-def still_beating(cfg: Config, reg: RunRecord) -> dict[str, Any] | None:
+def still_beating(cfg: Config, reg: RunRecord) -> Beat | None:
     """The current attempt's heartbeat if its processes still write it -- it moves twice within a few of its beats
     (once more may be a dying writer's last word) -- though Ray, or the silence, says the job is over: a driver
     orphaned by its wrapper's death trains on, and a restart now would train twice into one folder. None once it is
@@ -106,13 +106,13 @@ def still_beating(cfg: Config, reg: RunRecord) -> dict[str, Any] | None:
     window = 3 * cfg.fault_tolerance.heartbeat_every_s + 1.0
     if first is None or age is None or age > window:  # age is None exactly when first is
         return None
-    seen = {first.get("time")}
-    last: list[dict[str, Any]] = []
+    seen = {first.time}
+    last: list[Beat] = []
 
     def moved_twice() -> bool:
         beat, _ = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)
-        if beat is not None and beat.get("time") not in seen:
-            seen.add(beat.get("time"))
+        if beat is not None and beat.time not in seen:
+            seen.add(beat.time)
             last[:] = [beat]
         return len(seen) > 2
 
@@ -140,9 +140,9 @@ def _seen_to_stop(cfg: Config, reg: RunRecord, incident: Incident) -> None:
         run_logger().warning("run %s: %s", cfg.name, done)
         if still_beating(cfg, reg) is None:
             return
-    beat = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)[0] or {}
+    beat = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)[0]
     raise StopUnverified(f"attempt {reg.current.attempt}'s processes still write its heartbeat (step "
-                         f"{beat.get('step')}) though its job is {incident.kind}: nothing new is submitted until "
+                         f"{beat.step if beat else None}) though its job is {incident.kind}: nothing new is submitted until "
                          "they stop")  # fmt: skip
 
 

@@ -14,12 +14,13 @@ own clock plus that age -- never the cluster's clock against the watchdog's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from control.jobsapi import JobView
 from control.records.run import Attempt
 from ray_jobs.config import Config
 from ray_jobs.contracts.failure import JobFailure
+from ray_jobs.contracts.heartbeat import Beat
 
 # What one look can conclude: the one list of verdict kinds, each in exactly one of the three groups below
 # (tests/unit/test_watchdog.py checks it); a new kind is one more name here and in its group, and ty checks every
@@ -43,7 +44,7 @@ class Verdict:
     kind: VerdictKind
     detail: str = ""
     error: JobFailure | None = None  # root cause the job printed
-    heartbeat: dict[str, Any] | None = None  # the current attempt's heartbeat, if it wrote one
+    heartbeat: Beat | None = None  # the current attempt's heartbeat, if it wrote one
     status: str = ""
     phase: str = ""  # the job's phase as its heartbeat reports it (``starting`` before the first one)
     silent: bool = False  # a stall seen only as a heartbeat gone quiet: to be confirmed like an ambiguous sign
@@ -64,18 +65,18 @@ def fresh_s(cfg: Config) -> float:
     return 3 * cfg.fault_tolerance.heartbeat_every_s + 2.0
 
 
-def heartbeat_age(beat: dict[str, Any] | None, now: float, beat_age_s: float | None) -> float | None:
+def heartbeat_age(beat: Beat | None, now: float, beat_age_s: float | None) -> float | None:
     """The heartbeat's age by the storage's clock; without one observed (a caller that has only the file's content),
     its own ``time`` against ``now``."""
     if beat is None:
         return None
-    return beat_age_s if beat_age_s is not None else max(0.0, now - beat.get("time", now))
+    return beat_age_s if beat_age_s is not None else max(0.0, now - beat.time)
 
 
 def classify(
     view: JobView,
     attempt: Attempt,
-    beat: dict[str, Any] | None,
+    beat: Beat | None,
     cfg: Config,
     now: float,
     address: str = "",
@@ -93,7 +94,7 @@ def classify(
     if view.status == "SUCCEEDED":
         return Verdict("succeeded", status=view.status, heartbeat=beat)
     if view.status in ("FAILED", "STOPPED"):
-        if beat is not None and beat.get("phase") == "done":  # its rank 0 exported the final model, then it ended
+        if beat is not None and beat.phase == "done":  # its rank 0 exported the final model, then it ended
             return Verdict("succeeded", f"Ray job {sid} ended {view.status} after its final model was exported",
                            status=view.status, heartbeat=beat)  # fmt: skip
         detail = f"Ray job {sid} ended {view.status}: {view.message or ''}".strip()
@@ -103,11 +104,11 @@ def classify(
     return stall_verdict(view.status, attempt, beat, cfg, now, age)
 
 
-def _unanswered(view: JobView, attempt: Attempt, beat: dict[str, Any] | None, cfg: Config, now: float, address: str,
+def _unanswered(view: JobView, attempt: Attempt, beat: Beat | None, cfg: Config, now: float, address: str,
                 age: float | None, job_gone: bool | None) -> Verdict:  # fmt: skip
     """The Jobs API cannot tell (no answer, or it does not know the job): what the other channels make of it."""
     job_gone = job_gone and attempt.status != "SUBMITTED"  # never seen yet: its processes may not be started yet
-    if (beat or {}).get("phase") == "done":  # everything it owed is on storage: its heartbeat says so
+    if beat is not None and beat.phase == "done":  # everything it owed is on storage: its heartbeat says so
         return Verdict("succeeded", f"the Jobs API cannot tell ({view.why}), but the job's heartbeat says it exported "
                        "its final model", status="SUCCEEDED", heartbeat=beat)  # fmt: skip
     if view.api == "missing" and still_submitting(attempt, cfg, now):
@@ -125,14 +126,14 @@ def _gone(job_gone: bool | None) -> str:
     return "; no process of the job is left on its host (the backend's own evidence)" if job_gone else ""
 
 
-def _api_fails(why: str, beat: dict[str, Any], age: float) -> Verdict:
+def _api_fails(why: str, beat: Beat, age: float) -> Verdict:
     """The Jobs API cannot tell, but the job's heartbeat is fresh: the job trains on; the API is what failed."""
-    return Verdict("api-unreachable", f"{why}; the job's heartbeat is fresh (step {beat.get('step')}, written "
-                   f"{age:.0f}s ago): it trains on", heartbeat=beat, phase=beat.get("phase", "training"))  # fmt: skip
+    return Verdict("api-unreachable", f"{why}; the job's heartbeat is fresh (step {beat.step}, written "
+                   f"{age:.0f}s ago): it trains on", heartbeat=beat, phase=beat.judged_phase)  # fmt: skip
 
 
 def stall_verdict(
-    status: str, attempt: Attempt, beat: dict[str, Any] | None, cfg: Config, now: float, age: float | None = None
+    status: str, attempt: Attempt, beat: Beat | None, cfg: Config, now: float, age: float | None = None
 ) -> Verdict:
     """PENDING or RUNNING: moving, or hung in its phase? Each phase has its own limit (a multi-GB export is not a
     training step). With a heartbeat, time is the job's own: how long it has been quiet is its ``time`` minus when the
@@ -141,7 +142,7 @@ def stall_verdict(
     on (the job catches its heartbeat up once storage is back)."""
     age = heartbeat_age(beat, now, age)
     phase, since, limit, field = phase_clock(attempt, beat, cfg)
-    quiet = now - since if beat is None else beat.get("time", since) - since + age
+    quiet = now - since if beat is None or age is None else beat.time - since + age  # (age is None iff beat is)
     stall_s = cfg.fault_tolerance.stall_timeout_s
     # Beats that end by design: ``restarting`` is written once by Ray Train's controller (no process beats until the
     # new group does); after ``done`` rank 0's writer has finished while the driver is still leaving (on a loaded host
@@ -149,13 +150,13 @@ def stall_verdict(
     if phase in ("restarting", "done"):
         stall_s = max(stall_s, limit)
     if beat is not None and age is not None and age > stall_s:  # frozen (SIGSTOP, a dead host), dead, or storage away
-        at = f"at step {beat['step']}"
+        at = f"at step {beat.step}"
         return Verdict("stalled", f"Ray job {attempt.submission_id} is {status} but its heartbeat was last written "
                        f"{age:.0f}s ago, {at} in phase {phase!r} (fault_tolerance.stall_timeout_s={stall_s:g})",
                        heartbeat=beat, status=status, phase=phase, silent=True)  # fmt: skip
     if quiet <= limit:
         return Verdict("running", status=status, heartbeat=beat, phase=phase)
-    at = f"at step {beat['step']}" if beat else "before its first heartbeat"
+    at = f"at step {beat.step}" if beat else "before its first heartbeat"
     what = "made no step" if phase == "training" else f"was in phase {phase!r}"
     return Verdict(
         "stalled",
@@ -167,20 +168,20 @@ def stall_verdict(
     )
 
 
-def phase_clock(attempt: Attempt, beat: dict[str, Any] | None, cfg: Config) -> tuple[str, float, float, str]:
+def phase_clock(attempt: Attempt, beat: Beat | None, cfg: Config) -> tuple[str, float, float, str]:
     """(phase, since when, limit in seconds, config field) of the attempt as its heartbeat reports it. No heartbeat
     yet: ``starting``, from the submission. ``training``: from the last step. Older heartbeats have no phase."""
     ft = cfg.fault_tolerance
     if beat is None:
         return "starting", attempt.started_at, ft.phase_stall_s.starting, "phase_stall_s.starting"
-    phase = beat.get("phase", "training")
+    phase = beat.judged_phase
     if phase == "training":
-        since = max(beat["last_step_at"], beat.get("phase_started_at") or 0.0)
+        since = max(beat.last_step_at, beat.phase_started_at or 0.0)
         return phase, since, ft.stall_timeout_s, "stall_timeout_s"
     # done: the driver still has to exit; restarting: Ray Train starts the group again, as at the job's start
     key = {"done": "exporting", "restarting": "starting"}.get(phase, phase)
     limit = getattr(ft.phase_stall_s, key, ft.stall_timeout_s)
-    return phase, beat.get("phase_started_at") or beat["last_step_at"], limit, f"phase_stall_s.{key}"
+    return phase, beat.phase_started_at or beat.last_step_at, limit, f"phase_stall_s.{key}"
 
 
 def still_submitting(attempt: Attempt, cfg: Config, now: float) -> bool:

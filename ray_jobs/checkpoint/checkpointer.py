@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from ray_jobs.checkpoint.format import Part, checkpoint_name, write_manifest
 from ray_jobs.checkpoint.writer import AsyncWriter
 from ray_jobs.config import Config
+from ray_jobs.contracts.heartbeat import Phase
 from ray_jobs.storage import join
 
 log = logging.getLogger("unbroken.train")
@@ -44,7 +45,7 @@ class Checkpointer:
     """One rank's checkpoints: ``snapshot`` makes this rank's part (host copies), ``phase`` tells the heartbeat."""
 
     def __init__(self, cfg: Config, rt: Ranks, checkpoints_dir: str, snapshot: Callable[[], Part],
-                 phase: Callable[[str], None]):  # fmt: skip
+                 phase: Callable[[Phase], None]):  # fmt: skip
         self.cfg, self.rt, self.dir = cfg, rt, checkpoints_dir
         self.snapshot, self.phase = snapshot, phase
         self.fsdp = cfg.train.parallelism == "fsdp"

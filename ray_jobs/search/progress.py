@@ -18,8 +18,9 @@ from typing import Any
 from ray.tune import Callback, Stopper
 
 from ray_jobs.config import Config
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.search.trials import Trial, read_trials
-from ray_jobs.storage import Layout, read_json, write_json_atomic
+from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.sidewrite import SideWriter
 
 
@@ -102,41 +103,41 @@ class SearchHeartbeat:
         self.writer.close(10.0)
 
     def beat(self) -> None:
-        write_json_atomic(Layout(self.cfg.storage).heartbeat(self.cfg.name), self.state(self._beats()))
+        write_json_atomic(Layout(self.cfg.storage).heartbeat(self.cfg.name), self.state(self._beats()).dump())
 
-    def _beats(self) -> list[dict[str, Any]]:
+    def _beats(self) -> list[Beat]:
         beats = []
         for url in self.urls:
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                b = read_json(url)
-                if b.get("attempt") == self.attempt:
+            with contextlib.suppress(ValueError):  # torn, or not a heartbeat (RecordError is one): not counted
+                b = Beat.read(url)
+                if b is not None and b.attempt == self.attempt:
                     beats.append(b)
         return beats
 
-    def state(self, beats: list[dict[str, Any]]) -> dict[str, Any]:
+    def state(self, beats: list[Beat]) -> Beat:
         assert self.cfg.tune is not None, "a search's heartbeat starts after its trials, which need a tune section"
-        return {
-            "run": self.cfg.name,
-            "attempt": self.attempt,
-            "time": time.time(),
-            "max_steps": self.cfg.train.max_steps * self.cfg.tune.num_trials,
-        } | combine(beats, self.started_at)
+        return combine(beats, self.started_at, Beat(schema_version=Beat.SCHEMA, run=self.cfg.name,
+                                                    attempt=self.attempt, time=time.time(), last_step_at=self.started_at,
+                                                    max_steps=self.cfg.train.max_steps * self.cfg.tune.num_trials))  # fmt: skip
 
 
-def combine(beats: list[dict[str, Any]], started_at: float) -> dict[str, Any]:
-    """One heartbeat for the search: training while any trial trains (the newest step of any), else the phase of
-    the trial that entered its phase last; ``loading`` from the search's start before any trial wrote one."""
-    steps = sum(b.get("step", 0) for b in beats)
-    firsts = [b["first_step_at"] for b in beats if b.get("first_step_at")]
-    out = {"step": steps, "started_step": sum(b.get("started_step", 0) for b in beats),
-           "first_step_at": min(firsts) if firsts else None,
-           "tokens_per_s": sum(b.get("tokens_per_s", 0.0) for b in beats if b.get("phase") == "training")}  # fmt: skip
-    training = [b for b in beats if b.get("phase") == "training"]
+def combine(beats: list[Beat], started_at: float, search: Beat) -> Beat:
+    """The search's heartbeat ``search`` (its run, attempt, time and max_steps) from its trials' ``beats``: training
+    while any trial trains (the newest step of any), else the phase of the trial that entered its phase last;
+    ``loading`` from the search's start before any trial wrote one."""
+    firsts = [b.first_step_at for b in beats if b.first_step_at]
+    search.set(step=sum(b.step for b in beats), started_step=sum(b.started_step for b in beats),
+               first_step_at=min(firsts) if firsts else None,
+               tokens_per_s=sum(b.tokens_per_s for b in beats if b.phase == "training"))  # fmt: skip
+    training = [b for b in beats if b.phase == "training"]
     if training:
-        last = max(b["last_step_at"] for b in training)
-        return out | {"phase": "training", "phase_started_at": last, "last_step_at": last}
+        last = max(b.last_step_at for b in training)
+        return search.set(phase="training", phase_started_at=last, last_step_at=last)
     if not beats:
-        return out | {"phase": "loading", "phase_started_at": started_at, "last_step_at": started_at}
-    newest = max(beats, key=lambda b: b.get("phase_started_at") or 0.0)
-    return out | {"phase": newest.get("phase", "loading"), "phase_started_at": newest.get("phase_started_at"),
-                  "last_step_at": max(b.get("last_step_at", started_at) for b in beats)}  # fmt: skip
+        return search.set(phase="loading", phase_started_at=started_at, last_step_at=started_at)
+    newest = max(beats, key=lambda b: b.phase_started_at or 0.0)
+    return search.set(
+        phase=newest.phase or "loading",
+        phase_started_at=newest.phase_started_at,
+        last_step_at=max(b.last_step_at for b in beats),
+    )

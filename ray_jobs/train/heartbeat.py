@@ -9,14 +9,9 @@ import time
 from typing import Any
 
 from ray_jobs.config import Config
-from ray_jobs.storage import Layout, read_json, write_json_atomic
+from ray_jobs.contracts.heartbeat import Beat, Phase
+from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.sidewrite import SideWriter
-
-# What a job does, in order. ``starting`` (submitted, no heartbeat yet) is what a watcher infers; the job never
-# writes it. ``training`` is judged by steps; every other phase by the time spent in it. ``preempted``: checkpointed
-# for a node's drain notice, waiting for Ray Train to restart the group. ``restarting``: a worker of the group failed
-# and Ray Train restarts the group inside the job (written by its controller: :class:`GroupRestarts`).
-PHASES = ("loading", "evaluating", "training", "checkpointing", "preempted", "restarting", "exporting", "done")
 
 
 class Heartbeat:
@@ -33,7 +28,8 @@ class Heartbeat:
         self.url, self.every_s, self.run, self.max_steps, self.attempt = url, every_s, run, max_steps, attempt
         self.trainer: Any = None  # what it reports on, once built (attach)
         self.started_at = time.time()
-        self.phase, self.phase_started_at = "loading", self.started_at
+        self.phase: Phase = "loading"
+        self.phase_started_at = self.started_at
         self.writes: Any = lambda: True  # live recovery: only the replica that leads writes (train/live_trainer.py)
         self._writer = SideWriter(self.beat, "unbroken-heartbeat", every_s=every_s)
 
@@ -44,34 +40,36 @@ class Heartbeat:
     def attach(self, trainer: Any) -> None:
         self.trainer = trainer
 
-    def enter(self, phase: str) -> None:
+    def enter(self, phase: Phase) -> None:
         """The job moves to ``phase``: the side thread writes it at once, not at the next periodic beat."""
         if phase == self.phase:
             return
         self.phase, self.phase_started_at = phase, time.time()
         self._writer.poke()
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> Beat:
         t = self.trainer
-        return {
-            "run": self.run,
-            "step": t.loop.step if t else 0,
-            "max_steps": self.max_steps,
-            "last_step_at": t.last_step_at if t else self.started_at,
-            "attempt": self.attempt,
-            "started_step": t.started_step if t else 0,
-            "first_step_at": t.first_step_at if t else None,
-            "phase": self.phase,
-            "phase_started_at": self.phase_started_at,
-            "time": time.time(),
-            "tokens_per_s": t.throughput.tokens_per_s if t else 0.0,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        } | (t.live_state() if hasattr(t, "live_state") else {})
+        return Beat(
+            schema_version=Beat.SCHEMA,
+            run=self.run,
+            step=t.loop.step if t else 0,
+            max_steps=self.max_steps,
+            last_step_at=t.last_step_at if t else self.started_at,
+            attempt=self.attempt,
+            started_step=t.started_step if t else 0,
+            first_step_at=t.first_step_at if t else None,
+            phase=self.phase,
+            phase_started_at=self.phase_started_at,
+            time=time.time(),
+            tokens_per_s=t.throughput.tokens_per_s if t else 0.0,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            **(t.live_state() if hasattr(t, "live_state") else {}),
+        )
 
     def beat(self) -> None:
         if self.writes():
-            write_json_atomic(self.url, self.state())
+            write_json_atomic(self.url, self.state().dump())
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """The last state written (bounded wait: a job ending while storage is away is not held up for long)."""
@@ -111,12 +109,12 @@ def group_restarts(cfg: Config):
 
         def after_exception(self, run_context, worker_exceptions) -> None:
             try:
-                beat = read_json(self.url)
-                if beat.get("phase") == "done":
+                beat = Beat.read(self.url)
+                if beat is None or beat.phase == "done":
                     return
                 now = time.time()
-                write_json_atomic(self.url, beat | {"phase": "restarting", "phase_started_at": now, "time": now,
-                                                    "pid": os.getpid(), "host": socket.gethostname()})  # fmt: skip
+                beat.set(phase="restarting", phase_started_at=now, time=now, pid=os.getpid(), host=socket.gethostname())
+                write_json_atomic(self.url, beat.dump())
             except Exception as e:  # noqa: BLE001 (never a reason to fail Ray Train's controller)
                 logging.getLogger("unbroken.train").warning("heartbeat: could not record the restart: %s", e)
 

@@ -23,8 +23,8 @@ from dataclasses import asdict
 from typing import Any
 
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.data.reading import Cursor, StepPlan
-from ray_jobs.storage import read_json
 from ray_jobs.train import faults, preemption, rowtrace
 from ray_jobs.train.eval import eval_loss
 from ray_jobs.train.heartbeat import start_heartbeat
@@ -355,7 +355,7 @@ def _attempt_training(cfg, attempt: int) -> bool:
     from ray_jobs.storage import Layout
 
     try:
-        beat = read_json(Layout(cfg.storage).heartbeat(cfg.name))
+        beat = Beat.read(Layout(cfg.storage).heartbeat(cfg.name))
     except Exception:
         return False
-    return beat.get("attempt") == attempt and beat.get("phase") != "loading" and "replicas" in beat
+    return beat is not None and beat.attempt == attempt and beat.phase != "loading" and beat.replicas is not None

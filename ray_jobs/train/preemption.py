@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from ray_jobs.contracts.heartbeat import Phase
+
 log = logging.getLogger("unbroken.preemption")
 
 _requested = threading.Event()
@@ -147,7 +149,7 @@ def checkpoint_and_raise(checkpoint: Callable[[], float], rank: int, step: int) 
 
 
 def checkpoint_and_wait(notice: dict[str, Any], checkpoint: Callable[[], float], rank: int, step: int,
-                        grace_s: float, phase: Callable[[str], None]) -> None:  # fmt: skip
+                        grace_s: float, phase: Callable[[Phase], None]) -> None:  # fmt: skip
     """A node of this group is being drained (a spot reclaim, ``ray drain-node``): checkpoint this step now, on
     every rank, then wait for Ray Train to restart the group without that node.
 

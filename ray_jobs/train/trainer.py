@@ -22,6 +22,7 @@ from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.checkpoint.checkpointer import Checkpointer
 from ray_jobs.config import Config
+from ray_jobs.contracts.heartbeat import Phase
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, ShardRows, StepPlan, open_rows
 from ray_jobs.storage import Layout
@@ -371,7 +372,7 @@ class Trainer:
         self.heartbeat.attach(self)
         return self.heartbeat
 
-    def _phase(self, phase: str) -> None:
+    def _phase(self, phase: Phase) -> None:
         """Enter a phase: rank 0's heartbeat says so at once (watchers judge a stall by the phase's limit)."""
         if self.heartbeat is not None:
             self.heartbeat.enter(phase)

@@ -27,6 +27,7 @@ from control.watchdog.decide import (
 )
 from control.watchdog.observe import Observations
 from ray_jobs.config import load_config
+from ray_jobs.contracts.heartbeat import Beat
 from tests.conftest import ROOT
 
 NOW = 10_000.0
@@ -53,9 +54,10 @@ def restarted_at(attempt: int, **fields: Any) -> Incident:
     return Incident(**(base | fields))
 
 
-def beat(step: int = 80, last_step_ago_s: float = 2, phase: str = "training", **extra: Any) -> dict[str, Any]:
-    return {"attempt": 2, "step": step, "last_step_at": NOW - last_step_ago_s, "time": NOW - 1, "phase": phase,
-            "phase_started_at": NOW - 100, "started_step": 40} | extra  # fmt: skip
+def beat(step: int = 80, last_step_ago_s: float = 2, phase: str = "training", **extra: Any) -> Beat:
+    return Beat.model_validate({"run": "r", "attempt": 2, "max_steps": 100, "step": step, "time": NOW - 1,
+                                "last_step_at": NOW - last_step_ago_s, "phase": phase, "phase_started_at": NOW - 100,
+                                "started_step": 40} | extra)  # fmt: skip
 
 
 def nodes(alive: int, dead: int = 0) -> Health:
@@ -469,7 +471,7 @@ ROWS = [
     Row(
         "the cluster's clock ten minutes ahead changes nothing: staleness is the file's age by the storage's clock",
         record(),
-        ok(JobView("ok", "RUNNING"), beat(last_step_ago_s=-598) | {"time": NOW + 600}, beat_age_s=1.0),
+        ok(JobView("ok", "RUNNING"), beat(last_step_ago_s=-598, time=NOW + 600), beat_age_s=1.0),
         "ok",
         [],
     ),

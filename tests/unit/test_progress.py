@@ -13,6 +13,7 @@ import pytest
 
 import ray_jobs.data.staging as staging
 from ray_jobs.config import DataConfig
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.fingerprint import Source
 from ray_jobs.data.read_progress import ReadProgress
@@ -220,6 +221,11 @@ def test_a_next_phase_speaks_only_after_the_one_before_said_its_last_line(caplog
 BEAT = {"pid": 11, "started_step": 0, "step": 0, "phase": "training"}
 
 
+def as_beat(fields: dict) -> Beat:
+    """A heartbeat with these fields (the rest any job writes, at their least)."""
+    return Beat.model_validate({"run": "p", "attempt": 1, "time": 0.0, "max_steps": 100, "last_step_at": 0.0} | fields)
+
+
 @pytest.mark.parametrize(
     ("before", "now", "said"),
     [
@@ -241,7 +247,7 @@ BEAT = {"pid": 11, "started_step": 0, "step": 0, "phase": "training"}
 def test_a_restart_is_said_as_it_happens(before, now, said) -> None:
     from control.progress import Stint, restart_line
 
-    assert restart_line(None if before is None else Stint.of(before), Stint.of(now)) == said
+    assert restart_line(None if before is None else Stint.of(as_beat(before)), Stint.of(as_beat(now))) == said
 
 
 def test_the_watch_shows_step_loss_tokens_time_and_eta_and_a_restart(tmp_path: Path, caplog, monkeypatch) -> None:
@@ -266,15 +272,15 @@ def test_the_watch_shows_step_loss_tokens_time_and_eta_and_a_restart(tmp_path: P
     with caplog.at_level(logging.INFO, logger="test.training"):
         assert shown.poll(None) == (0, 100)  # nothing trained yet: nothing said
         logged(10, 2.5, 110.0)
-        shown.poll(BEAT | {"step": 10})
+        shown.poll(as_beat(BEAT | {"step": 10}))
         logged(40, 1.25, 140.0)  # 30 steps in 30 s
-        assert shown.poll(BEAT | {"step": 40}) == (40, 100)
-        shown.poll(BEAT | {"step": 40, "phase": "restarting"})
-        shown.poll({"pid": 12, "started_step": 0, "step": 0, "phase": "loading"})  # the new rank 0, loading
+        assert shown.poll(as_beat(BEAT | {"step": 40})) == (40, 100)
+        shown.poll(as_beat(BEAT | {"step": 40, "phase": "restarting"}))
+        shown.poll(as_beat({"pid": 12, "started_step": 0, "step": 0, "phase": "loading"}))  # the new rank 0, loading
         logged(31, 1.5, 200.0)  # resumed from step 30 by the new process
-        shown.poll({"pid": 12, "started_step": 30, "step": 31, "phase": "training"})
+        shown.poll(as_beat({"pid": 12, "started_step": 30, "step": 31, "phase": "training"}))
         logged(100, 0.5, 269.0)
-        shown.poll({"pid": 12, "started_step": 30, "step": 100, "phase": "training"})
+        shown.poll(as_beat({"pid": 12, "started_step": 30, "step": 100, "phase": "training"}))
         shown.close(done=True)
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [

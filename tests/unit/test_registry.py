@@ -74,7 +74,8 @@ def test_status_command_prints_attempts_heartbeat_and_final_model(tmp_path: Path
     registry.end_attempt(c, 1, "FAILED", "Ray job unbroken-r-train-001 ended FAILED: worker died\nmore")
     registry.begin_attempt(c, {"address": "http://127.0.0.1:8265"}, "ds-1")
     registry.end_attempt(c, 2, "SUCCEEDED", final_model="/x/final")
-    beat = {"step": 30, "max_steps": 30, "last_step_at": time.time() - 5, "time": time.time(), "tokens_per_s": 1.5}
+    beat = {"run": "r", "attempt": 2, "step": 30, "max_steps": 30, "last_step_at": time.time() - 5, "time": time.time(),
+            "tokens_per_s": 1.5}  # fmt: skip
     (tmp_path / "runs" / "r" / "heartbeat.json").write_text(json.dumps(beat))
 
     out = subprocess.run([sys.executable, "-m", "unbroken", "status", "r", "--storage", str(tmp_path)],

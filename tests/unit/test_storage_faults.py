@@ -187,7 +187,11 @@ def test_a_beating_heartbeat_is_told_from_a_dying_writers_last_word(tmp_path: Pa
                                                      "fault_tolerance.heartbeat_every_s=0.2"])  # fmt: skip
     reg = RunRecord(name="r", attempts=[Attempt(attempt=1, submission_id="s", started_at=0, started_by="watchdog")])
     url = Layout(str(tmp_path)).heartbeat("r")
-    beat = lambda: write_json_atomic(url, {"attempt": 1, "step": 5, "time": time.time()})  # noqa: E731
+
+    def beat() -> None:
+        write_json_atomic(url, {"run": "r", "attempt": 1, "step": 5, "max_steps": 9, "last_step_at": 0.0,
+                                "time": time.time()})  # fmt: skip
+
     beat()
     threading.Timer(0.1, beat).start()  # one last word
     assert still_beating(c, reg) is None
@@ -199,7 +203,7 @@ def test_a_beating_heartbeat_is_told_from_a_dying_writers_last_word(tmp_path: Pa
 
     threading.Thread(target=writer, daemon=True).start()
     try:
-        assert still_beating(c, reg)["step"] == 5
+        assert (moving := still_beating(c, reg)) is not None and moving.step == 5
     finally:
         stop.set()
     old = time.time() - 10

@@ -136,16 +136,24 @@ def test_asha_never_stops_a_trial_at_its_last_step_it_exports_first(tmp_path) ->
 
 
 def test_the_search_heartbeat_trains_while_any_trial_trains() -> None:
+    from ray_jobs.contracts.heartbeat import Beat
     from ray_jobs.search.progress import combine
 
-    loading = {"step": 0, "phase": "loading", "phase_started_at": 105.0, "last_step_at": 100.0}
-    done = {"step": 60, "phase": "done", "phase_started_at": 90.0, "last_step_at": 89.0, "first_step_at": 50.0}
-    training = {"step": 30, "phase": "training", "phase_started_at": 60.0, "last_step_at": 99.0, "first_step_at": 61.0}
-    assert combine([], 10.0)["phase"] == "loading"
-    both = combine([done, training], 10.0)
-    assert (both["phase"], both["last_step_at"], both["step"], both["first_step_at"]) == ("training", 99.0, 90, 50.0)
-    between = combine([done, loading], 10.0)  # one trial done, the next loading its model: the newest phase
-    assert (between["phase"], between["phase_started_at"]) == ("loading", 105.0)
+    def trial(**fields: float | str) -> Beat:
+        return Beat.model_validate({"run": "s-t00", "attempt": 1, "time": 106.0, "max_steps": 60} | fields)
+
+    def search() -> Beat:
+        return Beat(run="s", attempt=1, time=106.0, max_steps=180, last_step_at=10.0)
+
+    loading = trial(step=0, phase="loading", phase_started_at=105.0, last_step_at=100.0)
+    done = trial(step=60, phase="done", phase_started_at=90.0, last_step_at=89.0, first_step_at=50.0)
+    training = trial(step=30, phase="training", phase_started_at=60.0, last_step_at=99.0, first_step_at=61.0)
+    assert combine([], 10.0, search()).phase == "loading"
+    both = combine([done, training], 10.0, search())
+    assert (both.phase, both.last_step_at, both.step, both.first_step_at) == ("training", 99.0, 90, 50.0)
+    between = combine([done, loading], 10.0, search())  # one trial done, the next loading its model: the newest phase
+    assert (between.phase, between.phase_started_at) == ("loading", 105.0)
+    assert (between.run, between.max_steps) == ("s", 180)
 
 
 def test_the_winner_is_the_completed_trial_with_the_lowest_eval_loss() -> None:

@@ -17,6 +17,7 @@ from control.watchdog.decide import cleared, confirm
 from control.watchdog.policy import backoff_s, budget_used, give_up_reason
 from control.watchdog.verdict import Verdict, classify, still_submitting
 from ray_jobs.config import load_config
+from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.coordination import create_exclusive
 from tests.conftest import ROOT
 
@@ -206,11 +207,12 @@ ATTEMPT = Attempt(
 )
 
 
-def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed_ago_s: float = 1.0) -> dict:
-    b = {"attempt": 2, "step": 40, "last_step_at": NOW - last_step_ago_s, "time": NOW - refreshed_ago_s}
+def beat(phase: str | None, in_phase_s: float, last_step_ago_s: float, refreshed_ago_s: float = 1.0) -> Beat:
+    b = {"run": "r", "attempt": 2, "max_steps": 100, "step": 40, "last_step_at": NOW - last_step_ago_s,
+         "time": NOW - refreshed_ago_s}  # fmt: skip
     if phase is not None:
         b |= {"phase": phase, "phase_started_at": NOW - in_phase_s}
-    return b
+    return Beat.model_validate(b)
 
 
 @pytest.mark.parametrize(
@@ -396,13 +398,13 @@ def test_ray_trains_controller_marks_a_group_restart_in_the_heartbeat(tmp_path: 
     c = cfg(tmp_path)
     url = Path(Layout(c.storage).heartbeat(c.name))
     url.parent.mkdir(parents=True, exist_ok=True)
-    url.write_text(json.dumps(beat("training", 100, 5) | {"pid": 1}))
+    url.write_text(json.dumps(beat("training", 100, 5).set(pid=1).dump()))
     callback = group_restarts(c)
     callback.after_exception(None, {0: RuntimeError("worker died")})
     written = json.loads(url.read_text())
     assert written["phase"] == "restarting" and written["step"] == 40 and written["pid"] != 1
     assert written["phase_started_at"] == written["time"] > NOW
-    url.write_text(json.dumps(beat("done", 1, 5)))
+    url.write_text(json.dumps(beat("done", 1, 5).dump()))
     callback.after_exception(None, {0: RuntimeError("worker died")})
     assert json.loads(url.read_text())["phase"] == "done"
     url.unlink()
