@@ -56,7 +56,10 @@ def test_a_worker_host_killed_mid_run_ends_bit_identical_on_the_spare(hosts, clu
         # the state API that wait_gone asks (seconds on a loaded machine), and a summary not read concludes nothing:
         # a later pass notes it.
         found = wait_for("the watchdog's look to note the lost node", lambda: look(cfg, reg)[1], 60, 1.0)
-        assert found == [f"nodes-missing: 3 of 4 nodes alive (dead: {victim.addr})"], found
+        # (the package's hosts share one cluster: a node an earlier test's host restart left dead is Ray's dead node
+        # too, named by its id when it died before reporting an address -- the victim must be among the dead named)
+        (note,) = found
+        assert note.startswith("nodes-missing: 3 of 4 nodes alive (dead: ") and victim.addr in note, found
         wait_for("a training worker on the spare host", lambda: spare in hosts.training_hosts(), timeout_s=180)
 
         assert wait_job(cluster, sid) == "SUCCEEDED", job_logs(cluster, sid)[-5000:]
