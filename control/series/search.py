@@ -84,11 +84,13 @@ def lost_steps(storage: str, search: str) -> int:
     for name, t in trial_states(storage, search).items():
         if t["state"] != "running":
             continue
-        with contextlib.suppress(ValueError):  # torn, or a newer release's (RecordError): nothing counted from it
+        # torn, a newer release's (RecordError), or gone mid-listing: nothing counted from it
+        with contextlib.suppress(FileNotFoundError, ValueError):
             beat = Beat.read(Layout(storage).heartbeat(name))
-            step = beat.step if beat else 0
+            if beat is None:  # no heartbeat yet: nothing trained, nothing lost (its checkpoints not read)
+                continue
             found = ckpt.find_latest_valid(Layout(storage).checkpoints_dir(name))
-            lost += max(0, step - (ckpt.checkpoint_step(found[0]) if found else 0))
+            lost += max(0, beat.step - (ckpt.checkpoint_step(found[0]) if found else 0))
     return lost
 
 

@@ -242,14 +242,16 @@ def note_heals(reg: RunRecord, beat: Beat | None) -> tuple[bool, list[Any]]:
     if not beat or beat.attempt != attempt or not beat.heals:
         return False, []
     seen = sum(1 for i in reg.incidents if i.kind == "replica-replaced" and i.attempt == attempt)
-    heal = beat.last_heal
-    detail = (f"replica {heal.rank if heal else None} replaced at step {heal.step if heal else None}: healed from a "
-              f"live peer in {heal.heal_s if heal else None}s, {heal.lost_steps if heal else 0} steps lost, training "
-              "never stopped")  # fmt: skip
+    heal = beat.last_heal  # (every writer sets it with heals; a heartbeat without it still counts, unnamed)
+    rank, step, heal_s, lost, at = (heal.rank, heal.step, heal.heal_s, heal.lost_steps, heal.at) if heal else \
+        (None, None, None, 0, beat.time)  # fmt: skip
+    detail = (
+        f"replica {rank} replaced at step {step}: healed from a live peer in {heal_s}s, {lost} steps lost, "
+        "training never stopped"
+    )
     for _ in range(beat.heals - seen):  # a pass sees the last heal; earlier ones since the last pass, counted
-        reg.incidents.append(Incident(kind="replica-replaced", detected_by="live recovery (in job)",
-                                      detected_at=heal.at if heal else beat.time, attempt=attempt, action="observed",
-                                      failed_step=heal.step if heal else None, held_s=heal.heal_s if heal else None,
+        reg.incidents.append(Incident(kind="replica-replaced", detected_by="live recovery (in job)", detected_at=at,
+                                      attempt=attempt, action="observed", failed_step=step, held_s=heal_s,
                                       detail=detail))  # fmt: skip
     if beat.heals <= seen:
         return False, []
