@@ -25,9 +25,10 @@ log = logging.getLogger("unbroken.search")
 def main(argv: list[str] | None = None) -> int:
     import ray
 
+    from ray_jobs.contracts.trials import DONE
     from ray_jobs.search.driver import build_tuner
     from ray_jobs.search.progress import SearchHeartbeat
-    from ray_jobs.search.trials import DONE, trial_states
+    from ray_jobs.search.trials import trial_states
     from ray_jobs.search.trials import trials as search_trials
 
     mask_output()  # the job's log never shows a credential (ray_jobs/secrets.py)
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(ignore_reinit_error=True)
     with SearchHeartbeat(cfg, trials, spec.attempt):
         grid = build_tuner(cfg, trials, loops, ray.cluster_resources().get("CPU", 0.0)).fit()
-    states = {name: t["state"] for name, t in trial_states(cfg.storage, cfg.name).items()}
+    states = {name: t.state for name, t in trial_states(cfg.storage, cfg.name).items()}
     print("UNBROKEN_RESULT " + json.dumps({"trials": states}), flush=True)
     if any(state not in DONE for state in states.values()) or all(s == "failed" for s in states.values()):
         errors = [r.error for r in grid if r.error is not None]

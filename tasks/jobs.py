@@ -19,7 +19,7 @@ from control.progress import TrainingProgress
 from control.watchdog.observe import live_heartbeat
 from ray_jobs.config import Config
 from ray_jobs.contracts.heartbeat import Beat
-from ray_jobs.search.trials import DONE
+from ray_jobs.contracts.trials import DONE
 from ray_jobs.secrets import job_env
 from ray_jobs.storage import Layout
 
@@ -94,7 +94,7 @@ def _steps_of(cfg: Config) -> Callable[[], tuple[int, int]]:
             found = series.sync_trials(cfg.storage, cfg.name)
             # a trial stopped early counts as done: the steps it will never train are not waited for
             read_at = time.monotonic()
-            step = sum(cfg.train.max_steps if t["state"] in DONE else t["step"] for t in found.values())
+            step = sum(cfg.train.max_steps if t.state in DONE else t.step for t in found.values())
         return step, total
 
     return read

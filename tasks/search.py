@@ -13,6 +13,7 @@ from control import series
 from control.logs import run_logger
 from control.series.views import short_value
 from ray_jobs.config import Config
+from ray_jobs.contracts.trials import TrialEntry
 from tasks.report import mermaid_chart
 
 # one colour per trial's line
@@ -35,35 +36,35 @@ def summarize_search(cfg: Config, dataset_id: str) -> dict[str, Any]:
     if final:
         create_link_artifact(final, link_text=f"final model of the winner, {best}", key=f"{cfg.name}-final-model")
     run_logger().info("search %s: winner %s (eval loss %s); trials: %s", cfg.name, best or "none",
-                      found[best]["eval_loss"] if best else "-",
+                      found[best].eval_loss if best else "-",
                       ", ".join(f"{r['trial']} {r['state']}" for r in rows))  # fmt: skip
     return {"run": cfg.name, "dataset_id": dataset_id, "trials": rows, "winner": best, "final_model": final}
 
 
-def trial_rows(cfg: Config, found: dict[str, dict[str, Any]], best: str | None) -> list[dict[str, Any]]:
+def trial_rows(cfg: Config, found: dict[str, TrialEntry], best: str | None) -> list[dict[str, Any]]:
     """One row per trial, in order (plain dicts: what the CLI prints and a table artifact takes)."""
     rows = []
-    for name, t in sorted(found.items(), key=lambda kv: kv[1]["index"]):
+    for name, t in sorted(found.items(), key=lambda kv: kv[1].index):
         score = series.score_of(cfg.storage, name)
-        rows.append({"trial": name, **{k: short_value(v) for k, v in t["params"].items()}, "state": t["state"],
-                     "steps": t["step"], "eval_loss": t["eval_loss"], "score": score, "starts": t["starts"],
+        rows.append({"trial": name, **{k: short_value(v) for k, v in t.params.items()}, "state": t.state,
+                     "steps": t.step, "eval_loss": t.eval_loss, "score": score, "starts": t.starts,
                      "winner": name == best})  # fmt: skip
     return rows
 
 
-def trials_chart_markdown(cfg: Config, found: dict[str, dict[str, Any]]) -> str:
+def trials_chart_markdown(cfg: Config, found: dict[str, TrialEntry]) -> str:
     """Each trial's eval loss at every reported step, one line per trial, as a mermaid ``xychart-beta`` chart
     (a trial stopped early has a shorter line), and which line is which."""
-    ordered = sorted(found.items(), key=lambda kv: kv[1]["index"])
-    steps = sorted({h[0] for _, t in ordered for h in t["history"]})
-    curves = [ys for _, t in ordered if (ys := [h[1] for h in t["history"] if h[1] is not None])]
+    ordered = sorted(found.items(), key=lambda kv: kv[1].index)
+    steps = sorted({h[0] for _, t in ordered for h in t.history})
+    curves = [ys for _, t in ordered if (ys := [h[1] for h in t.history if h[1] is not None])]
     top = max((y for ys in curves for y in ys), default=0.0)
     lines = [f"# Search {cfg.name}: eval loss by step", "",
              *mermaid_chart(f"{cfg.name}: eval loss of each trial", "eval loss", [str(x) for x in steps], curves, top,
                             CHART_THEME),
              "", "| line | trial | values | state | steps | eval loss |", "|---|---|---|---|---|---|"]  # fmt: skip
     for i, (name, t) in enumerate(ordered, 1):
-        loss = "-" if t["eval_loss"] is None else f"{t['eval_loss']:.4f}"
-        values = ", ".join(f"{k}={short_value(v)}" for k, v in t["params"].items())
-        lines.append(f"| {i} | {name} | {values} | {t['state']} | {t['step']} | {loss} |")
+        loss = "-" if t.eval_loss is None else f"{t.eval_loss:.4f}"
+        values = ", ".join(f"{k}={short_value(v)}" for k, v in t.params.items())
+        lines.append(f"| {i} | {name} | {values} | {t.state} | {t.step} | {loss} |")
     return "\n".join(lines) + "\n"

@@ -22,11 +22,12 @@ from control.series.lineage import mutate
 from control.series.retention import trim_checkpoints
 from ray_jobs.config import Config
 from ray_jobs.contracts.heartbeat import Beat
+from ray_jobs.contracts.trials import TrialEntry, TrialState
 from ray_jobs.search.trials import Trial, trial_states, trials
 from ray_jobs.storage import Layout, exists
 
 # A trial's state in trials.json -> its run record's state
-RUN_STATE = {"pending": "submitted", "running": "running", "completed": "succeeded", "stopped-early": "stopped-early",
+RUN_STATE: dict[TrialState, str] = {"pending": "submitted", "running": "running", "completed": "succeeded", "stopped-early": "stopped-early",
              "failed": "failed"}  # fmt: skip
 
 
@@ -43,7 +44,7 @@ def record_trials(cfg: Config, dataset_id: str, extra: dict[str, Any]) -> list[T
     return out
 
 
-def sync_trials(storage: str, search: str) -> dict[str, dict[str, Any]]:
+def sync_trials(storage: str, search: str) -> dict[str, TrialEntry]:
     """The trials as the search job last wrote them, with each trial's run record brought up to date (state, final
     model). Only whoever closes or watches the search writes trial records; the job writes trials.json."""
     found = trial_states(storage, search)
@@ -51,7 +52,7 @@ def sync_trials(storage: str, search: str) -> dict[str, dict[str, Any]]:
         reg = registry.load(storage, name)
         if reg is None:
             continue
-        state = RUN_STATE[info["state"]]
+        state = RUN_STATE[info.state]
         final = Layout(storage).final_model(name)
         final_model = final if state == "succeeded" and exists(final) else None
         if (reg.state, reg.final_model) != (state, final_model):
@@ -82,7 +83,7 @@ def lost_steps(storage: str, search: str) -> int:
 
     lost = 0
     for name, t in trial_states(storage, search).items():
-        if t["state"] != "running":
+        if t.state != "running":
             continue
         # torn, a newer release's (RecordError), or gone mid-listing: nothing counted from it
         with contextlib.suppress(FileNotFoundError, ValueError):
@@ -94,10 +95,10 @@ def lost_steps(storage: str, search: str) -> int:
     return lost
 
 
-def winner(found: dict[str, dict[str, Any]]) -> str | None:
+def winner(found: dict[str, TrialEntry]) -> str | None:
     """The completed trial with the lowest eval loss (the lower index on a tie), or None when none completed."""
-    done = [(t["eval_loss"], t["index"], name) for name, t in found.items()
-            if t["state"] == "completed" and t["eval_loss"] is not None]  # fmt: skip
+    done = [(t.eval_loss, t.index, name) for name, t in found.items()
+            if t.state == "completed" and t.eval_loss is not None]  # fmt: skip
     return min(done)[2] if done else None
 
 
@@ -108,21 +109,21 @@ def finish_search(storage: str, search: str) -> Verdict | None:
     best = winner(found)
     mutate(storage, cfg.series_name, lambda rec: _record_trials(storage, rec, search, found, best))
     for name, t in found.items():
-        if t["state"] in ("completed", "stopped-early"):
+        if t.state in ("completed", "stopped-early"):
             trim_checkpoints(storage, name, cfg.checkpoint.keep_after_success)
     verdict = promotion.finish_run(storage, best) if best else None
     mutate(storage, cfg.series_name, lambda rec: _close_search(rec, search, verdict))
     return verdict
 
 
-def _record_trials(storage: str, rec: SeriesRecord, search: str, found: dict[str, dict[str, Any]],
+def _record_trials(storage: str, rec: SeriesRecord, search: str, found: dict[str, TrialEntry],
                    best: str | None) -> None:  # fmt: skip
     for name, t in found.items():
         e = rec.entry(name)
         if e is not None:
             e.set(
-                state=t["state"],
-                steps=t["step"],
+                state=t.state,
+                steps=t.step,
                 score=e.score if e.score is not None else promotion.score_of(storage, name),
             )
     s = rec.entry(search)

@@ -6,4 +6,6 @@ are built on the same base.
   job-spec-<n>.json``); ``job_spec.StageSpec``: what it gives a staging job.
 - ``failure.JobFailure``: the root cause a failed job prints (its ``UNBROKEN_FAILURE`` line), which the watchdog's
   restart policy reads and the run record keeps on the incident.
+- ``heartbeat.Beat``: what a job says of itself to watchers (``runs/<run>/heartbeat.json``).
+- ``trials.Trials``: a search's trials as its driver last saw them (``runs/<search>/trials.json``).
 """

@@ -19,6 +19,7 @@ from ray.tune import Callback, Stopper
 
 from ray_jobs.config import Config
 from ray_jobs.contracts.heartbeat import Beat
+from ray_jobs.contracts.trials import TrialEntry, Trials
 from ray_jobs.search.trials import Trial, read_trials
 from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.sidewrite import SideWriter
@@ -30,9 +31,8 @@ class TrialProgress(Callback):
     def __init__(self, cfg: Config, trials: list[Trial]) -> None:
         self.storage, self.search, self.max_steps = cfg.storage, cfg.name, cfg.train.max_steps
         self.names = [t.name for t in trials]
-        self.fresh = {t.name: {"index": t.index, "params": t.params, "state": "pending", "starts": 0, "step": 0,
-                               "eval_loss": None, "history": [], "error": None} for t in trials}  # fmt: skip
-        self.doc: dict[str, Any] | None = None
+        self.fresh = {t.name: TrialEntry(index=t.index, params=t.params) for t in trials}
+        self.doc: Trials | None = None
 
     def setup(
         self,
@@ -42,44 +42,44 @@ class TrialProgress(Callback):
         **info: Any,
     ) -> None:  # Callback.setup's parameters, unused: the trials were named in __init__
         found = read_trials(self.storage, self.search)
-        self.doc = found if found and set(found.get("trials", {})) == set(self.names) else {"trials": self.fresh}
+        self.doc = found if found and set(found.trials) == set(self.names) else Trials(trials=self.fresh)
         self._save()
 
-    def _trial(self, trial: Any) -> dict[str, Any]:
-        return self._loaded()["trials"][self.names[trial.config["trial"]]]
+    def _trial(self, trial: Any) -> TrialEntry:
+        return self._loaded().trials[self.names[trial.config["trial"]]]
 
-    def _loaded(self) -> dict[str, Any]:
+    def _loaded(self) -> Trials:
         assert self.doc is not None, "Tune calls setup, which reads or makes the doc, before any trial event"
         return self.doc
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         t = self._trial(trial)
-        t["starts"] += 1
-        t["state"], t["error"] = "running", None
+        t.set(starts=t.starts + 1, state="running", error=None)
         self._save()
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         t = self._trial(trial)
         step, loss = int(result.get("step", 0)), result.get("eval_loss")
-        t["step"], t["eval_loss"] = step, loss
-        t["history"] = [h for h in t["history"] if h[0] < step] + [[step, loss]]  # a resumed trial re-reports
+        t.set(
+            step=step, eval_loss=loss, history=[h for h in t.history if h[0] < step] + [(step, loss)]
+        )  # a resumed trial re-reports
         self._save()
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         t = self._trial(trial)
-        t["state"] = "completed" if t["step"] >= self.max_steps else "stopped-early"  # ASHA stopped it before
+        t.state = "completed" if t.step >= self.max_steps else "stopped-early"  # ASHA stopped it before
         self._save()
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         t = self._trial(trial)
-        t["state"] = "failed"
-        t["error"] = _first_line(getattr(trial, "error_msg", None) or "the trial raised")
+        t.set(state="failed", error=_first_line(getattr(trial, "error_msg", None) or "the trial raised"))
         self._save()
 
     def _save(self) -> None:
         doc = self._loaded()
-        doc["updated_at"] = time.time()
-        write_json_atomic(Layout(self.storage).search_trials(self.search), doc)
+        doc.updated_at = time.time()
+        # every field, set or not: a person reading trials.json sees each pending trial's state and steps too
+        write_json_atomic(Layout(self.storage).search_trials(self.search), doc.model_dump(mode="json"))
 
 
 def _first_line(text: str) -> str:

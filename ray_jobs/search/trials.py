@@ -5,22 +5,20 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from typing import Any
+
+from pydantic import JsonValue
 
 from ray_jobs.config import Config, trial_name, trial_values
 from ray_jobs.config.tune import set_field
-from ray_jobs.storage import Layout, read_json
-
-# A trial's states in ``runs/<search>/trials.json`` (ray_jobs/search/progress.py); the last three are final.
-TRIAL_STATES = ("pending", "running", "completed", "stopped-early", "failed")
-DONE = TRIAL_STATES[2:]
+from ray_jobs.contracts.trials import TrialEntry, Trials
+from ray_jobs.storage import Layout
 
 
 @dataclass(frozen=True)
 class Trial:
     index: int
     name: str  # a run of the search's series: ``<search>-t<NN>``
-    params: dict[str, Any]  # field -> the value drawn for it
+    params: dict[str, JsonValue]  # field -> the value drawn for it
     config: Config  # the search's config with the values set, no ``tune`` section: a plain run's
 
 
@@ -41,14 +39,16 @@ def trials(cfg: Config) -> list[Trial]:
     return out
 
 
-def read_trials(storage: str, search: str) -> dict[str, Any] | None:
-    """``runs/<search>/trials.json`` as the search job last wrote it, or None before it did."""
+def read_trials(storage: str, search: str) -> Trials | None:
+    """``runs/<search>/trials.json`` as the search job last wrote it, or None before it did (or while it cannot be
+    read: torn, or a newer release's -- the next write of the driver replaces it)."""
     try:
-        return read_json(Layout(storage).search_trials(search))
-    except (FileNotFoundError, ValueError):
+        return Trials.read(Layout(storage).search_trials(search))
+    except ValueError:  # RecordError is one
         return None
 
 
-def trial_states(storage: str, search: str) -> dict[str, dict[str, Any]]:
+def trial_states(storage: str, search: str) -> dict[str, TrialEntry]:
     """Trial run name -> what trials.json says of it (none before the search job wrote it)."""
-    return (read_trials(storage, search) or {}).get("trials", {})
+    found = read_trials(storage, search)
+    return found.trials if found else {}

@@ -22,7 +22,7 @@ from control import series
 from control.backends.base import jobs_client, reachable
 from control.backends.local import stop_local_head
 from ray_jobs.config import ClusterConfig, load_config
-from ray_jobs.search.trials import read_trials
+from ray_jobs.search.trials import trial_states
 from tests.conftest import ROOT, SAMPLE_DATA, tiny_overrides
 from tests.integration.conftest import read_registry
 from tests.prefect_server import serving
@@ -432,8 +432,9 @@ def test_cancelling_a_search_stops_its_job_and_every_trial(served) -> None:
     flow_run = run_deployment("tune/tune", parameters={"overrides": long}, timeout=0)
 
     def a_trial_trains():
-        found = (read_trials(str(storage), "cancel-search") or {}).get("trials", {})
-        return found.get("cancel-search-t00", {}).get("state") == "running" and train_worker_pids(8265)
+        found = trial_states(str(storage), "cancel-search")
+        t00 = found.get("cancel-search-t00")
+        return t00 is not None and t00.state == "running" and train_worker_pids(8265)
 
     wait_for("a trial to train", a_trial_trains, 300, 1.0)
     reg = cancel(flow_run, storage, "cancel-search", log)

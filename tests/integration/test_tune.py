@@ -27,7 +27,8 @@ from control.jobs import submit, write_job_spec
 from control.records.series import EvalPin
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, load_config
-from ray_jobs.search.trials import read_trials, trials
+from ray_jobs.contracts.trials import TrialEntry
+from ray_jobs.search.trials import trial_states, trials
 from ray_jobs.storage import Layout
 from ray_jobs.train.faults import FILE_ENV
 from tasks.model import prepare_base_model
@@ -70,13 +71,13 @@ def head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def clean(head, tmp_path_factory) -> tuple[Config, dict, str]:
+def clean(head, tmp_path_factory) -> tuple[Config, dict[str, TrialEntry], str]:
     """The search run uninterrupted through ``unbroken tune`` (the tune flow): its config and trials.json."""
     storage = tmp_path_factory.mktemp("tune-clean") / "storage"
     r = run_cli("tune", str(DEMO_TUNE), *[f"--set={a}" for a in tune_args(storage, "clean")], timeout=600)
     assert r.returncode == 0, r.explain()
     cfg = tune_config(storage, "clean")
-    return cfg, read_trials(cfg.storage, cfg.name)["trials"], r.stdout
+    return cfg, trial_states(cfg.storage, cfg.name), r.stdout
 
 
 def left_on_the_head(address: str) -> tuple[list, list]:
@@ -94,15 +95,15 @@ def _state(address: str, what: str) -> list[dict]:
     return r.json()["data"]["result"]["result"]
 
 
-def by_index(found: dict) -> list[dict]:
-    return sorted(found.values(), key=lambda t: t["index"])
+def by_index(found: dict[str, TrialEntry]) -> list[TrialEntry]:
+    return sorted(found.values(), key=lambda t: t.index)
 
 
 def test_a_search_stops_a_trial_early_promotes_its_winner_and_leaves_nothing_behind(head, clean) -> None:
     cfg, found, stdout = clean
-    states = [t["state"] for t in by_index(found)]
+    states = [t.state for t in by_index(found)]
     assert "stopped-early" in states and "completed" in states, states
-    assert all(t["starts"] == 1 for t in found.values()), found
+    assert all(t.starts == 1 for t in found.values()), found
     best = series.winner(found)
     assert f"winner {best}: promoted" in stdout, stdout
     assert series.champion(cfg.storage, cfg.series_name).run == best
@@ -111,7 +112,7 @@ def test_a_search_stops_a_trial_early_promotes_its_winner_and_leaves_nothing_beh
     for t in trials(cfg):  # every trial a run, with its values and how it ended
         reg = registry.load(cfg.storage, t.name)
         assert reg.search == cfg.name and reg.params == t.params
-        assert reg.state == {"completed": "succeeded", "stopped-early": "stopped-early"}[found[t.name]["state"]]
+        assert reg.state == {"completed": "succeeded", "stopped-early": "stopped-early"}[found[t.name].state]
     runs = run_cli("runs", "--storage", cfg.storage, "--series", cfg.series_name)
     for t in trials(cfg):
         line = next(ln for ln in runs.stdout.splitlines() if f" {t.name} " in ln)
@@ -178,10 +179,11 @@ def watchdog(tmp_path):
 
 def running_past(cfg: Config, trial: str, step: int) -> bool:
     """The trial trains past ``step`` with a checkpoint behind it (its own heartbeat and checkpoints)."""
-    found = (read_trials(cfg.storage, cfg.name) or {}).get("trials", {})
+    found = trial_states(cfg.storage, cfg.name)
     beat = heartbeat(cfg.named(trial))
     return (
-        found.get(trial, {}).get("state") == "running"
+        trial in found
+        and found[trial].state == "running"
         and beat.get("phase") == "training"
         and beat.get("step", 0) > step
         and ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(trial))
@@ -197,7 +199,7 @@ def test_a_search_survives_a_killed_worker_driver_and_head_to_the_same_outcome(h
     start_search(head, cfg)
 
     # Where each fault lands: a trial the uninterrupted search let train past step 25 (ASHA stops others sooner).
-    past = [i for i, tr in enumerate(by_index(base)) if tr["step"] > 25]
+    past = [i for i, tr in enumerate(by_index(base)) if tr.step > 25]
     assert past[0] == 0 and len(past) >= 2, f"the config must let two trials past step 25: {by_index(base)}"
     lost_driver, lost_head = past[0], past[1]
 
@@ -226,11 +228,11 @@ def test_a_search_survives_a_killed_worker_driver_and_head_to_the_same_outcome(h
     assert acted[1].reprovisioned and len(reg.attempts) == 3
     # what a restart trains again: the running trial's steps past its newest checkpoint (every 20), not the search's
     assert all(0 <= i.lost_steps <= 40 for i in acted), [i.lost_steps for i in acted]
-    found = read_trials(cfg.storage, cfg.name)["trials"]
+    found = trial_states(cfg.storage, cfg.name)
     theirs = {f"{base_cfg.name}-t{i:02d}": n for i, n in enumerate(t)}
     for name, mine in theirs.items():  # the same decisions, steps and eval losses, trial by trial
-        assert (found[mine]["state"], found[mine]["history"]) == (base[name]["state"], base[name]["history"]), name
-    starts = [found[n]["starts"] for n in t]
+        assert (found[mine].state, found[mine].history) == (base[name].state, base[name].history), name
+    starts = [found[n].starts for n in t]
     again = (lost_driver, lost_head)  # started again after the driver, then the head, was lost in it
     assert starts == [2 if i in again else 1 for i in range(len(t))], (
         f"a worker kill is Ray Train's to absorb "
@@ -238,7 +240,7 @@ def test_a_search_survives_a_killed_worker_driver_and_head_to_the_same_outcome(h
     )
     assert series.winner(found) == theirs[series.winner(base)]
     for name, mine in theirs.items():
-        if base[name]["state"] == "completed":  # bit-identical to the uninterrupted search's trial
+        if base[name].state == "completed":  # bit-identical to the uninterrupted search's trial
             assert final_weights_hash(_named(cfg, mine)) == final_weights_hash(_named(base_cfg, name)), name
     assert series.champion(cfg.storage, cfg.series_name).run == theirs[series.winner(base)]
     address = registry.load(cfg.storage, cfg.name).cluster.address

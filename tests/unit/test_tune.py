@@ -156,12 +156,49 @@ def test_the_search_heartbeat_trains_while_any_trial_trains() -> None:
     assert (between.run, between.max_steps) == ("s", 180)
 
 
+def test_trials_json_follows_tunes_events_and_a_restored_search_carries_on_counting(tmp_path) -> None:
+    """The driver's callback writes trials.json through its model at every trial event; a restored search (a new
+    driver, the same trials) reads it back: a trial started again counts a second start, a resumed trial's re-reported
+    steps replace its history from there, and an error keeps the exception's line."""
+    from ray_jobs.search.progress import TrialProgress
+    from ray_jobs.search.trials import trial_states
+
+    cfg = load_config(
+        DEMO_TUNE, [f"storage={tmp_path}", "tune.num_trials=2", "train.max_steps=40", "tune.grace_period_steps=20"]
+    )
+    first = TrialProgress(cfg, trials(cfg))
+    first.setup()
+    names = [t.name for t in trials(cfg)]
+    assert [t.state for t in trial_states(cfg.storage, cfg.name).values()] == ["pending", "pending"]
+    t0, t1 = Trial("a", 0), Trial("b", 1)
+    first.on_trial_start(0, [], t0)
+    for step, loss in ((10, 2.0), (20, 1.5)):
+        first.on_trial_result(0, [], t0, {"step": step, "eval_loss": loss})
+    first.on_trial_start(0, [], t1)
+    t1.error_msg = "Traceback (most recent call last):\n  ...\nValueError: bad lr"
+    first.on_trial_error(0, [], t1)
+
+    restored = TrialProgress(cfg, trials(cfg))  # the driver was lost: Tune re-runs trial 0 from its checkpoint
+    restored.setup()
+    restored.on_trial_start(0, [], t0)
+    for step, loss in ((20, 1.5), (30, 1.25), (40, 1.0)):
+        restored.on_trial_result(0, [], t0, {"step": step, "eval_loss": loss})
+    restored.on_trial_complete(0, [], t0)
+    found = trial_states(cfg.storage, cfg.name)
+    a, b = found[names[0]], found[names[1]]
+    assert (a.state, a.starts, a.step, a.eval_loss) == ("completed", 2, 40, 1.0)
+    assert a.history == [(10, 2.0), (20, 1.5), (30, 1.25), (40, 1.0)]
+    assert (b.state, b.starts, b.error) == ("failed", 1, "ValueError: bad lr")
+    assert a.params == trials(cfg)[0].params
+
+
 def test_the_winner_is_the_completed_trial_with_the_lowest_eval_loss() -> None:
     from control.series import winner
+    from ray_jobs.contracts.trials import TrialEntry
 
-    found = {"s-t00": {"index": 0, "state": "completed", "eval_loss": 0.5},
-             "s-t01": {"index": 1, "state": "stopped-early", "eval_loss": 0.1},
-             "s-t02": {"index": 2, "state": "completed", "eval_loss": 0.4},
-             "s-t03": {"index": 3, "state": "failed", "eval_loss": None}}  # fmt: skip
+    found = {"s-t00": TrialEntry(index=0, params={}, state="completed", eval_loss=0.5),
+             "s-t01": TrialEntry(index=1, params={}, state="stopped-early", eval_loss=0.1),
+             "s-t02": TrialEntry(index=2, params={}, state="completed", eval_loss=0.4),
+             "s-t03": TrialEntry(index=3, params={}, state="failed", eval_loss=None)}  # fmt: skip
     assert winner(found) == "s-t02"
-    assert winner({k: v for k, v in found.items() if v["state"] != "completed"}) is None
+    assert winner({k: v for k, v in found.items() if v.state != "completed"}) is None
