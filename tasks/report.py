@@ -10,8 +10,10 @@ from prefect.cache_policies import NO_CACHE
 
 from control.logs import run_logger
 from ray_jobs.config import Config, DataConfig
+from ray_jobs.contracts.base import RecordError
+from ray_jobs.contracts.tracking import TrackingLinks
 from ray_jobs.secrets import mask_tree
-from ray_jobs.storage import Layout, exists, read_json
+from ray_jobs.storage import Layout
 
 if TYPE_CHECKING:
     from ray_jobs.data.records import Renderer
@@ -192,25 +194,28 @@ def summary_markdown(cfg: Config, s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def tracking_markdown(links: dict[str, dict[str, str]]) -> str:
+def tracking_markdown(links: TrackingLinks) -> str:
     """Where the run's experiment trackers are (``runs/<run>/tracking.json``, written by rank 0 as each opened)."""
     lines = ["# Experiment tracking", "", "| tracker | where | to look |", "|---|---|---|"]
-    for name, got in sorted(links.items()):
-        where = ", ".join(f"{k} `{v}`" for k, v in got.items() if k not in ("view", "url", "sync"))
-        look = got.get("url") or got.get("view") or got.get("sync") or ""
-        lines.append(f"| {name} | {_cell(where)} | `{_cell(look)}` |")
+    for name in sorted(links.trackers):
+        where = ", ".join(f"{k} `{v}`" for k, v in links.where(name).items())
+        lines.append(f"| {name} | {_cell(where)} | `{_cell(links.look(name))}` |")
     return "\n".join(lines)
 
 
 def publish_tracking(cfg: Config) -> None:
     """The tracker links as an artifact, and a link artifact for a tracker with a web page (an MLflow server)."""
-    url = Layout(cfg.storage).tracking(cfg.name)
-    links = read_json(url) if cfg.tracking.enabled and exists(url) else {}
-    if not links:
+    try:
+        links = TrackingLinks.read(Layout(cfg.storage).tracking(cfg.name)) if cfg.tracking.enabled else None
+    except RecordError as e:  # torn or hand-edited: the run's report goes on without its trackers' links
+        run_logger().warning("no tracking artifact: %s", e)
         return
-    links = mask_tree(links)  # a tracker's URI shown, never its credentials (the file holds them masked already)
+    if links is None or not links.trackers:
+        return
+    # a tracker's URI shown, never its credentials (the file holds them masked already)
+    links = TrackingLinks(trackers=mask_tree(links.trackers))
     create_markdown_artifact(tracking_markdown(links), key=f"{cfg.name}-tracking", description="experiment trackers")
-    for name, got in links.items():
+    for name, got in links.trackers.items():
         if got.get("url"):
             create_link_artifact(got["url"], link_text=f"{name} run", key=f"{cfg.name}-{name}")
 

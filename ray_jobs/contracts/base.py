@@ -42,6 +42,13 @@ class Record(Part):
     SCHEMA: ClassVar[int] = 1
     schema_version: int = 1
 
+    def dump(self) -> dict[str, Any]:
+        """The JSON-ready form, always with this code's schema version first: a record made here (not read) has its
+        version unset, and a file written without one would be read as version 1 once a second version exists."""
+        tree = super().dump()
+        tree.pop("schema_version", None)
+        return {"schema_version": self.SCHEMA, **tree}
+
     @classmethod
     def migrate(cls, tree: dict[str, Any]) -> dict[str, Any]:
         """An older version's tree in this version's shape (subclasses add steps as versions come)."""

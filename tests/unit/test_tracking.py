@@ -260,6 +260,42 @@ def test_failing_or_hung_trackers_never_hold_a_step(store: str, monkeypatch, cap
     assert sum("tracker hung did not finish" in w for w in warned) == 1
 
 
+class Linked(Boom):
+    """A tracker that opens and says where its run is, as each real one does."""
+
+    def __init__(self, name: str, links: dict[str, str]) -> None:
+        self.name, self.links = name, links
+
+    def log(self, step, metrics) -> None: ...
+
+
+def test_every_trackers_links_land_in_one_tracking_file_read_through_its_model(store: str) -> None:
+    """Each lane adds its tracker's links to ``tracking.json`` (one model for the writer and the flow's artifact); a
+    file of the first version (tracker names at the top) is read as it was; a torn one is written anew, never a
+    tracker's failure."""
+    from ray_jobs.contracts.tracking import TrackingLinks
+    from ray_jobs.storage import write_json_atomic
+    from tasks.report import tracking_markdown
+
+    at = info(store, "linked")
+    url = Layout(store).tracking("linked")
+    write_json_atomic(url, {"old": {"dir": "/x", "view": "look at /x"}})  # version 1
+    hub = Trackers([Linked("a", {"dir": "/a", "url": "http://a/run", "view": "cmd a"}),
+                    Linked("b", {"run_id": "r1", "sync": "sync b"})], at)  # fmt: skip
+    assert hub.close("FINISHED", None, timeout_s=10) == [] and not [lane.failed for lane in hub.lanes if lane.failed]
+    links = TrackingLinks.read(url)
+    assert links is not None and links.schema_version == 2 and sorted(links.trackers) == ["a", "b", "old"]
+    assert (links.look("a"), links.look("b"), links.look("old"), links.where("a")) == (
+        "http://a/run", "sync b", "look at /x", {"dir": "/a"})  # fmt: skip
+    assert "| a | dir `/a` | `http://a/run` |" in tracking_markdown(links)
+
+    with open(url.removeprefix("file://"), "w") as f:
+        f.write('{"a": {"dir"')  # torn by a host crash
+    hub = Trackers([Linked("c", {"dir": "/c"})], at)
+    assert hub.close("FINISHED", None, timeout_s=10) == [] and hub.lanes[0].failed is None
+    assert TrackingLinks.read(url).trackers == {"c": {"dir": "/c"}}
+
+
 def test_wandb_run_ids_are_what_wandb_takes_and_stable() -> None:
     long = "nightly-" + "x" * 80 + ".v2/a b"
     ids = {run_id(name, "/s") for name in ("r1", "r1", long)} | {run_id("r1", "s3://b/p")}

@@ -132,12 +132,19 @@ class _Lane:
 
     def record_links(self, name: str, links: dict[str, str]) -> None:
         """Add this tracker's links to ``runs/<run>/tracking.json`` (what the flow's report and a person follow)."""
-        from ray_jobs.storage import Layout, exists, read_json, write_json_atomic
+        from ray_jobs.contracts.base import RecordError
+        from ray_jobs.contracts.tracking import TrackingLinks
+        from ray_jobs.storage import Layout, write_json_atomic
 
         with _LINKS_LOCK:
             url = Layout(self.info.storage).tracking(self.info.run)
-            known = read_json(url) if exists(url) else {}
-            write_json_atomic(url, {**known, name: links})
+            try:
+                known = TrackingLinks.read(url) or TrackingLinks()
+            except RecordError as e:  # torn by a crash, or hand-edited: rewritten, never this tracker's failure
+                log.warning("%s; written anew", e)
+                known = TrackingLinks()
+            known.trackers = {**known.trackers, name: links}
+            write_json_atomic(url, known.dump())
 
 
 class Trackers:
