@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ray_jobs.config import Config, from_json, load_config  # noqa: E402
+from ray_jobs.contracts.dataset import DatasetManifest  # noqa: E402
 from ray_jobs.data.cache import ShardCache  # noqa: E402
 from ray_jobs.data.reading import Cursor, RankSampler, open_rows, rank_shards  # noqa: E402
 from ray_jobs.data.staging import stage  # noqa: E402
@@ -71,22 +72,24 @@ def window_rate(rows: list[dict], first: int, last: int) -> float:
     return (at[last]["tokens_seen"] - at[first]["tokens_seen"]) / (at[last]["time"] - at[first]["time"])
 
 
-def run_unbroken(cfg: Config, manifest: dict, model: str, warmup: int) -> float:
+def run_unbroken(cfg: Config, manifest: DatasetManifest, model: str, warmup: int) -> float:
     import ray
 
-    from ray_jobs.job import build_trainer
+    from ray_jobs.job import build_trainer, worker_config
     from ray_jobs.storage import Layout
 
     ray.init(num_cpus=WORLD, include_dashboard=False, log_to_driver=False)
     try:
-        build_trainer(cfg, {"config": cfg.model_dump_json(), "manifest": manifest, "model_path": model}).fit()
+        build_trainer(cfg, worker_config(cfg, manifest, model)).fit()
     finally:
         ray.shutdown()
     lines = Path(Layout(cfg.storage).metrics(cfg.name)).read_text().splitlines()
     return window_rate([json.loads(x) for x in lines], warmup, cfg.train.max_steps - 1)
 
 
-def bare_worker(rank: int, cfg_json: str, manifest: dict, model_path: str, warmup: int, port: int, out) -> None:
+def bare_worker(
+    rank: int, cfg_json: str, manifest: DatasetManifest, model_path: str, warmup: int, port: int, out
+) -> None:
     """A plain DDP loop over the same rows the unbroken rank reads."""
     import torch
     import torch.distributed as dist
@@ -107,10 +110,10 @@ def bare_worker(rank: int, cfg_json: str, manifest: dict, model_path: str, warmu
     model = DistributedDataParallel(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir)
-    rows = open_rows(cache, rank_shards(manifest["shards"]["train"], rank, WORLD), manifest["seq_len"])
+    cache = ShardCache(cfg.storage, manifest.dataset_id, cfg.data.cache_dir)
+    rows = open_rows(cache, rank_shards(manifest.shards["train"], rank, WORLD), manifest.seq_len)
     sampler, cursor = RankSampler(len(rows), cfg.train.seed, rank), Cursor()
-    pad = manifest["tokenizer"]["pad_token_id"]
+    pad = manifest.tokenizer.pad_token_id
     tokens, started = 0, None
     for step in range(1, cfg.train.max_steps):  # the unbroken window ends at max_steps - 1
         idx, cursor = sampler.take(cursor, cfg.train.micro_batch_size)
@@ -179,7 +182,9 @@ class DistRuntime:
         return box[0]
 
 
-def loop_worker(rank: int, cfg_json: str, manifest: dict, model_path: str, warmup: int, port: int, out) -> None:
+def loop_worker(
+    rank: int, cfg_json: str, manifest: DatasetManifest, model_path: str, warmup: int, port: int, out
+) -> None:
     """unbroken's Trainer on a plain process group: the loop's own cost, without Ray."""
     import torch.distributed as dist
 
@@ -196,7 +201,7 @@ def loop_worker(rank: int, cfg_json: str, manifest: dict, model_path: str, warmu
     dist.destroy_process_group()
 
 
-def run_processes(target, cfg: Config, manifest: dict, model: str, warmup: int) -> float:
+def run_processes(target, cfg: Config, manifest: DatasetManifest, model: str, warmup: int) -> float:
     """Run ``target`` on WORLD spawned processes; rank 0 puts the tokens/s of the window."""
     import torch.multiprocessing as mp
 

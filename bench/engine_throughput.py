@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.results import record  # noqa: E402
 from ray_jobs.config import Config, load_config  # noqa: E402
+from ray_jobs.contracts.dataset import DatasetManifest  # noqa: E402
 
 
 def bench_config(root: Path, engine: str, steps: int, real: bool, name: str) -> Config:
@@ -40,17 +41,18 @@ def bench_config(root: Path, engine: str, steps: int, real: bool, name: str) -> 
     return load_config(recipe, [f"{k}={v}" for k, v in sets.items()])
 
 
-def one_run(cfg: Config, manifest: dict, model: str) -> float:
+def one_run(cfg: Config, manifest: DatasetManifest, model: str) -> float:
+    from ray_jobs.job import worker_config
     from ray_jobs.train.runtime import LocalRuntime
-    from ray_jobs.train.worker import _make_trainer
+    from ray_jobs.train.worker import make_trainer
 
-    t = _make_trainer(cfg, {"manifest": manifest, "model_path": model}, LocalRuntime(), None, 0)
+    t = make_trainer(cfg, worker_config(cfg, manifest, model), LocalRuntime(), None)
     t.resume_or_start()
     t.fit()
     return t.loop.tokens_seen / t.loop.elapsed_s
 
 
-def prepare(root: Path, cfg: Config) -> tuple[dict, str]:
+def prepare(root: Path, cfg: Config) -> tuple[DatasetManifest, str]:
     from ray_jobs.data.staging import stage
     from ray_jobs.model.builtin import build_builtin, is_builtin
     from ray_jobs.model.loading import load_tokenizer

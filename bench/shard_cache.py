@@ -19,16 +19,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.staging_throughput import make_data  # noqa: E402
 from ray_jobs.config import DataConfig  # noqa: E402
+from ray_jobs.contracts.dataset import DatasetManifest  # noqa: E402
 from ray_jobs.data.reading import ShardCache  # noqa: E402
 from ray_jobs.data.staging import stage  # noqa: E402
 from ray_jobs.model.builtin import train_char_tokenizer  # noqa: E402
 from tests.s3 import make_bucket, moto_server  # noqa: E402
 
 
-def read_all(storage: str, manifest: dict, cache_dir: str) -> tuple[float, dict]:
+def read_all(storage: str, manifest: DatasetManifest, cache_dir: str) -> tuple[float, dict]:
     started = time.perf_counter()
-    cache = ShardCache(storage, manifest["dataset_id"], cache_dir)
-    for e in manifest["shards"]["train"] + manifest["shards"]["eval"]:
+    cache = ShardCache(storage, manifest.dataset_id, cache_dir)
+    for e in manifest.shards["train"] + manifest.shards["eval"]:
         cache.local_path(e)
     return time.perf_counter() - started, cache.counters()
 

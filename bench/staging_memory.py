@@ -116,7 +116,7 @@ if __name__ == "__main__":
     data = DataConfig(train=src, eval=ev or None, format=fmt, seq_len=512, shard_mb=64, min_shards=2,
                       work_dir=storage + "-work")
     r = stage(data, load_tokenizer(tok), tok, storage)
-    print(json.dumps(r.manifest["counts"]))
+    print(r.manifest.counts.model_dump_json())
 """
 
 STAGE_CLUSTER = """
@@ -135,7 +135,7 @@ if __name__ == "__main__":
                       work_dir=storage + "-work")
     r = stage(data, load_tokenizer(tok), tok, storage, on="cluster")
     ray.shutdown()
-    print(json.dumps({**r.manifest["counts"], "ray_idle_rss": idle}))
+    print(json.dumps({**r.manifest.counts.model_dump(), "ray_idle_rss": idle}))
 """
 
 BASELINE = """

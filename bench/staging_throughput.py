@@ -106,11 +106,11 @@ def child_ours(cfg: dict) -> dict:
     tok, name = load_tok(cfg)
     data = data_config(cfg, cfg["workers"])
     started = time.perf_counter()
-    counts = stage(data, tok, name, cfg["dir"] + "/storage").manifest["counts"]
+    counts = stage(data, tok, name, cfg["dir"] + "/storage").manifest.counts
     secs = time.perf_counter() - started
     workers = pool_size(data, Path(cfg["train"]).stat().st_size + Path(cfg["eval"]).stat().st_size)
-    return {"seconds": secs, "tokens": counts["train_tokens"], "workers": workers,
-            "pieces": counts["pieces"], "cut_documents": counts["cut_documents"]}  # fmt: skip
+    return {"seconds": secs, "tokens": counts.train_tokens, "workers": workers,
+            "pieces": counts.pieces, "cut_documents": counts.cut_documents}  # fmt: skip
 
 
 def child_baseline(cfg: dict) -> dict:

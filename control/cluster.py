@@ -8,6 +8,7 @@ from control.backends import backend_class, backend_for, fit
 from control.backends.base import ClusterError, ClusterHandle, StartedAhead
 from control.logs import run_logger
 from ray_jobs.config import Config
+from ray_jobs.contracts.dataset import DatasetManifest
 
 __all__ = ["ClusterError", "ClusterHandle", "begin", "check_fits", "preflight", "provision", "release"]
 
@@ -41,7 +42,7 @@ def begin(cfg: Config) -> StartedAhead | None:
     return backend_for(cfg).begin_up(cfg.name)
 
 
-def check_fits(cfg: Config, handle: ClusterHandle, manifest: dict) -> None:
+def check_fits(cfg: Config, handle: ClusterHandle, manifest: DatasetManifest) -> None:
     """Refuse a run that could never start (control/backends/fit.py): a dataset without a train shard for every
     data rank, or a cluster without room for the fewest workers after waiting ``cluster.start_timeout_s`` for nodes
     to join. Raises DoesNotFit naming every reason; a cluster whose resources cannot be read is not refused here."""

@@ -26,8 +26,8 @@ from control.sources import SourceRefused, rejected_event
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from flows.params import run_config
 from flows.stage import stage_for
+from ray_jobs.contracts.dataset import read_manifest
 from ray_jobs.model.builtin import base_model_ready
-from ray_jobs.storage import read_json
 from tasks.cluster import ClusterHandle, begin_cluster, check_cluster_fits, provision_cluster, stop_cluster
 from tasks.jobs import submit_job, watch_job
 from tasks.lineage import Lineage, check_series, find_trained_run, plan_lineage
@@ -168,7 +168,7 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
     this flow does not retry: it records the incident, leaves the run ``recovering`` and fails, so the watchdog
     restarts it from the newest valid checkpoint. If this flow dies, the job trains on and the watchdog adopts it.
     """
-    check_cluster_fits(cfg, handle, read_json(staged.manifest_url))
+    check_cluster_fits(cfg, handle, read_manifest(staged.manifest_url))
     attempt, spec_url = record_attempt(cfg, handle, staged.dataset_id, staged.manifest_url, lineage.start,
                                        lineage.pin, lineage.parent_run)  # fmt: skip
     try:

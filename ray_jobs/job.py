@@ -15,10 +15,11 @@ import time
 from typing import TYPE_CHECKING
 
 from ray_jobs.config import Config, job_spec
+from ray_jobs.contracts.dataset import DatasetManifest, read_manifest
 from ray_jobs.contracts.failure import JobFailure
-from ray_jobs.contracts.job_spec import JobSpec
+from ray_jobs.contracts.job_spec import JobSpec, WorkerSpec
 from ray_jobs.secrets import mask, mask_output
-from ray_jobs.storage import Layout, pyarrow_filesystem, read_json, strip_protocol
+from ray_jobs.storage import Layout, pyarrow_filesystem, strip_protocol
 
 if TYPE_CHECKING:
     from ray.train.torch import TorchTrainer
@@ -33,29 +34,21 @@ log = logging.getLogger("unbroken.job")
 POLL_INTERVAL_ENV, POLL_INTERVAL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 
 
-def worker_config(
-    cfg: Config,
-    manifest: dict,
-    model_path: str,
-    resume_from: str | None = None,
-    attempt: int = 0,
-    score_manifest: dict | None = None,
-    parent: str | None = None,
-) -> dict:
-    """What every rank's loop is given (``train.worker.run_worker``), whoever starts it."""
-    return {"config": cfg.model_dump_json(), "manifest": manifest, "model_path": model_path,
-            "resume_from": resume_from, "attempt": attempt, "score_manifest": score_manifest,
-            "parent": parent}  # fmt: skip
+def worker_config(cfg: Config, manifest: DatasetManifest, model_path: str) -> WorkerSpec:
+    """What every rank is given to train ``cfg`` on the staged ``manifest`` from ``model_path`` (a fresh start, or
+    the newest valid checkpoint): local mode's, and the benchmarks'."""
+    return WorkerSpec(config=cfg.model_dump_json(), manifest=manifest, model_path=model_path)
 
 
-def loop_config(spec: JobSpec, cfg: Config) -> dict:
-    """:func:`worker_config` from a job spec: the manifests are read once, here, not by every rank."""
-    score = read_json(spec.score_manifest_url) if spec.score_manifest_url else None
-    return worker_config(cfg, read_json(spec.manifest_url), spec.model_path, spec.resume_from, spec.attempt, score,
-                         spec.parent)  # fmt: skip
+def loop_config(spec: JobSpec, cfg: Config) -> WorkerSpec:
+    """What every rank is given, from a job spec: the manifests are read once, here, not by every rank."""
+    score = read_manifest(spec.score_manifest_url) if spec.score_manifest_url else None
+    return WorkerSpec(config=cfg.model_dump_json(), manifest=read_manifest(spec.manifest_url),
+                      model_path=spec.model_path, resume_from=spec.resume_from, attempt=spec.attempt,
+                      score_manifest=score, parent=spec.parent)  # fmt: skip
 
 
-def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None) -> TorchTrainer:
+def build_trainer(cfg: Config, loop: WorkerSpec, callbacks: list | None = None) -> TorchTrainer:
     """Ray Train's TorchTrainer for this run: every worker runs ``train_loop_per_worker(loop)``. ``callbacks``: Ray
     Train callbacks (a search's trial passes Tune's, which forwards rank 0's reports to the scheduler)."""
     # Ray Train V2's own classes (what ``ray.train`` re-exports while V2 is on, Ray's default; ``ray.train.torch``'s
@@ -73,7 +66,7 @@ def build_trainer(cfg: Config, loop: dict, callbacks: list | None = None) -> Tor
         train_loop_per_worker,
         # Ray Train keeps the loop config in its run's state (the dashboard's Train page shows it): the config masked,
         # revealed by each worker from the job's environment (``train.worker.run_worker``: ``from_json``)
-        train_loop_config=loop | {"config": mask(loop["config"], ())},
+        train_loop_config=loop.model_dump(mode="json") | {"config": mask(loop.config, ())},
         torch_config=torch_config(cfg.cluster.use_gpu, cfg.fault_tolerance.preemption_grace_s, lighthouse(cfg)),
         scaling_config=scaling_config(cfg),
         run_config=RunConfig(
@@ -141,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # One row-trace group per job (tests): a live replica replaced mid-job trains in the same group as its peers.
-    trainer = build_trainer(cfg, loop_config(spec, cfg) | {"group": time.time_ns()})
+    trainer = build_trainer(cfg, loop_config(spec, cfg).set(group=time.time_ns()))
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps worker errors; name the root cause plainly for the watchdog's policy

@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ray_jobs.config import Config, ConfigError, job_spec
-from ray_jobs.contracts.job_spec import JobSpec
+from ray_jobs.contracts.job_spec import JobSpec, WorkerSpec
 from ray_jobs.secrets import mask_output
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def check_local(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
-def prepare(cfg: Config) -> dict[str, Any]:
+def prepare(cfg: Config) -> WorkerSpec:
     """What ``run_worker`` is given, made here without Prefect: the base model (built when it is the built-in one
     and missing) and the staged dataset (a content-addressed cache hit when staged already)."""
     from ray_jobs.data.staging import stage
@@ -87,7 +87,7 @@ def prepare(cfg: Config) -> dict[str, Any]:
 
     model_path, _ = ensure_base_model(cfg)
     staged = stage(cfg.data, load_tokenizer(model_path, cfg.data.cache_dir), model_path, cfg.storage)
-    log.info("dataset %s (%s)", staged.manifest["dataset_id"], "cache hit" if staged.cache_hit else "staged")
+    log.info("dataset %s (%s)", staged.dataset_id, "cache hit" if staged.cache_hit else "staged")
     return worker_config(cfg, staged.manifest, model_path)
 
 
@@ -129,7 +129,7 @@ def train(cfg: Config) -> str | None:
     return _run(loop, rt)
 
 
-def _run(loop: dict[str, Any], rt: Runtime) -> str | None:
+def _run(loop: WorkerSpec, rt: Runtime) -> str | None:
     import torch.distributed as dist
 
     from ray_jobs.storage import Layout

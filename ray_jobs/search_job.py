@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     trials = search_trials(cfg)
     base = loop_config(spec, cfg)  # the manifests read once, here
-    loops = [base | {"config": t.config.model_dump_json()} for t in trials]
+    loops = [base.model_copy(update={"config": t.config.model_dump_json()}) for t in trials]
     ray.init(ignore_reinit_error=True)
     with SearchHeartbeat(cfg, trials, spec.attempt):
         grid = build_tuner(cfg, trials, loops, ray.cluster_resources().get("CPU", 0.0)).fit()

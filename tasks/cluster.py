@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from control import cluster
 from control.backends.base import ClusterError, ClusterHandle
 from ray_jobs.config import Config
+from ray_jobs.contracts.dataset import DatasetManifest
 
 __all__ = ["ClusterError", "ClusterHandle", "begin_cluster", "check_cluster_fits", "provision_cluster", "stop_cluster"]
 
@@ -23,7 +24,7 @@ def provision_cluster(cfg: Config) -> ClusterHandle:
 
 
 @task(name="check-cluster-fits", cache_policy=NO_CACHE)
-def check_cluster_fits(cfg: Config, handle: ClusterHandle, manifest: dict) -> None:
+def check_cluster_fits(cfg: Config, handle: ClusterHandle, manifest: DatasetManifest) -> None:
     """Refuse a run that could never start (a dataset without a train shard for every data rank, a cluster without
     room for the fewest workers after ``cluster.start_timeout_s``), naming every reason."""
     cluster.check_fits(cfg, handle, manifest)

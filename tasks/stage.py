@@ -16,6 +16,7 @@ from control.backends.base import ClusterHandle
 from control.jobs import JobFailed, run_to_end, submit
 from control.logs import run_logger
 from ray_jobs.config import Config
+from ray_jobs.contracts.dataset import read_manifest
 from ray_jobs.contracts.job_spec import StageSpec
 from ray_jobs.data.fingerprint import describe
 from ray_jobs.data.staging import StageResult, StagingError, cached, stage, summary
@@ -35,7 +36,7 @@ class Staged:
     dataset_id: str
     manifest_url: str
     cache_hit: bool
-    counts: dict[str, Any]
+    counts: dict[str, int]  # the manifest's (ray_jobs/contracts/dataset.Counts), as the flow's result keeps them
     summary: str = ""  # what staging made of the records (staging.summary), for people
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,16 +151,16 @@ def _stage_on_cluster(cfg: Config, model_path: str, handle: ClusterHandle) -> St
             raise StagingError(error) from None
         raise JobFailed(f"staging on the cluster failed: {e}") from e
     out = read_json(outcome_url)
-    return StageResult(out["dataset_id"], out["manifest_url"], out["cache_hit"], read_json(out["manifest_url"]),
+    return StageResult(out["dataset_id"], out["manifest_url"], out["cache_hit"], read_manifest(out["manifest_url"]),
                        out["sources_read"])  # fmt: skip
 
 
 def _report(result: StageResult) -> Staged:
-    counts = result.manifest["counts"]
+    counts = result.manifest.counts
     verb = "cache hit" if result.cache_hit else "staged"
     run_logger().info(
         "%s dataset %s: %s -> %d train / %d eval rows; manifest %s",
-        verb, result.dataset_id, summary(result.manifest), counts["train_rows"], counts["eval_rows"],
-        result.manifest_url,
+        verb, result.dataset_id, summary(result.manifest), counts.train_rows, counts.eval_rows, result.manifest_url,
     )  # fmt: skip
-    return Staged(result.dataset_id, result.manifest_url, result.cache_hit, counts, summary(result.manifest))
+    return Staged(result.dataset_id, result.manifest_url, result.cache_hit, counts.model_dump(),
+                  summary(result.manifest))  # fmt: skip

@@ -95,3 +95,17 @@ def shared_prefect(tmp_path_factory):
 
     with serving(tmp_path_factory.mktemp("prefect-shared"), environ=True, lean=True) as server:
         yield server
+
+
+def made_manifest(train_shards: int = 4, dataset_id: str = "ds-x", seq_len: int = 32):
+    """A dataset manifest as staging writes it, for tests that need only its shape (no shard is read)."""
+    from ray_jobs.contracts.dataset import Counts, DatasetManifest, Shard, TokenizerInfo
+
+    def shard(split: str, i: int) -> Shard:
+        return Shard(file=f"{split}-{i:05d}.parquet", rows=1, bytes=1, sha256="0" * 64)
+
+    return DatasetManifest(dataset_id=dataset_id, staging_version=3, seq_len=seq_len, sources={}, counts=Counts(),
+                           tokenizer=TokenizerInfo(name_or_path="builtin", fingerprint="f", vocab_size=64,
+                                                   pad_token_id=0),
+                           staging_config={"format": "prompt_completion"},
+                           shards={"train": [shard("train", i) for i in range(train_shards)], "eval": []})  # fmt: skip

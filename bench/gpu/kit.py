@@ -142,7 +142,7 @@ def trainer(cfg):
     loop = prepare(cfg)
     if cfg.train.engine == "hf":
         from ray_jobs.train.hf import HfTrainer as Trainer  # noqa: N814 (the same constructor)
-    t = Trainer(cfg, loop["manifest"], loop["model_path"], LocalRuntime(device()))
+    t = Trainer(cfg, loop.manifest, loop.model_path, LocalRuntime(device()))
     t.resume_or_start()
     return t
 

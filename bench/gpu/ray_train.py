@@ -95,11 +95,10 @@ def run_config(work: Path, size: kit.Size, model: Path, name: str, steps: int, *
 
 def fit(cfg) -> tuple[Any, float]:
     """The product's TorchTrainer for ``cfg`` (the flow's preparation made without Prefect), fitted here."""
-    from ray_jobs.job import build_trainer, worker_config
+    from ray_jobs.job import build_trainer
     from ray_jobs.local import prepare
 
-    loop = prepare(cfg)
-    trainer = build_trainer(cfg, worker_config(cfg, loop["manifest"], loop["model_path"]) | {"group": time.time_ns()})
+    trainer = build_trainer(cfg, prepare(cfg).set(group=time.time_ns()))
     t0 = time.monotonic()
     result = trainer.fit()
     return result, time.monotonic() - t0

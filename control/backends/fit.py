@@ -17,6 +17,7 @@ from control.backends.base import ClusterError
 from control.backends.health import Health
 from ray_jobs.config import Config
 from ray_jobs.config.tune import concurrency_problem
+from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.errors import UserError
 from ray_jobs.poll import poll_until
 
@@ -25,10 +26,10 @@ class DoesNotFit(ClusterError, UserError):
     """The run cannot start: its dataset cannot feed its workers, or its cluster cannot hold them."""
 
 
-def data_problems(cfg: Config, manifest: dict) -> list[str]:
+def data_problems(cfg: Config, manifest: DatasetManifest) -> list[str]:
     """Why the staged dataset cannot feed the run (no wait helps)."""
     c = cfg.cluster
-    shards = len(manifest["shards"]["train"])
+    shards = len(manifest.shards["train"])
     if shards < c.max_workers:  # the data is laid out for max workers (data ranks), whatever the world size
         return [
             f"the dataset has {shards} train shards but cluster.num_workers={c.max_workers}"
@@ -67,7 +68,7 @@ def resource_problems(cfg: Config, total: dict[str, float], nothing_joins: bool 
     return problems
 
 
-def check_fit(cfg: Config, total: dict[str, float], manifest: dict) -> list[str]:
+def check_fit(cfg: Config, total: dict[str, float], manifest: DatasetManifest) -> list[str]:
     """Everything that would stop the training job from ever starting now, as one list of reasons."""
     return data_problems(cfg, manifest) + resource_problems(cfg, total)
 

@@ -8,4 +8,7 @@ are built on the same base.
   restart policy reads and the run record keeps on the incident.
 - ``heartbeat.Beat``: what a job says of itself to watchers (``runs/<run>/heartbeat.json``).
 - ``trials.Trials``: a search's trials as its driver last saw them (``runs/<search>/trials.json``).
+- ``dataset.DatasetManifest``: a staged dataset (``datasets/<id>/manifest.json``), and ``job_spec.WorkerSpec``:
+  what every rank of a training run is given (the manifests inside it, read once by the job's driver).
+- ``tracking.TrackingLinks``: where each experiment tracker keeps the run (``runs/<run>/tracking.json``).
 """

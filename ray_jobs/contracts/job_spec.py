@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from ray_jobs.contracts.base import Record
+from ray_jobs.contracts.base import Part, Record
+from ray_jobs.contracts.dataset import DatasetManifest
 
 
 class Spec(Record):
@@ -37,3 +38,19 @@ class StageSpec(Spec):
     model_path: str
     outcome_url: str
     progress_url: str | None = None
+
+
+class WorkerSpec(Part):
+    """What every rank of a training run is given (``ray_jobs/train/worker.run_worker``), whoever starts it: made from
+    a :class:`JobSpec` by the job's driver (the manifests read once there, not by every rank), or by local mode.
+    Across Ray Train it travels as its JSON form (Ray Train's ``train_loop_config``, kept in its run's state with the
+    config masked) and is parsed again by each rank."""
+
+    config: str  # the run's Config as JSON (masked where Ray Train keeps it; revealed by each rank from its env)
+    manifest: DatasetManifest
+    model_path: str
+    resume_from: str | None = None
+    attempt: int = 0
+    score_manifest: DatasetManifest | None = None  # the series' pinned eval set the final model is scored on
+    parent: str | None = None
+    group: int = 0  # the job's row-trace group (tests): a live replica replaced mid-job trains in its peers' group

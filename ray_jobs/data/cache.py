@@ -8,8 +8,8 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any
 
+from ray_jobs.contracts.dataset import Shard
 from ray_jobs.model.cache import MODELS_DIR, tree_bytes
 from ray_jobs.progress import Reporter, every_s
 from ray_jobs.storage import Layout, join, read_bytes
@@ -41,26 +41,26 @@ class ShardCache:
         if self.local_dir.exists():
             os.utime(self.local_dir)  # "recently used", for eviction order
 
-    def local_path(self, entry: dict[str, Any]) -> Path:
+    def local_path(self, entry: Shard) -> Path:
         """Path of a verified local copy of a shard, fetching it on a miss."""
         local = self._local(entry)
         if self._is_valid(local, entry):
             self.hits += 1
             return local
         self.misses += 1
-        data = read_bytes(join(self.remote_dir, entry["file"]))
+        data = read_bytes(join(self.remote_dir, entry.file))
         self.bytes_from_storage += len(data)
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise ShardIntegrityError(f"{join(self.remote_dir, entry['file'])}: sha256 does not match the manifest")
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ShardIntegrityError(f"{join(self.remote_dir, entry.file)}: sha256 does not match the manifest")
         self._make_room(len(data))
-        self._store(local, data, entry["sha256"])
+        self._store(local, data, entry.sha256)
         return local
 
-    def rows_paths(self, entries: list[dict[str, Any]], seq_len: int) -> list[Path]:
+    def rows_paths(self, entries: list[Shard], seq_len: int) -> list[Path]:
         """``rows_path`` of each entry. Those not in the cache yet are fetched and decoded one after the other: once
         that has taken a few seconds, a progress line every few (shards and bytes done, MB/s, ETA)."""
         cold = {id(e) for e in entries if not (self._decoded(e).exists() and self._is_valid(self._local(e), e))}
-        total = sum(e["bytes"] for e in entries if id(e) in cold)
+        total = sum(e.bytes for e in entries if id(e) in cold)
         report = Reporter(f"node cache warm-up of {self.local_dir.name}", total, quiet_s=every_s(), log=log, tty=False)
         if cold:
             report.update(0, shards=0)  # timed from here: the first shard's fetch counts
@@ -68,29 +68,29 @@ class ShardCache:
         for e in entries:
             out.append(self.rows_path(e, seq_len))
             if id(e) in cold:
-                done, shards = done + e["bytes"], shards + 1
+                done, shards = done + e.bytes, shards + 1
                 report.update(done, shards=shards)
         report.finish()
         return out
 
-    def rows_path(self, entry: dict[str, Any], seq_len: int) -> Path:
+    def rows_path(self, entry: Shard, seq_len: int) -> Path:
         """Path of the shard decoded to a raw ``.npy`` (int32 ``[rows, 3, seq_len]``) for memory-mapping; written
         once from the verified Parquet copy, and renamed into place so a half-written one never exists."""
         parquet = self.local_path(entry)
         decoded = self._decoded(entry)
         if not decoded.exists():
-            self._make_room(entry["rows"] * 3 * seq_len * 4)
+            self._make_room(entry.rows * 3 * seq_len * 4)
             tmp = decoded.with_name(f"{decoded.name}.tmp-{uuid.uuid4().hex[:8]}.npy")
             decode_shard(parquet, seq_len, tmp)
             os.replace(tmp, decoded)
         return decoded
 
-    def _local(self, entry: dict[str, Any]) -> Path:
-        return self.local_dir / entry["file"]
+    def _local(self, entry: Shard) -> Path:
+        return self.local_dir / entry.file
 
-    def _decoded(self, entry: dict[str, Any]) -> Path:
+    def _decoded(self, entry: Shard) -> Path:
         local = self._local(entry)
-        return local.with_name(f"{local.name}.{entry['sha256'][:16]}.npy")
+        return local.with_name(f"{local.name}.{entry.sha256[:16]}.npy")
 
     def _make_room(self, incoming: int) -> None:
         import shutil
@@ -106,10 +106,10 @@ class ShardCache:
             self.evicted.append(victim.name)
 
     @staticmethod
-    def _is_valid(local: Path, entry: dict[str, Any]) -> bool:
+    def _is_valid(local: Path, entry: Shard) -> bool:
         stamp = local.with_name(local.name + ".sha256")
         try:
-            return local.stat().st_size == entry["bytes"] and stamp.read_text() == entry["sha256"]
+            return local.stat().st_size == entry.bytes and stamp.read_text() == entry.sha256
         except OSError:
             return False
 

@@ -20,14 +20,14 @@ data rank ``r``, as before there were data ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from ray_jobs.contracts.dataset import Shard
 from ray_jobs.data.cache import ShardCache
 
 
-def rank_shards(entries: list[dict[str, Any]], rank: int, world_size: int) -> list[dict[str, Any]]:
+def rank_shards(entries: list[Shard], rank: int, world_size: int) -> list[Shard]:
     """The train shards rank ``rank`` reads: every ``world_size``-th, starting at its rank."""
     if len(entries) < world_size:
         raise ValueError(
@@ -59,7 +59,7 @@ class ShardRows:
         return wide[:, 0], wide[:, 1], wide[:, 2]
 
 
-def open_rows(cache: ShardCache, entries: list[dict[str, Any]], seq_len: int) -> ShardRows:
+def open_rows(cache: ShardCache, entries: list[Shard], seq_len: int) -> ShardRows:
     """The rows of ``entries`` memory-mapped from the node cache (each shard fetched and decoded on first use).
 
     Position ids restart at 0 for every packed example; passed to the model, they keep examples from attending
@@ -68,9 +68,7 @@ def open_rows(cache: ShardCache, entries: list[dict[str, Any]], seq_len: int) ->
     return ShardRows([np.load(p, mmap_mode="r") for p in cache.rows_paths(entries, seq_len)], seq_len)
 
 
-def load_rows(
-    cache: ShardCache, entries: list[dict[str, Any]], seq_len: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_rows(cache: ShardCache, entries: list[Shard], seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every row of ``entries`` in memory as (input_ids, labels, position_ids) int64 arrays (small sets only)."""
     rows = open_rows(cache, entries, seq_len)
     return rows.take(np.arange(len(rows)))
@@ -146,7 +144,7 @@ class StepPlan:
     ``cursors`` (one per data rank, the global cursor) advance together on every worker; a worker builds only its
     own micro-batches' rows, and memory-maps only the shards of the data ranks it serves."""
 
-    def __init__(self, cache: ShardCache, entries: list[dict[str, Any]], seq_len: int, *, data_ranks: int,
+    def __init__(self, cache: ShardCache, entries: list[Shard], seq_len: int, *, data_ranks: int,
                  grad_accum_steps: int, micro_batch_size: int, seed: int, rank: int, world_size: int):  # fmt: skip
         slots = data_ranks * grad_accum_steps
         if slots % world_size:
@@ -162,9 +160,7 @@ class StepPlan:
     def _count(self, v: int) -> int:
         if v in self.rows:
             return len(self.rows[v])
-        if all("rows" in e for e in self.entries[v]):
-            return sum(int(e["rows"]) for e in self.entries[v])
-        raise ValueError("the dataset manifest has no row counts; restage it")  # every staging version writes them
+        return sum(e.rows for e in self.entries[v])  # a shard's row count: required by the manifest's model
 
     @property
     def micro_batches(self) -> int:
@@ -194,4 +190,4 @@ class StepPlan:
         """(shard file, row in it) of data rank ``v``'s rows ``idx``: a row's identity at any world size."""
         rows = self.rows[v]
         part = np.searchsorted(rows.starts, idx, side="right") - 1
-        return [(self.entries[v][k]["file"], int(i - rows.starts[k])) for k, i in zip(part, idx, strict=True)]
+        return [(self.entries[v][k].file, int(i - rows.starts[k])) for k, i in zip(part, idx, strict=True)]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_jobs.config import DataConfig
+from ray_jobs.contracts.dataset import Counts, DatasetManifest, Shard, StagedSource, TokenizerInfo, read_manifest
 from ray_jobs.data.fingerprint import Source, describe, hash_file, known_hashes, resolve_hashes
 from ray_jobs.data.pack import pack, shard_count
 from ray_jobs.data.read_progress import ProgressFn, ReadProgress
@@ -46,7 +47,7 @@ from ray_jobs.data.sources import (
 from ray_jobs.data.spill import SPLITS, Spill
 from ray_jobs.data.tokenize import IGNORE_INDEX, chat_renderer, tokenizer_fingerprint
 from ray_jobs.data.workers import BatchWork, cluster_size, pool_size, ray_get, ray_results, results
-from ray_jobs.storage import Layout, exclusive_lock, exists, join, read_json, upload_file, write_json_atomic
+from ray_jobs.storage import Layout, exclusive_lock, exists, join, upload_file, write_json_atomic
 
 # What other modules import from here (the stages' own modules are the homes).
 __all__ = [
@@ -70,7 +71,7 @@ class StageResult:
     dataset_id: str
     manifest_url: str
     cache_hit: bool
-    manifest: dict[str, Any]
+    manifest: DatasetManifest
     sources_read: int = 0  # source files whose bytes were read to learn their sha256 (0: fingerprints sufficed)
 
 
@@ -92,15 +93,15 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: st
     layout = Layout(storage)
     manifest_url = layout.dataset_manifest(ds_id)
     if exists(manifest_url):
-        return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
+        return StageResult(ds_id, manifest_url, True, read_manifest(manifest_url), read)
     # two stagings of one dataset on this machine must never share a spill: the second waits, then finds it staged
     with exclusive_lock(Path(data.work_dir) / f"{ds_id}.lock", timeout_s=STAGING_LOCK_TIMEOUT_S):
         if exists(manifest_url):
-            return StageResult(ds_id, manifest_url, True, read_json(manifest_url), read)
+            return StageResult(ds_id, manifest_url, True, read_manifest(manifest_url), read)
         out_dir = layout.dataset_dir(ds_id)
         manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress,
                                 writing)  # fmt: skip
-        write_json_atomic(manifest_url, manifest)
+        write_json_atomic(manifest_url, manifest.dump())
     return StageResult(ds_id, manifest_url, False, manifest, read)
 
 
@@ -119,7 +120,7 @@ def cached(data: DataConfig, tokenizer, storage: str) -> StageResult | None:
     data = resolve_format(data)
     ds_id = dataset_id(sources, tokenizer_fingerprint(tokenizer), data)
     url = Layout(storage).dataset_manifest(ds_id)
-    return StageResult(ds_id, url, True, read_json(url)) if exists(url) else None
+    return StageResult(ds_id, url, True, read_manifest(url)) if exists(url) else None
 
 
 def describe_sources(data: DataConfig) -> dict[str, list[Source]]:
@@ -165,7 +166,7 @@ def staging_config(data: DataConfig) -> dict[str, Any]:
 
 
 def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress=None,
-                 writing=None) -> dict[str, Any]:  # fmt: skip
+                 writing=None) -> DatasetManifest:  # fmt: skip
     if tokenizer.eos_token_id is None:
         raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -186,21 +187,26 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
         raise
     shards = _write_shards(spill, data, out_dir, writing)
     upload_file(spill.rejects_file(), join(out_dir, "rejects.jsonl"))
-    tok_info = {"name_or_path": tokenizer_name, "fingerprint": tok_fp, "vocab_size": len(tokenizer),
-                "pad_token_id": pad, "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
-    manifest = {
-        "dataset_id": ds_id,
-        "staging_version": STAGING_VERSION,
-        "seq_len": data.seq_len,
-        "sources": {k: [{"url": f.url, "bytes": f.size, "sha256": f.sha256} for f in v] for k, v in sources.items()},
-        "tokenizer": tok_info,
-        "staging_config": staging_config(data),
-        "counts": _counts(spill),
-        "shards": shards,
-    }
+    tok = TokenizerInfo(name_or_path=tokenizer_name, fingerprint=tok_fp, vocab_size=len(tokenizer), pad_token_id=pad,
+                        eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    manifest = _manifest(ds_id, data, sources, tok, _counts(spill), shards)
     spill.remove()
     logging.getLogger("unbroken.staging").info("staged %s: %s", ds_id, summary(manifest))
     return manifest
+
+
+def _manifest(ds_id: str, data: DataConfig, sources: dict[str, list[Source]], tok: TokenizerInfo, counts: Counts,
+              shards: dict[str, list[Shard]]) -> DatasetManifest:  # fmt: skip
+    return DatasetManifest(
+        dataset_id=ds_id,
+        staging_version=STAGING_VERSION,
+        seq_len=data.seq_len,
+        sources={k: [StagedSource(url=f.url, bytes=f.size, sha256=f.sha256) for f in v] for k, v in sources.items()},
+        tokenizer=tok,
+        staging_config=staging_config(data),
+        counts=counts,
+        shards=shards,
+    )
 
 
 def _read_all(spill: Spill, work: BatchWork, sources: dict[str, list[Source]], data: DataConfig, on: str,
@@ -249,12 +255,14 @@ def _pieces(files: list[tuple[str, Source]], first: int, at: Position) -> Iterat
             piece = following
 
 
-def _write_shards(spill: Spill, data: DataConfig, out_dir: str, writing: ProgressFn | None) -> dict[str, list]:
+def _write_shards(spill: Spill, data: DataConfig, out_dir: str, writing: ProgressFn | None) -> dict[str, list[Shard]]:
     """Every split's rows as Parquet shards, telling ``writing`` the rows written of all splits' rows."""
     total, before, out = sum(spill.rows(s) for s in SPLITS), 0, {}
     for split in SPLITS:
         told = (lambda n, b=before: writing(b + n, total)) if writing else None
-        out[split] = spill.write_split(split, _shards(spill, split, data), out_dir, told)
+        out[split] = [
+            Shard.model_validate(e) for e in spill.write_split(split, _shards(spill, split, data), out_dir, told)
+        ]
         before += spill.rows(split)
     return out
 
@@ -271,35 +279,22 @@ def _shards(spill: Spill, split: str, data: DataConfig) -> int:
     return shard_count(spill.rows(split), data.seq_len, data.shard_mb, data.min_shards if split == "train" else 1)
 
 
-def _counts(spill: Spill) -> dict[str, int]:
+def _counts(spill: Spill) -> Counts:
     c = spill.counts
-    return {
-        "records": c["records"],
-        "rejects": c["rejects"],
-        "dropped": c["dropped"],
-        "truncated": c["truncated"],
-        "documents": c["documents"],
-        "pieces": c["pieces"],
-        "cut_documents": c["cut_documents"],
-        "train_examples": c["train_examples"],
-        "eval_examples": c["eval_examples"],
-        "train_rows": spill.rows("train"),
-        "eval_rows": spill.rows("eval"),
-        "train_tokens": c["train_tokens"],
-        "train_target_tokens": c["train_target_tokens"],
-    }
+    kept = {name: c[name] for name in Counts.model_fields if name in c}
+    return Counts(**kept, train_rows=spill.rows("train"), eval_rows=spill.rows("eval"))
 
 
-def summary(manifest: dict[str, Any]) -> str:
+def summary(manifest: DatasetManifest) -> str:
     """What staging made of the records, in one line (the staging log's, and the flow's)."""
-    counts, conf = manifest["counts"], manifest["staging_config"]
-    if conf["format"] == "text":
-        return (f"{counts['documents']} documents -> {counts['pieces']} pieces ({counts['cut_documents']} cut into "
-                f"pieces of at most {conf['seq_len']} tokens), {counts['train_tokens']} train tokens")  # fmt: skip
-    out = f"{counts['records']} records ({counts['rejects']} rejected"
-    if counts.get("dropped") or counts.get("truncated"):
-        out += f", {counts['dropped']} dropped and {counts['truncated']} truncated by data.too_long={conf['too_long']}"
-    return out + f"), {counts['train_tokens']} train tokens"
+    counts, conf = manifest.counts, manifest.staging_config
+    if manifest.format == "text":
+        return (f"{counts.documents} documents -> {counts.pieces} pieces ({counts.cut_documents} cut into "
+                f"pieces of at most {conf['seq_len']} tokens), {counts.train_tokens} train tokens")  # fmt: skip
+    out = f"{counts.records} records ({counts.rejects} rejected"
+    if counts.dropped or counts.truncated:
+        out += f", {counts.dropped} dropped and {counts.truncated} truncated by data.too_long={conf['too_long']}"
+    return out + f"), {counts.train_tokens} train tokens"
 
 
 def _check_counts(spill: Spill, data: DataConfig, out_dir: str, sources: dict[str, list[Source]]) -> None:

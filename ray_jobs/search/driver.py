@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from ray_jobs.config import Config, fitting_trials, from_json
+from ray_jobs.contracts.job_spec import WorkerSpec
 from ray_jobs.search.progress import TrialProgress
 from ray_jobs.search.scheduler import make_scheduler
 from ray_jobs.search.trials import Trial
@@ -22,14 +23,14 @@ log = logging.getLogger("unbroken.search")
 DRIVER_MEMORY = 64 * 2**20  # bytes of Ray's logical memory resource a trial's driver asks for
 
 
-def run_trial(config: dict[str, Any], loops: list[dict[str, Any]]) -> None:
+def run_trial(config: dict[str, Any], loops: list[WorkerSpec]) -> None:
     """One trial (Tune's function trainable): the trial's run, trained to its end or until Tune stops it."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from ray_jobs.job import build_trainer
 
     loop = loops[config["trial"]]
-    build_trainer(from_json(loop["config"]), loop, callbacks=[TuneReportCallback()]).fit()
+    build_trainer(from_json(loop.config), loop, callbacks=[TuneReportCallback()]).fit()
 
 
 def experiment(cfg: Config) -> tuple[str, Any]:
@@ -39,7 +40,7 @@ def experiment(cfg: Config) -> tuple[str, Any]:
     return (strip_protocol(url) if fs is not None else url), fs
 
 
-def build_tuner(cfg: Config, trials: list[Trial], loops: list[dict[str, Any]], cpus: float) -> Any:
+def build_tuner(cfg: Config, trials: list[Trial], loops: list[WorkerSpec], cpus: float) -> Any:
     """Restore the search's experiment when storage has one (finished and early-stopped trials stay as they are,
     running and errored ones resume, pending ones start); else a new one."""
     from ray import tune

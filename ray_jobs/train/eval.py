@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from ray_jobs.config import Config
+from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import ShardRows, open_rows
 from ray_jobs.storage import write_json_atomic
@@ -71,10 +72,10 @@ def _batch_loss(model, rows: ShardRows, mine: np.ndarray, lo: int, mb: int, devi
     return loss * n, n
 
 
-def series_eval_rows(cfg: Config, manifest: dict[str, Any]) -> ShardRows:
+def series_eval_rows(cfg: Config, manifest: DatasetManifest) -> ShardRows:
     """A series' pinned eval set: another staged dataset's eval split, read through this node's cache."""
-    cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, cfg.data.cache_max_gb * 1e9)
-    return open_rows(cache, manifest["shards"]["eval"], manifest["seq_len"])
+    cache = ShardCache(cfg.storage, manifest.dataset_id, cfg.data.cache_dir, cfg.data.cache_max_gb * 1e9)
+    return open_rows(cache, manifest.shards["eval"], manifest.seq_len)
 
 
 def write_score(url: str, dataset_id: str, loss: float, step: int) -> None:

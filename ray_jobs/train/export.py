@@ -10,11 +10,11 @@ import json
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.config import Config
+from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.progress import Reporter, every_s, polled
 from ray_jobs.secrets import mask_tree
@@ -26,7 +26,7 @@ from ray_jobs.train.runtime import Runtime
 log = logging.getLogger("unbroken.train")
 
 
-def write_final(cfg: Config, rt: Runtime, model, model_path: str, manifest: dict[str, Any], loop: LoopState,
+def write_final(cfg: Config, rt: Runtime, model, model_path: str, manifest: DatasetManifest, loop: LoopState,
                 metrics: MetricsLog | None) -> str | None:  # fmt: skip
     """The final HF folder (merged weights -- or the adapters, ``train.export: adapter`` -- in
     ``train.export_dtype``, tokenizer, model card) at
@@ -99,7 +99,7 @@ def _save(cfg: Config, model, folder: str) -> None:
     model.save_pretrained(folder, max_shard_size=f"{cfg.train.export_shard_mb}MB")
 
 
-def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: MetricsLog | None) -> str:
+def model_card(cfg: Config, manifest: DatasetManifest, loop: LoopState, metrics: MetricsLog | None) -> str:
     import yaml
 
     rows = metrics.rows if metrics else []
@@ -108,7 +108,7 @@ def model_card(cfg: Config, manifest: dict[str, Any], loop: LoopState, metrics: 
     facts = {
         "base model": cfg.model.name_or_path,
         "method": f"LoRA r={cfg.model.lora.r}, {cfg.train.export}" if cfg.model.lora else "full fine-tune",
-        "dataset id": manifest["dataset_id"],
+        "dataset id": manifest.dataset_id,
         "steps": loop.step,
         "tokens seen": loop.tokens_seen,
         "workers": loop.world_size,

@@ -55,7 +55,7 @@ class HfTrainer(Trainer):
     """The native trainer whose steps HF's ``Trainer`` computes (module docstring)."""
 
     def _build_model(self):
-        self.preference = self.manifest["staging_config"]["format"] == "preference"
+        self.preference = self.manifest.format == "preference"
         self._engine, self._window, self._eval_extra = None, {}, {}
         return build_model(self.cfg, self.model_path, _Unwrapped(self.rt))
 

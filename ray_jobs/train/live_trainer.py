@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
+from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.data.reading import Cursor, StepPlan
 from ray_jobs.train import faults, preemption, rowtrace
@@ -37,7 +38,7 @@ HEAD = 4  # the step's sum: loss, tokens, the step each replica is at, how many 
 
 
 class LiveTrainer(Trainer):
-    def __init__(self, cfg, manifest: dict[str, Any], model_path: str, rt, attempt: int, group: int = 0):
+    def __init__(self, cfg, manifest: DatasetManifest, model_path: str, rt, attempt: int, group: int = 0):
         # replicas: the data ranks, whose shares make every step; workers: the processes (standbys included)
         self.ray_rank, self.replicas, self.workers = rt.rank, cfg.cluster.max_workers, rt.world_size
         self.leader: int | None = None  # the Ray rank of the replica that writes (module docstring)
@@ -326,7 +327,7 @@ class LiveTrainer(Trainer):
     def leads(self) -> bool:
         return self.leader == self.ray_rank or (self.leader is None and self.ray_rank == 0)
 
-    def score(self, manifest: dict[str, Any] | None) -> float | None:
+    def score(self, manifest: DatasetManifest | None) -> float | None:
         return super().score(manifest) if self.leads() else None
 
     def export_final(self) -> str | None:

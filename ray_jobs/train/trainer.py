@@ -22,6 +22,7 @@ from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.checkpoint.checkpointer import Checkpointer
 from ray_jobs.config import Config
+from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Phase
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, ShardRows, StepPlan, open_rows
@@ -55,7 +56,7 @@ class Agreed:
 
 class Trainer:
     def __init__(
-        self, cfg: Config, manifest: dict[str, Any], model_path: str, rt: Runtime, heartbeat: Heartbeat | None = None
+        self, cfg: Config, manifest: DatasetManifest, model_path: str, rt: Runtime, heartbeat: Heartbeat | None = None
     ):
         self.cfg, self.rt, self.manifest, self.model_path = cfg, rt, manifest, model_path
         self.heartbeat = heartbeat  # rank 0's, started before this (it reports `loading` while the model loads)
@@ -67,7 +68,7 @@ class Trainer:
         self._load_model_and_data()
         self.autocast = autocast_for(cfg, self.device)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model, self.device)
-        self.loop = LoopState(world_size=rt.world_size, dataset_id=manifest["dataset_id"])
+        self.loop = LoopState(world_size=rt.world_size, dataset_id=manifest.dataset_id)
         self.cursors: list[Cursor] = self.plan.start()  # the global cursor: one per data rank, the same on every worker
         self.trace = rowtrace.open_trace(rt)  # test-only (None unless UNBROKEN_TRACE_ROWS is set)
         self.metrics: MetricsLog | None = None
@@ -79,7 +80,7 @@ class Trainer:
             self.heartbeat.attach(self)
 
     def _load_model_and_data(self) -> None:
-        self.cache = ShardCache(self.cfg.storage, self.manifest["dataset_id"], self.cfg.data.cache_dir,
+        self.cache = ShardCache(self.cfg.storage, self.manifest.dataset_id, self.cfg.data.cache_dir,
                                 self.cfg.data.cache_max_gb * 1e9)  # fmt: skip
         with ThreadPoolExecutor(1, thread_name_prefix="warm-cache") as pool:
             # This rank's shards are fetched (checksum-verified) and decoded into the node cache while the model
@@ -94,16 +95,16 @@ class Trainer:
         return build_model(self.cfg, self.model_path, self.rt)  # the hf engine's leaves the wrapping to HF
 
     def _load_data(self) -> None:
-        seq_len, t = self.manifest["seq_len"], self.cfg.train
+        seq_len, t = self.manifest.seq_len, self.cfg.train
         # Laid out for cluster.num_workers' max whatever the world size now (reading.StepPlan): rows memory-mapped,
         # read as batches take them. Position ids restart per packed example: with them (and no KV cache) the model
         # attends within examples only.
-        self.plan = StepPlan(self.cache, self.manifest["shards"]["train"], seq_len,
+        self.plan = StepPlan(self.cache, self.manifest.shards["train"], seq_len,
                              data_ranks=self.cfg.cluster.max_workers, grad_accum_steps=t.grad_accum_steps,
                              micro_batch_size=t.micro_batch_size, seed=t.seed, rank=self.rt.rank,
                              world_size=self.rt.world_size)  # fmt: skip
-        self.eval_rows = open_rows(self.cache, self.manifest["shards"]["eval"], seq_len)
-        self.pad_id = self.manifest["tokenizer"]["pad_token_id"]
+        self.eval_rows = open_rows(self.cache, self.manifest.shards["eval"], seq_len)
+        self.pad_id = self.manifest.tokenizer.pad_token_id
 
     def _init_progress(self) -> None:
         """What the heartbeat and the tests read of this process's progress."""
@@ -138,8 +139,8 @@ class Trainer:
     def _open_log(self, resumed: int | None) -> None:
         """Rank 0's metrics log and trackers, keeping what was logged up to ``resumed`` (None: a fresh run)."""
         self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed)
-        self.metrics.trackers = open_trackers(self.cfg, self.attempt, self.manifest["dataset_id"], resumed,
-                                              self.model, self.manifest["seq_len"], self.rt.world_size,
+        self.metrics.trackers = open_trackers(self.cfg, self.attempt, self.manifest.dataset_id, resumed,
+                                              self.model, self.manifest.seq_len, self.rt.world_size,
                                               self.parent)  # fmt: skip
 
     def _load_checkpoint(self, url: str, manifest: dict[str, Any]) -> bool:
@@ -379,14 +380,14 @@ class Trainer:
         faults.on_phase(phase)
 
     # -- the end --------------------------------------------------------------------------------------------
-    def score(self, manifest: dict[str, Any] | None) -> float | None:
+    def score(self, manifest: DatasetManifest | None) -> float | None:
         """The trained model's loss on a series' pinned eval set (another staged dataset's eval split, the same for
         every run of the series); rank 0 writes it to ``runs/<run>/score.json`` for the promotion gate."""
         if not manifest:
             return None
         loss = self.evaluate(series_eval_rows(self.cfg, manifest))
         if self.rt.rank == 0:
-            write_score(self.layout.score(self.cfg.name), manifest["dataset_id"], loss, self.loop.step)
+            write_score(self.layout.score(self.cfg.name), manifest.dataset_id, loss, self.loop.step)
         return loss
 
     def export_final(self) -> str | None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ray_jobs.config import from_json
+from ray_jobs.config import Config, from_json
+from ray_jobs.contracts.job_spec import WorkerSpec
 from ray_jobs.model.loading import forgo_bitsandbytes
 from ray_jobs.secrets import mask_output
-from ray_jobs.train.heartbeat import start_heartbeat
+from ray_jobs.train.heartbeat import Heartbeat, start_heartbeat
 from ray_jobs.train.runtime import Runtime
 from ray_jobs.train.trainer import Trainer
 
@@ -17,29 +18,30 @@ log = logging.getLogger("unbroken.train")
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Entry point Ray Train runs on every worker (and re-runs after a worker-group restart)."""
+    """Entry point Ray Train runs on every worker (and re-runs after a worker-group restart). ``loop_config``: a
+    :class:`WorkerSpec`'s JSON form (Ray Train's ``train_loop_config`` is a dict), parsed again here."""
     from ray_jobs.train.runtime import RayRuntime
 
-    run_worker(loop_config, RayRuntime())
+    run_worker(WorkerSpec.model_validate(loop_config), RayRuntime())
 
 
-def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
+def run_worker(spec: WorkerSpec, rt: Runtime) -> Trainer:
     """One rank's whole job, whatever runs it (Ray Train, torchrun, this process): resume or start, train, score on
-    the series' eval set, export. ``loop_config``: what ``ray_jobs.job.loop_config`` makes of a job spec."""
+    the series' eval set, export. ``spec``: what ``ray_jobs.job.loop_config`` makes of a job spec."""
     mask_output()  # a worker's log lines and tracebacks (a tracker's error quoting its URI) are masked here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = from_json(loop_config["config"])
+    cfg = from_json(spec.config)
     forgo_bitsandbytes(cfg.model.quantization)  # this process is this run's alone
-    attempt = loop_config.get("attempt", 0)
+    attempt = spec.attempt
     live = cfg.fault_tolerance.live_recovery
     heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 and not live else None  # before the model loads
     trainer = None
     try:
-        trainer = _make_trainer(cfg, loop_config, rt, heartbeat, attempt)
-        trainer.attempt, trainer.parent = attempt, loop_config.get("parent")
-        trainer.resume_or_start(loop_config.get("resume_from"))
+        trainer = make_trainer(cfg, spec, rt, heartbeat)
+        trainer.attempt, trainer.parent = attempt, spec.parent
+        trainer.resume_or_start(spec.resume_from)
         trainer.fit()
-        trainer.score(loop_config.get("score_manifest"))
+        trainer.score(spec.score_manifest)
         final = trainer.export_final()
         _end_tracking(trainer, "FINISHED", final)
     except BaseException:
@@ -57,15 +59,16 @@ def run_worker(loop_config: dict[str, Any], rt: Runtime) -> Trainer:
     return trainer
 
 
-def _make_trainer(cfg, loop_config: dict[str, Any], rt: Runtime, heartbeat, attempt: int) -> Trainer:
-    manifest, model_path = loop_config["manifest"], loop_config["model_path"]
-    if manifest["staging_config"]["format"] == "preference" and cfg.train.engine != "hf":  # data.format=auto found it
+def make_trainer(cfg: Config, spec: WorkerSpec, rt: Runtime, heartbeat: Heartbeat | None) -> Trainer:
+    """The trainer of this rank for ``cfg``'s engine and fault-tolerance mode."""
+    manifest, model_path = spec.manifest, spec.model_path
+    if manifest.format == "preference" and cfg.train.engine != "hf":  # data.format=auto found it
         raise ValueError("data.format: the records are preference pairs, trained by DPO (TRL's DPOTrainer), which "
                          "needs train.engine=hf")  # fmt: skip
     if cfg.fault_tolerance.live_recovery:
         from ray_jobs.train.live_trainer import LiveTrainer
 
-        return LiveTrainer(cfg, manifest, model_path, rt, attempt, loop_config.get("group", 0))
+        return LiveTrainer(cfg, manifest, model_path, rt, spec.attempt, spec.group)
     if cfg.train.engine == "hf":
         from ray_jobs.train.hf import HfTrainer
 

@@ -82,7 +82,7 @@ def test_long_documents_staged_on_two_nodes_are_what_staging_here_wrote(two_node
                       work_dir=str(tmp_path / "work"))  # fmt: skip
     there = staging.stage(data, train_char_tokenizer(), "b", str(tmp_path / "there"), on="cluster")
     here = staging.stage(data, train_char_tokenizer(), "b", str(tmp_path / "here"))
-    assert there.manifest["counts"]["cut_documents"] == 3 and there.dataset_id == here.dataset_id
+    assert there.manifest.counts.cut_documents == 3 and there.dataset_id == here.dataset_id
     assert outputs(tmp_path / "there" / "datasets" / here.dataset_id, []) == outputs(
         tmp_path / "here" / "datasets" / here.dataset_id, []
     )

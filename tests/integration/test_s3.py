@@ -45,15 +45,15 @@ def test_stage_from_and_to_s3_then_read_shards_through_the_cache(bucket, tmp_pat
     first = stage(cfg.data, tok, str(model), cfg.storage)
     assert not first.cache_hit
     assert first.manifest_url == f"{bucket}/stage-test/datasets/{first.dataset_id}/manifest.json"
-    assert first.manifest["sources"]["train"][0]["url"] == f"{bucket}/data/addition.jsonl"
+    assert first.manifest.sources["train"][0].url == f"{bucket}/data/addition.jsonl"
     again = stage(cfg.data, tok, str(model), cfg.storage)
     assert again.cache_hit and again.dataset_id == first.dataset_id
 
-    entries = first.manifest["shards"]["train"]
+    entries = first.manifest.shards["train"]
     cold = ShardCache(cfg.storage, first.dataset_id, str(tmp_path / "cache"))
     for e in entries:
         cold.local_path(e)
-    assert cold.misses == len(entries) and cold.bytes_from_storage == sum(e["bytes"] for e in entries)
+    assert cold.misses == len(entries) and cold.bytes_from_storage == sum(e.bytes for e in entries)
     warm = ShardCache(cfg.storage, first.dataset_id, str(tmp_path / "cache"))
     for e in entries:
         warm.local_path(e)

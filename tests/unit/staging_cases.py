@@ -7,7 +7,9 @@ The golden file was written by the in-memory staging path (the code before strea
 so the test comparing against it says: streaming staging writes exactly the shards, manifest and rejects the old
 path wrote for the same input. Staging version 3 (long documents, ``data.too_long``, other tools' shapes) re-pinned
 the manifests and dataset ids (the version and the new counts are in them); every shard and rejects file kept its
-bytes. Paths in the outputs are made relative to the case folder, so any checkout compares.
+bytes. The typed manifest (ray_jobs/contracts/dataset.py) re-pinned the manifests once more: each now begins with its
+``schema_version``; dataset ids, shards and rejects kept their bytes. Paths in the outputs are made relative to the
+case folder, so any checkout compares.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from control import jobs, registry
 from control.backends.base import ClusterHandle
 from control.jobsapi import JobView
 from ray_jobs.config import load_config
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, made_manifest, tiny_overrides
 
 HANDLE = ClusterHandle("http://127.0.0.1:1", "http://127.0.0.1:1", False, "python")
 
@@ -222,7 +222,7 @@ def test_a_watchdog_pass_while_the_fit_is_checked_finds_nothing_to_do(tmp_path: 
         raise RuntimeError("the run cannot start: not enough CPUs")
 
     monkeypatch.setattr(flow, "check_cluster_fits", does_not_fit)
-    (tmp_path / "m.json").write_text('{"shards": {"train": [], "eval": []}}')
+    (tmp_path / "m.json").write_text(made_manifest(train_shards=0).model_dump_json())
     staged = Staged(dataset_id="ds-1", manifest_url=str(tmp_path / "m.json"), cache_hit=False, counts={})
     with pytest.raises(RuntimeError, match="not enough CPUs"):
         asyncio.run(

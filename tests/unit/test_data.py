@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ray_jobs.contracts.dataset import Shard
 from ray_jobs.data.cache import ShardCache, ShardIntegrityError
 from ray_jobs.data.reading import Cursor, RankSampler, rank_shards
 
@@ -44,11 +45,11 @@ def test_shards_are_dealt_round_robin_and_too_few_is_explained() -> None:
         rank_shards(entries[:1], 0, 2)
 
 
-def _storage_with_shard(tmp_path: Path, payload: bytes) -> tuple[str, dict]:
+def _storage_with_shard(tmp_path: Path, payload: bytes) -> tuple[str, Shard]:
     ds = tmp_path / "storage" / "datasets" / "ds-x"
     ds.mkdir(parents=True)
     (ds / "train-00000.parquet").write_bytes(payload)
-    entry = {"file": "train-00000.parquet", "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    entry = Shard(file="train-00000.parquet", rows=1, bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
     return str(tmp_path / "storage"), entry
 
 
@@ -69,7 +70,7 @@ def test_corrupt_local_copy_is_refetched_and_corrupt_storage_is_an_error(tmp_pat
     local.write_bytes(b"shard-bytez-and-more")
     assert cache.local_path(entry).read_bytes() == b"shard-bytes"
     assert cache.misses == 2
-    bad = dict(entry, sha256="0" * 64)
+    bad = entry.model_copy(update={"sha256": "0" * 64})
     with pytest.raises(ShardIntegrityError, match="sha256 does not match"):
         ShardCache(storage, "ds-x", str(tmp_path / "cache2")).local_path(bad)
 
@@ -84,11 +85,8 @@ def test_cache_cap_evicts_other_datasets_least_recently_used_first(tmp_path: Pat
         d.mkdir(parents=True)
         payload = ds.encode() * 100  # 600 bytes
         (d / "train-00000.parquet").write_bytes(payload)
-        entries[ds] = {
-            "file": "train-00000.parquet",
-            "bytes": len(payload),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-        }
+        entries[ds] = Shard(file="train-00000.parquet", rows=1, bytes=len(payload),
+                            sha256=hashlib.sha256(payload).hexdigest())  # fmt: skip
     cache_dir = tmp_path / "cache"
     for age, ds in enumerate(("ds-old", "ds-mid")):
         ShardCache(str(storage), ds, str(cache_dir)).local_path(entries[ds])
@@ -100,5 +98,5 @@ def test_cache_cap_evicts_other_datasets_least_recently_used_first(tmp_path: Pat
     assert sorted(p.name for p in cache_dir.iterdir()) == ["ds-mid", "ds-new"]
 
     tiny = ShardCache(str(storage), "ds-new", str(cache_dir), max_bytes=10)
-    tiny.local_path(dict(entries["ds-new"]))  # a hit: nothing fetched, nothing evicted
+    tiny.local_path(entries["ds-new"].model_copy())  # a hit: nothing fetched, nothing evicted
     assert tiny.evicted == [] and tiny.hits == 1

@@ -103,7 +103,7 @@ def test_documents_from_10_to_200k_tokens_stage_with_every_token_learned_once(tm
     assert len(doc_tokens(tok, texts[-1])) >= 200_000 and len(texts[-1]) > documents.WINDOW_CHARS
     overlap = 0 if which == "builtin" else 32
     result = _stage_docs(tmp_path, tok, texts, seq_len=512, overlap=overlap)
-    counts = result.manifest["counts"]
+    counts = result.manifest.counts.model_dump()
     assert counts["rejects"] == 0 and counts["documents"] == len(texts) + 1
     pieces = check_pieces(tok, texts, staged_examples(result.manifest_url, "train"), 512, overlap)
     cut = sum(len(doc_tokens(tok, t)) > 512 for t in texts)

@@ -64,10 +64,10 @@ def test_shrinking_and_growing_trains_every_row_of_the_uninterrupted_run_once(
 def test_a_step_trains_the_same_rows_at_every_world_size_even_when_a_data_rank_is_split(setup) -> None:
     """3 data ranks x 2 micro-batches per step over 2 workers: each runs 3, one data rank's two split between them."""
     cfg, manifest, _ = setup
-    cache = ShardCache(cfg.storage, manifest["dataset_id"], cfg.data.cache_dir, 1e12)
+    cache = ShardCache(cfg.storage, manifest.dataset_id, cfg.data.cache_dir, 1e12)
 
     def rows(world: int) -> list[set]:
-        plans = [StepPlan(cache, manifest["shards"]["train"], manifest["seq_len"], data_ranks=3, grad_accum_steps=2,
+        plans = [StepPlan(cache, manifest.shards["train"], manifest.seq_len, data_ranks=3, grad_accum_steps=2,
                           micro_batch_size=4, seed=0, rank=r, world_size=world) for r in range(world)]  # fmt: skip
         cursors, out = plans[0].start(), []
         for _ in range(40):  # past an epoch of the smallest data rank

@@ -6,9 +6,9 @@ from __future__ import annotations
 from control.backends.fit import check_fit, resources, wait_for_room
 from control.backends.health import Health, Node
 from ray_jobs.config import load_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, made_manifest
 
-MANIFEST = {"shards": {"train": [{"file": f"train-{i:05d}.parquet"} for i in range(4)], "eval": []}}
+MANIFEST = made_manifest(train_shards=4)
 
 
 def cfg(*overrides: str):

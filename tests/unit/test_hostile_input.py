@@ -49,7 +49,7 @@ def stage_lines(tmp_path: Path, tokenizer, lines_: list[bytes], **data) -> tuple
                      max_reject_fraction=0.1, work_dir=str(tmp_path / "work"), **data)  # fmt: skip
     r = stage(cfg, tokenizer, "builtin", str(tmp_path / "storage"))
     rejects = (tmp_path / "storage" / "datasets" / r.dataset_id / "rejects.jsonl").read_text().splitlines()
-    return r.manifest["counts"], [json.loads(x) for x in rejects]
+    return r.manifest.counts.model_dump(), [json.loads(x) for x in rejects]
 
 
 LONG = 3 << 20  # over line_byte_cap(100_000), the default data.max_record_chars: 2,248,576 bytes
@@ -116,7 +116,7 @@ def test_a_60_mb_line_is_quarantined_at_its_line_and_never_held(tmp_path, tokeni
         (2_001, f"line is {big} bytes"),
         (3_002, "invalid JSON: Unterminated string starting at (column 11)"),
     ]
-    assert r.manifest["counts"]["records"] == 4_002 and r.manifest["counts"]["train_examples"] > 0
+    assert r.manifest.counts.records == 4_002 and r.manifest.counts.train_examples > 0
 
     work = BatchWork(tokenizer, "builtin", cfg)
     tracemalloc.start()

@@ -21,6 +21,7 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
+from ray_jobs.contracts.dataset import Shard
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.model.cache import MARKER, MODELS_DIR, SOURCE_MANIFEST, ModelCacheError, cached_folder, problem
 from ray_jobs.model.loading import local_folder
@@ -257,7 +258,7 @@ def test_the_shard_cache_never_evicts_the_nodes_model_cache(model, tmp_path) -> 
     Path(Layout(str(storage)).dataset_dir("ds-new")).mkdir(parents=True)
     (Path(Layout(str(storage)).dataset_dir("ds-new")) / "train-0.parquet").write_bytes(shard)
     cache = ShardCache(str(storage), "ds-new", str(cache_root), max_bytes=1_000)  # less than the model alone
-    entry = {"file": "train-0.parquet", "bytes": len(shard), "sha256": hashlib.sha256(shard).hexdigest()}
+    entry = Shard(file="train-0.parquet", rows=1, bytes=len(shard), sha256=hashlib.sha256(shard).hexdigest())
     assert cache.local_path(entry).read_bytes() == shard
     assert cache.evicted == ["ds-old"]
     assert problem(Path(folder), url) is None

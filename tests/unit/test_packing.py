@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ray_jobs.config import DataConfig
+from ray_jobs.contracts.dataset import Shard
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.pack import pack
 from ray_jobs.data.reading import load_rows
@@ -106,13 +107,13 @@ def test_load_rows_returns_staged_positions_and_counts_old_shards_from_zero(tmp_
     storage = str(tmp_path / "s")
     r = stage(DataConfig(train=str(src), seq_len=32, min_shards=1), train_char_tokenizer(), "b", storage)
     cache = ShardCache(storage, r.dataset_id, str(tmp_path / "cache"))
-    ids, labels, positions = load_rows(cache, r.manifest["shards"]["train"], 32)
+    ids, labels, positions = load_rows(cache, r.manifest.shards["train"], 32)
     table = pq.read_table(tmp_path / "s" / "datasets" / r.dataset_id / "train-00000.parquet")
     assert positions.tolist() == table.column("position_ids").to_pylist() and positions.dtype == np.int64
     assert ids.shape == labels.shape == positions.shape
 
     old = tmp_path / "old.parquet"  # staging version 1 wrote no position_ids
     pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4]] * 2, "labels": [[X, 2, 3, 4]] * 2}), old)
-    entry = {"file": "old.parquet", "bytes": old.stat().st_size, "rows": 2, "sha256": "0" * 64}
+    entry = Shard(file="old.parquet", bytes=old.stat().st_size, rows=2, sha256="0" * 64)
     cache.local_path = lambda e: old  # the cache is not what is tested here
     assert load_rows(cache, [entry], 4)[2].tolist() == [[0, 1, 2, 3]] * 2

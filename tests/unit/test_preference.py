@@ -55,13 +55,13 @@ def test_each_record_stages_one_row_that_gives_trl_what_its_collator_builds(tmp_
     staged = stage(DataConfig(train=str(src), format="auto", seq_len=48, min_shards=1, eval_fraction=0.1), tok, "t",
                    str(tmp_path / "s"))  # fmt: skip
     m = staged.manifest
-    assert m["staging_config"]["format"] == "preference"
-    assert m["counts"]["train_examples"] + m["counts"]["eval_examples"] == 40 == m["counts"]["train_rows"] + m[
-        "counts"]["eval_rows"], "one row per record"  # fmt: skip
+    assert m.format == "preference"
+    c = m.counts
+    assert c.train_examples + c.eval_examples == 40 == c.train_rows + c.eval_rows, "one row per record"
     ids, labels, coded = load_rows(
-        ShardCache(str(tmp_path / "s"), m["dataset_id"], str(tmp_path / "c")), m["shards"]["train"], 48
+        ShardCache(str(tmp_path / "s"), m.dataset_id, str(tmp_path / "c")), m.shards["train"], 48
     )
-    pad = m["tokenizer"]["pad_token_id"]
+    pad = m.tokenizer.pad_token_id
     ours = pair_batch(ids, labels, coded, pad)
     examples = []  # what TRL's own tokenization would give: a shared prompt, then each answer
     for chosen_ids, chosen_labels, rejected in zip(ids, labels, coded, strict=True):

@@ -13,6 +13,7 @@ import pytest
 
 import ray_jobs.data.staging as staging
 from ray_jobs.config import DataConfig
+from ray_jobs.contracts.dataset import Shard
 from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.fingerprint import Source
@@ -149,10 +150,10 @@ def test_staging_reports_its_source_bytes_and_a_resumed_one_starts_where_it_was(
 def test_a_cold_node_cache_warm_up_reports_shards_and_bytes(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("UNBROKEN_PROGRESS_S", "0")  # every update speaks (5 s and after 5 s by default)
     cache = ShardCache(str(tmp_path / "s"), "ds-x", str(tmp_path / "cache"))
-    monkeypatch.setattr(cache, "rows_path", lambda e, seq_len: tmp_path / e["file"])
-    entries = [{"file": f"train-{i}.parquet", "bytes": 2_000_000, "sha256": "0" * 64} for i in range(4)]
+    monkeypatch.setattr(cache, "rows_path", lambda e, seq_len: tmp_path / e.file)
+    entries = [Shard(file=f"train-{i}.parquet", rows=1, bytes=2_000_000, sha256="0" * 64) for i in range(4)]
     with caplog.at_level(logging.INFO, logger="unbroken.cache"):
-        assert cache.rows_paths(entries, 64) == [tmp_path / e["file"] for e in entries]
+        assert cache.rows_paths(entries, 64) == [tmp_path / e.file for e in entries]
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "node cache warm-up of ds-x: 0% (0 B of 8.0 MB), 0 shards"
     assert lines[2].startswith("node cache warm-up of ds-x: 50% (4.0 MB of 8.0 MB), 2 shards")

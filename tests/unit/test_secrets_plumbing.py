@@ -18,7 +18,7 @@ from control.records.run import Incident
 from ray_jobs.config import job_spec, load_config
 from ray_jobs.contracts.job_spec import JobSpec
 from ray_jobs.secrets import CREDENTIALS_ENV
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, made_manifest, tiny_overrides
 
 PASSWORD = "UNIT-URI-SECRET-7"
 URI = f"http://alice:{PASSWORD}@mlflow.example.com:5000"
@@ -134,7 +134,7 @@ def test_trackers_model_card_and_checkpoint_state_show_the_config_masked(tmp_pat
     c = cfg(tmp_path)
     assert run_info(c).params["tracking.mlflow.tracking_uri"] == MASKED  # MLflow params, W&B config
     assert run_links(URI, "e", "1", "abc")["url"].startswith(MASKED + "/#/experiments/1")  # tracking.json, artifact
-    card = model_card(c, {"dataset_id": "ds-1"}, LoopState(), None)
+    card = model_card(c, made_manifest(dataset_id="ds-1"), LoopState(), None)
     state = loop_state_file(LoopState(), SimpleNamespace(state_dict=dict), None, c, 2, [])
     assert PASSWORD not in card + json.dumps(state) and MASKED in card
     with pytest.raises(ValueError, match="its credentials were not available here"):

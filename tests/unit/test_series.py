@@ -256,13 +256,13 @@ def test_a_series_eval_set_is_staged_on_its_own_and_pinned_by_its_dataset_id(set
     held_out.write_text("".join(SAMPLE_DATA.read_text().splitlines(keepends=True)[:200]))
     c = base.model_copy(deep=True)
     c.series.eval = str(held_out)
-    staged = Staged(manifest["dataset_id"], "unused", True, {"eval_rows": 3})
+    staged = Staged(manifest.dataset_id, "unused", True, {"eval_rows": 3})
     pin = _eval_pin(c, staged, model)
-    assert pin.source == str(held_out) and pin.dataset_id != manifest["dataset_id"]
+    assert pin.source == str(held_out) and pin.dataset_id != manifest.dataset_id
     fixed = read_json(pin.manifest_url)
     assert [f["url"] for f in fixed["sources"]["eval"]] == [str(held_out)] and fixed["counts"]["eval_rows"] > 0
     assert _eval_pin(c, staged, model) == pin, "staged once: the same data is the same pinned id"
 
-    no_eval = Staged(manifest["dataset_id"], "m", True, {"eval_rows": 0})
+    no_eval = Staged(manifest.dataset_id, "m", True, {"eval_rows": 0})
     with pytest.raises(ConfigError, match="series.eval: the eval split of run t has no eval rows"):
         _eval_pin(base, no_eval, model)

@@ -66,8 +66,8 @@ def cfg(train: Path, **kw) -> DataConfig:
 def shards(storage: Path, result) -> dict[str, list[str]]:
     """sha256 of every staged shard, by split, in order."""
     ds = storage / "datasets" / result.dataset_id
-    return {split: [hashlib.sha256((ds / e["file"]).read_bytes()).hexdigest() for e in entries]
-            for split, entries in result.manifest["shards"].items()}  # fmt: skip
+    return {split: [hashlib.sha256((ds / e.file).read_bytes()).hexdigest() for e in entries]
+            for split, entries in result.manifest.shards.items()}  # fmt: skip
 
 
 def alpaca(i: int) -> dict:
@@ -154,10 +154,10 @@ def test_a_shape_stages_the_bytes_of_its_hand_converted_file(tmp_path: Path, tok
     hand_fmt = "chat" if "messages" in converted[0] else "pairs"
     got = stage(cfg(src, format=fmt), tok, tok_name, str(tmp_path / "s"))
     want = stage(cfg(hand, format=hand_fmt), tok, tok_name, str(tmp_path / "s"))
-    assert got.manifest["counts"] == want.manifest["counts"] and got.manifest["counts"]["rejects"] == 0
-    assert got.manifest["counts"]["eval_examples"] > 0
+    assert got.manifest.counts == want.manifest.counts and got.manifest.counts.rejects == 0
+    assert got.manifest.counts.eval_examples > 0
     assert shards(tmp_path / "s", got) == shards(tmp_path / "s", want)
-    assert got.manifest["staging_config"]["format"] == fmt and got.dataset_id != want.dataset_id
+    assert got.manifest.format == fmt and got.dataset_id != want.dataset_id
 
 
 BAD = {
@@ -213,7 +213,7 @@ def test_auto_detects_each_shape_and_the_dataset_id_holds_it(tmp_path: Path, tok
     caplog.set_level(logging.INFO, logger="unbroken.staging")
     for fmt, src in six_shapes(tmp_path).items():
         auto = stage(cfg(src, format="auto"), tok, "t", str(tmp_path / "s"))
-        assert auto.manifest["staging_config"]["format"] == fmt
+        assert auto.manifest.format == fmt
         named = stage(cfg(src, format=fmt), tok, "t", str(tmp_path / "s"))
         assert named.cache_hit and named.dataset_id == auto.dataset_id  # auto is the shape it found, not "auto"
         assert cached(cfg(src, format="auto"), tok, str(tmp_path / "s")).dataset_id == auto.dataset_id
@@ -223,7 +223,7 @@ def test_auto_detects_each_shape_and_the_dataset_id_holds_it(tmp_path: Path, tok
                                                   "input": f"{i}+{i}=", "target": str(2 * i)} for i in range(30)])  # fmt: skip
     auto = stage(cfg(both, format="auto"), tok, "t", str(tmp_path / "s"))
     pairs = stage(cfg(both, format="pairs"), tok, "t", str(tmp_path / "s"))
-    assert auto.manifest["staging_config"]["format"] == "prompt_completion" and auto.dataset_id != pairs.dataset_id
+    assert auto.manifest.format == "prompt_completion" and auto.dataset_id != pairs.dataset_id
     assert shards(tmp_path / "s", auto) == shards(tmp_path / "s", pairs)
 
 

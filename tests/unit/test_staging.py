@@ -37,19 +37,19 @@ def test_stage_writes_shards_and_manifest(tmp_path: Path, tokenizer) -> None:
     r = stage(data_cfg(SAMPLE_DATA, shard_mb=0.05), tokenizer, "builtin", str(tmp_path))
     assert not r.cache_hit and r.dataset_id.startswith("ds-")
     m = r.manifest
-    assert m["counts"]["records"] == 6000 and m["counts"]["rejects"] == 0
-    assert m["counts"]["train_examples"] + m["counts"]["eval_examples"] == 6000
+    assert m.counts.records == 6000 and m.counts.rejects == 0
+    assert m.counts.train_examples + m.counts.eval_examples == 6000
     ds = tmp_path / "datasets" / r.dataset_id
-    assert json.loads((ds / "manifest.json").read_text()) == m
+    assert json.loads((ds / "manifest.json").read_text()) == m.dump()
     for split in ("train", "eval"):
         rows = 0
-        for e in m["shards"][split]:
-            table = pq.read_table(ds / e["file"])
-            assert table.num_rows == e["rows"]
+        for e in m.shards[split]:
+            table = pq.read_table(ds / e.file)
+            assert table.num_rows == e.rows
             assert all(len(x) == 64 for x in table.column("input_ids").to_pylist())
-            rows += e["rows"]
-        assert rows == m["counts"][f"{split}_rows"]
-    assert len(m["shards"]["train"]) >= 2
+            rows += e.rows
+        assert rows == getattr(m.counts, f"{split}_rows")
+    assert len(m.shards["train"]) >= 2
 
 
 def test_restaging_is_a_cache_hit_that_writes_nothing(tmp_path: Path, tokenizer) -> None:
@@ -114,8 +114,8 @@ def test_rejects_within_the_allowed_fraction_are_quarantined_not_dropped(tmp_pat
     ]
     assert sorted(x["line"] for x in rejects) == sorted(bad_at)
     assert all(x["file"] == str(src) and x["reason"] for x in rejects)
-    assert r.manifest["counts"]["rejects"] == len(BAD_LINES)
-    assert r.manifest["counts"]["train_examples"] + r.manifest["counts"]["eval_examples"] == 100
+    assert r.manifest.counts.rejects == len(BAD_LINES)
+    assert r.manifest.counts.train_examples + r.manifest.counts.eval_examples == 100
 
 
 def test_characters_the_tokenizer_cannot_represent_are_rejected(tmp_path: Path, tokenizer) -> None:
@@ -213,7 +213,7 @@ def test_parquet_sources_are_validated_row_by_row(tmp_path: Path, tokenizer) -> 
     rows = [{"input": f"{i}+1=", "target": str(i + 1)} for i in range(40)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "good.parquet")
     r = stage(data_cfg(tmp_path / "good.parquet"), tokenizer, "builtin", str(tmp_path / "s"))
-    assert r.manifest["counts"]["records"] == 40
+    assert r.manifest.counts.records == 40
 
     bad = rows[:9] + [{"input": "9+1=", "target": None}] + rows[10:]
     pq.write_table(pa.Table.from_pylist(bad), tmp_path / "bad.parquet")
@@ -228,8 +228,8 @@ def test_a_folder_mixing_jsonl_and_parquet_is_one_source(tmp_path: Path, tokeniz
     write_jsonl(tmp_path / "src" / "a.jsonl", [good(i) for i in range(20)])
     pq.write_table(pa.Table.from_pylist([json.loads(good(i)) for i in range(20, 45)]), tmp_path / "src" / "b.parquet")
     r = stage(data_cfg(tmp_path / "src"), tokenizer, "builtin", str(tmp_path / "s"))
-    assert r.manifest["counts"]["records"] == 45
-    assert [s["url"].rsplit("/", 1)[1] for s in r.manifest["sources"]["train"]] == ["a.jsonl", "b.parquet"]
+    assert r.manifest.counts.records == 45
+    assert [s.url.rsplit("/", 1)[1] for s in r.manifest.sources["train"]] == ["a.jsonl", "b.parquet"]
 
 
 def test_a_saved_hf_dataset_folder_is_a_source(tmp_path: Path, tokenizer) -> None:
@@ -238,8 +238,8 @@ def test_a_saved_hf_dataset_folder_is_a_source(tmp_path: Path, tokenizer) -> Non
     rows = [json.loads(good(i)) for i in range(30)]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
     r = stage(data_cfg(tmp_path / "hf"), tokenizer, "builtin", str(tmp_path / "s"))
-    assert r.manifest["counts"]["records"] == 30
-    assert r.manifest["sources"]["train"][0]["url"].endswith(".arrow")
+    assert r.manifest.counts.records == 30
+    assert r.manifest.sources["train"][0].url.endswith(".arrow")
     assert stage(data_cfg(tmp_path / "hf"), tokenizer, "builtin", str(tmp_path / "s")).cache_hit
 
     bad = rows[:4] + [{"input": "", "target": "1"}] + rows[5:]

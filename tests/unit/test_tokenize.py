@@ -194,7 +194,7 @@ def test_the_staged_real_chat_set_has_one_end_marker_per_reply_and_learns_every_
     source = ROOT / "configs" / "data" / "chat_json.jsonl"
     data = DataConfig(train=str(source), format="chat", seq_len=256, min_shards=1)
     result = stage(data, smol_tok, "smollm2", str(tmp_path / "storage"))
-    assert result.manifest["counts"]["rejects"] == 0
+    assert result.manifest.counts.rejects == 0
     replies = [m["content"] for line in source.read_text().splitlines() for m in json.loads(line)["messages"]
                if m["role"] == "assistant"]  # fmt: skip
     learned_replies, end = [], smol_tok.convert_tokens_to_ids("<|im_end|>")

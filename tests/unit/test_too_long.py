@@ -49,7 +49,7 @@ def _stage(tmp: Path, tok, fmt: str, too_long: str, **extra):
                       work_dir=str(tmp / "w"), **extra)  # fmt: skip
     result = stage(data, tok, "smol", str(tmp / f"s-{too_long}"))
     rejects = [json.loads(x) for x in (Path(result.manifest_url).parent / "rejects.jsonl").read_text().splitlines()]
-    return result.manifest["counts"], rejects, staged_examples(result.manifest_url, "train")
+    return result.manifest.counts.model_dump(), rejects, staged_examples(result.manifest_url, "train")
 
 
 def _learned(examples) -> list[list[int]]:

@@ -13,13 +13,14 @@ import pytest
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, load_config
+from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.data.staging import stage
 from ray_jobs.model.builtin import build_builtin
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout
 from ray_jobs.train.runtime import LocalRuntime
 from ray_jobs.train.trainer import Trainer
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, made_manifest, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +174,7 @@ def test_full_run_exports_a_folder_that_loads_and_generates(setup) -> None:
     final = Path(t.export_final())
     assert _load_and_generate(final).startswith("<s>12+3=")
     card = (final / "README.md").read_text()
-    assert manifest["dataset_id"] in card and "eval loss at step 0" in card and "full fine-tune" in card
+    assert manifest.dataset_id in card and "eval loss at step 0" in card and "full fine-tune" in card
     assert json.loads((final / "config.json").read_text())["model_type"] == "llama"
 
 
@@ -244,7 +245,7 @@ def test_a_drain_notice_checkpoints_the_current_step_once_and_changes_no_number(
 
 
 def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
-    from ray_jobs.job import build_trainer
+    from ray_jobs.job import build_trainer, worker_config
 
     cfg = load_config(
         ROOT / "configs" / "demo.yaml",
@@ -252,7 +253,7 @@ def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
          "fault_tolerance.max_failures=5", "fault_tolerance.preemption_grace_s=12",
          "fault_tolerance.max_preemptions=7"],
     )  # fmt: skip
-    loop = {"config": cfg.model_dump_json(), "manifest": {"dataset_id": "ds-x"}, "model_path": "/m"}
+    loop = worker_config(cfg, made_manifest(), "/m")
     trainer = build_trainer(cfg, loop)
     run = trainer.run_config
     assert run.name == "demo" and run.storage_path == "/tmp/x/ray"
@@ -444,11 +445,11 @@ def test_the_finished_model_is_scored_on_the_series_eval_set_for_the_promotion_g
     cfg, manifest, model = setup
     c = named(cfg, "scored")
     t = train(c, manifest, model)
-    pinned = json.loads(json.dumps(manifest))  # another run's dataset in general; its eval split is what counts
+    pinned = DatasetManifest.parse(manifest.dump(), "pin")  # another run's dataset in general; its eval split counts
     loss = t.score(pinned)
     assert loss == pytest.approx(t.evaluate(), rel=1e-6), "the same model on the same eval rows"
     written = json.loads(Path(Layout(c.storage).score(c.name)).read_text())
-    assert written == {"dataset_id": manifest["dataset_id"], "eval_loss": loss, "step": 30}
+    assert written == {"dataset_id": manifest.dataset_id, "eval_loss": loss, "step": 30}
     assert t.score(None) is None
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ray_jobs.config import DataConfig
+from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import open_rows, rank_shards
 from ray_jobs.data.staging import stage
@@ -23,13 +24,14 @@ SEQ_LEN = 2048
 LOAD = """
 import json, sys
 import numpy as np, psutil
+from ray_jobs.contracts.dataset import read_manifest
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, RankSampler, open_rows, rank_shards
-manifest, storage, cache_dir = json.loads(open(sys.argv[1]).read()), sys.argv[2], sys.argv[3]
+manifest, storage, cache_dir = read_manifest(sys.argv[1]), sys.argv[2], sys.argv[3]
 before = psutil.Process().memory_info().rss
-cache = ShardCache(storage, manifest["dataset_id"], cache_dir)
-train = open_rows(cache, rank_shards(manifest["shards"]["train"], 0, 2), manifest["seq_len"])
-evals = open_rows(cache, manifest["shards"]["eval"], manifest["seq_len"])
+cache = ShardCache(storage, manifest.dataset_id, cache_dir)
+train = open_rows(cache, rank_shards(manifest.shards["train"], 0, 2), manifest.seq_len)
+evals = open_rows(cache, manifest.shards["eval"], manifest.seq_len)
 sampler = RankSampler(len(train), 0, 0)
 idx, _ = sampler.take(Cursor(), 8)
 batch = train.take(idx)
@@ -38,7 +40,7 @@ print(json.dumps({"grew": psutil.Process().memory_info().rss - before, "rows": l
 """
 
 
-def _stage(tmp: Path, name: str, records: int) -> tuple[dict, str]:
+def _stage(tmp: Path, name: str, records: int) -> tuple[DatasetManifest, str]:
     rng = random.Random(records)
     src = tmp / f"{name}.jsonl"
     with src.open("w") as f:
@@ -50,8 +52,8 @@ def _stage(tmp: Path, name: str, records: int) -> tuple[dict, str]:
     return stage(data, train_char_tokenizer(), "builtin", storage).manifest, storage
 
 
-def _growth(tmp: Path, manifest: dict, storage: str) -> dict:
-    (tmp / "m.json").write_text(json.dumps(manifest))
+def _growth(tmp: Path, manifest: DatasetManifest, storage: str) -> dict:
+    (tmp / "m.json").write_text(json.dumps(manifest.dump()))
     out = subprocess.run(
         [sys.executable, "-c", LOAD, str(tmp / "m.json"), storage, str(tmp / "cache")],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, check=True,
@@ -71,12 +73,12 @@ def test_a_workers_rss_after_loading_a_10x_larger_dataset_grows_by_less_than_50_
 
 def test_memory_mapped_rows_are_the_staged_rows(tmp_path: Path) -> None:
     manifest, storage = _stage(tmp_path, "d", 60)
-    cache = ShardCache(storage, manifest["dataset_id"], str(tmp_path / "cache"))
-    entries = rank_shards(manifest["shards"]["train"], 1, 2)
+    cache = ShardCache(storage, manifest.dataset_id, str(tmp_path / "cache"))
+    entries = rank_shards(manifest.shards["train"], 1, 2)
     rows = open_rows(cache, entries, SEQ_LEN)
     import pyarrow.parquet as pq
 
-    tables = [pq.read_table(Path(storage) / "datasets" / manifest["dataset_id"] / e["file"]) for e in entries]
+    tables = [pq.read_table(Path(storage) / "datasets" / manifest.dataset_id / e.file) for e in entries]
     expect = np.array([r for t in tables for r in t.column("input_ids").to_pylist()])
     idx = np.array([len(rows) - 1, 0, 3, 3, 1])  # any order, repeats, across shards
     ids, labels, positions = rows.take(idx)
