@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ray_jobs.contracts.base import RecordError
+from ray_jobs.contracts.checkpoint import CheckpointManifest, FileMeta
 from ray_jobs.storage import as_url, fs_and_path, join, listing, read_bytes, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("unbroken.checkpoint")
@@ -90,7 +92,7 @@ def encode_file(kind: str, obj: Any) -> bytes:
     return json.dumps(obj, indent=1).encode()
 
 
-def write_part(part: Part, url: str) -> dict[str, dict[str, Any]]:
+def write_part(part: Part, url: str) -> dict[str, FileMeta]:
     """Write one rank's files into the checkpoint folder; their size and sha256, computed as they are written."""
     if part.ready is not None:
         part.ready()
@@ -100,44 +102,49 @@ def write_part(part: Part, url: str) -> dict[str, dict[str, Any]]:
     for name, (kind, obj) in part.files.items():
         data = encode_file(kind, obj)
         write_bytes_atomic(join(url, name), data)
-        entries[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        entries[name] = FileMeta(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     return entries
 
 
-def write_manifest(url: str, step: int, world_size: int, sharded: bool, entries: list[dict]) -> dict[str, Any]:
+def write_manifest(url: str, step: int, world_size: int, sharded: bool,
+                   entries: list[dict[str, FileMeta]]) -> CheckpointManifest:  # fmt: skip
     """Rank 0, once every rank's files are on storage: the manifest that makes the checkpoint exist."""
     files = {name: meta for rank_entries in entries for name, meta in rank_entries.items()}
-    manifest = {"format": FORMAT, "step": step, "written_at": time.time(), "world_size": world_size,
-                "sharded": sharded, "files": dict(sorted(files.items()))}  # fmt: skip
-    write_json_atomic(join(url, MANIFEST_FILE), manifest)
+    manifest = CheckpointManifest(format=FORMAT, step=step, written_at=time.time(), world_size=world_size,
+                                  sharded=sharded, files=dict(sorted(files.items())))  # fmt: skip
+    write_json_atomic(join(url, MANIFEST_FILE), manifest.dump())
     return manifest
 
 
 # -- verify, read ---------------------------------------------------------------------------------------------
-def read_manifest(url: str) -> dict[str, Any]:
+def read_manifest(url: str) -> CheckpointManifest:
     try:
-        manifest = json.loads(read_bytes(join(url, MANIFEST_FILE)))
+        tree = json.loads(read_bytes(join(url, MANIFEST_FILE)))
     except FileNotFoundError:
         raise CheckpointInvalid("no manifest.json (the write did not finish)") from None
     except (ValueError, OSError) as e:
         raise CheckpointInvalid(f"manifest.json is unreadable: {e}") from None
-    if manifest.get("format") not in (1, FORMAT):
-        raise CheckpointInvalid(f"unknown checkpoint format {manifest.get('format')!r}")
-    return manifest
+    if not isinstance(tree, dict) or tree.get("format") not in (1, FORMAT):
+        found = tree.get("format") if isinstance(tree, dict) else tree
+        raise CheckpointInvalid(f"unknown checkpoint format {found!r}")
+    try:
+        return CheckpointManifest.parse(tree, MANIFEST_FILE)
+    except RecordError as e:  # a field of the wrong type, one unknown to this release
+        raise CheckpointInvalid(str(e)) from None
 
 
-def check(url: str) -> dict[str, Any]:
+def check(url: str) -> CheckpointManifest:
     """The manifest, once every file it lists is on storage with the size it records: one listing, no file bytes
     read (a reader still checks each file's sha256 as it loads it). Raises CheckpointInvalid saying why not."""
     manifest = read_manifest(url)
     fs, path = fs_and_path(url)
     fs.invalidate_cache(path)
     sizes = {p["name"].rstrip("/").rsplit("/", 1)[-1]: p.get("size") for p in fs.ls(path, detail=True)}
-    for name, meta in manifest["files"].items():
+    for name, meta in manifest.files.items():
         if name not in sizes:
             raise CheckpointInvalid(f"{name} is missing")
-        if sizes[name] != meta["bytes"]:
-            raise CheckpointInvalid(f"{name} is {sizes[name]} bytes, the manifest says {meta['bytes']}")
+        if sizes[name] != meta.bytes:
+            raise CheckpointInvalid(f"{name} is {sizes[name]} bytes, the manifest says {meta.bytes}")
     return manifest
 
 
@@ -148,34 +155,34 @@ def refuse(url: str) -> None:
         fs.mv(path, path.removesuffix(".json") + ".refused.json")
 
 
-def read_files(url: str, manifest: dict[str, Any], names: list[str]) -> dict[str, bytes]:
+def read_files(url: str, manifest: CheckpointManifest, names: list[str]) -> dict[str, bytes]:
     """The named files of a checkpoint, each checked against the manifest's size and sha256."""
     out = {}
     for name in names:
-        meta = manifest["files"][name]
+        meta = manifest.files[name]
         try:
             data = read_bytes(join(url, name))
         except FileNotFoundError:
             raise CheckpointInvalid(f"{name} is missing") from None
-        if len(data) != meta["bytes"]:
-            raise CheckpointInvalid(f"{name} is {len(data)} bytes, the manifest says {meta['bytes']}")
-        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        if len(data) != meta.bytes:
+            raise CheckpointInvalid(f"{name} is {len(data)} bytes, the manifest says {meta.bytes}")
+        if hashlib.sha256(data).hexdigest() != meta.sha256:
             raise CheckpointInvalid(f"{name} does not match its sha256 in the manifest")
         out[name] = data
     return out
 
 
-def rank_files(manifest: dict[str, Any], rank: int, resharding: bool = False) -> list[str]:
+def rank_files(manifest: CheckpointManifest, rank: int, resharding: bool = False) -> list[str]:
     """What rank ``rank`` loads: the shared files and its own (a format-1 checkpoint is all shared). ``resharding``
     (resuming at another world size): also every rank's shards of weights and optimizer state, to cut its own."""
     shards = (model_part(0).split("-rank-")[0], optim_part(0).split("-rank-")[0])
-    return [n for n in manifest["files"] if owner(n) in (None, rank) or (resharding and n.startswith(shards))]
+    return [n for n in manifest.files if owner(n) in (None, rank) or (resharding and n.startswith(shards))]
 
 
 def read_verified(url: str) -> dict[str, bytes]:
     """Every file of a checkpoint, each checked against the manifest; raises CheckpointInvalid saying why not."""
     manifest = read_manifest(url)
-    return read_files(url, manifest, list(manifest["files"]))
+    return read_files(url, manifest, list(manifest.files))
 
 
 def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
@@ -188,7 +195,7 @@ def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def find_latest_valid(checkpoints_dir: str) -> tuple[str, dict[str, Any]] | None:
+def find_latest_valid(checkpoints_dir: str) -> tuple[str, CheckpointManifest] | None:
     """The newest checkpoint whose manifest lists files all present at their size (older ones are tried in turn),
     as (url, manifest), or None. Reads manifests and listings only, never a tensor."""
     for step, url in list_checkpoints(checkpoints_dir):

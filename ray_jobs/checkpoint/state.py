@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ray_jobs.checkpoint.format import MODEL_FILE, OPTIM_FILE, CheckpointInvalid, decode, model_part, optim_part
+from ray_jobs.contracts.checkpoint import CheckpointManifest
 from ray_jobs.data.reading import Cursor
 from ray_jobs.secrets import mask_tree
 
@@ -359,13 +360,13 @@ def tensor_files(rank: int, model, optimizer, staging: HostStaging, fsdp: bool, 
     return files
 
 
-def load_tensor_files(model, optimizer, files: dict[str, bytes], manifest: dict[str, Any], written_by: int,
+def load_tensor_files(model, optimizer, files: dict[str, bytes], manifest: CheckpointManifest, written_by: int,
                       rank: int, world_size: int, fsdp: bool, lora: bool) -> None:  # fmt: skip
     """Weights and optimizer state into this rank's model: the replicated state (DDP, format 1), its own FSDP
     shards, or every rank's shards cut to this world's (an FSDP checkpoint of ``written_by`` ranks)."""
     from safetensors.torch import load
 
-    if manifest["format"] <= 1 or not fsdp:
+    if manifest.format <= 1 or not fsdp:
         model_sd, optim_sd, _ = decode(files)
         load_model_state(model, model_sd, fsdp, lora)
         load_optimizer_state(model, optimizer, optim_sd, fsdp)

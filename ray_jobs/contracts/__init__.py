@@ -11,4 +11,5 @@ are built on the same base.
 - ``dataset.DatasetManifest``: a staged dataset (``datasets/<id>/manifest.json``), and ``job_spec.WorkerSpec``:
   what every rank of a training run is given (the manifests inside it, read once by the job's driver).
 - ``tracking.TrackingLinks``: where each experiment tracker keeps the run (``runs/<run>/tracking.json``).
+- ``checkpoint.CheckpointManifest``: what makes a checkpoint exist (``<checkpoint>/manifest.json``, written last).
 """

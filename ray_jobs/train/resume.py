@@ -16,6 +16,7 @@ from typing import Any
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState
 from ray_jobs.config import Config
+from ray_jobs.contracts.checkpoint import CheckpointManifest
 from ray_jobs.data.reading import Cursor
 from ray_jobs.train.runtime import Runtime
 
@@ -24,7 +25,7 @@ log = logging.getLogger("unbroken.train")
 
 def choose_resume(
     checkpoints_dir: str, explicit: str | None, check=None, refused: Sequence[str] = ()
-) -> tuple[str | None, str, dict[str, Any] | None]:
+) -> tuple[str | None, str, CheckpointManifest | None]:
     """Which checkpoint this start resumes from: (url or None, why, its manifest). Reads manifests and one listing
     per checkpoint (``ckpt.check``), no tensor bytes; ``refused``: checkpoints a rank already failed to load.
 
@@ -55,7 +56,7 @@ def choose_resume(
     return _explicit_elsewhere(explicit, check)
 
 
-def _explicit_elsewhere(explicit: str | None, check) -> tuple[str | None, str, dict[str, Any] | None]:
+def _explicit_elsewhere(explicit: str | None, check) -> tuple[str | None, str, CheckpointManifest | None]:
     """Nothing valid listed at or after the explicit checkpoint: the explicit one read where it is, or none."""
     if explicit is None:
         return None, "no valid checkpoint", None
@@ -69,9 +70,9 @@ def _explicit_elsewhere(explicit: str | None, check) -> tuple[str | None, str, d
 
 def agreed_choice(
     rt: Runtime, checkpoints_dir: str, explicit: str | None, refused: list[str]
-) -> tuple[str | None, str, dict[str, Any] | None]:
+) -> tuple[str | None, str, CheckpointManifest | None]:
     """Rank 0's :func:`choose_resume`, broadcast: the same (url, why, manifest) on every rank, or the same error."""
-    choice: tuple[str | None, str, dict | None] = (None, "", None)
+    choice: tuple[str | None, str, CheckpointManifest | None] = (None, "", None)
     if rt.rank == 0:
         try:
             choice = choose_resume(checkpoints_dir, explicit, refused=refused)
@@ -88,7 +89,7 @@ def agreed_choice(
 
 
 def resume_agreed(rt: Runtime, checkpoints_dir: str, explicit: str | None,
-                  load: Callable[[str, dict[str, Any]], bool]) -> tuple[str | None, str]:  # fmt: skip
+                  load: Callable[[str, CheckpointManifest], bool]) -> tuple[str | None, str]:  # fmt: skip
     """The checkpoint every rank resumed from, and why (None: start fresh). ``load`` reads and loads one on every
     rank, False when some rank found its part bad: then every rank falls back to the previous one together, and the
     bad one is refused so that no later start (nor the watchdog) picks it again."""
@@ -113,10 +114,10 @@ def together(rt: Runtime, failed: str) -> None:
         raise RuntimeError("; ".join(reasons))
 
 
-def read_part(rt: Runtime, url: str, manifest: dict[str, Any]) -> tuple[dict[str, bytes] | None, float, str]:
+def read_part(rt: Runtime, url: str, manifest: CheckpointManifest) -> tuple[dict[str, bytes] | None, float, str]:
     """This rank's files of a checkpoint, verified: (files, 1.0 when one was bad, why reading failed otherwise)."""
     try:
-        names = ckpt.rank_files(manifest, rt.rank, manifest.get("world_size") != rt.world_size)
+        names = ckpt.rank_files(manifest, rt.rank, manifest.world_size != rt.world_size)
         return ckpt.read_files(url, manifest, names), 0.0, ""
     except ckpt.CheckpointInvalid as e:
         log.warning("rank %d: checkpoint %s: %s", rt.rank, url, e)
@@ -125,7 +126,7 @@ def read_part(rt: Runtime, url: str, manifest: dict[str, Any]) -> tuple[dict[str
         return None, 0.0, f"rank {rt.rank} could not read checkpoint {url}: {type(e).__name__}: {e}"
 
 
-def check_resumable(state: dict[str, Any], manifest: dict[str, Any], data_ranks: int, world_size: int,
+def check_resumable(state: dict[str, Any], manifest: CheckpointManifest, data_ranks: int, world_size: int,
                     fsdp: bool) -> None:  # fmt: skip
     """Refuse (``CheckpointInvalid``) a checkpoint this run cannot resume exactly: another data layout, a world
     size it cannot be resharded to, another parallelism."""
@@ -141,16 +142,16 @@ def check_resumable(state: dict[str, Any], manifest: dict[str, Any], data_ranks:
             f"written by {loop.world_size} workers before checkpoints held a global data cursor; resume it with "
             f"{loop.world_size} workers"
         )
-    if manifest.get("sharded", False) != fsdp and manifest["format"] > 1:
+    if manifest.sharded != fsdp and manifest.format > 1:
         raise ckpt.CheckpointInvalid(
-            f"written with train.parallelism={'fsdp' if manifest.get('sharded') else 'ddp'}; resume with the same"
+            f"written with train.parallelism={'fsdp' if manifest.sharded else 'ddp'}; resume with the same"
         )
 
 
-def rank_part(files: dict[str, bytes], state: dict[str, Any], manifest: dict[str, Any], rank: int) -> dict | None:
+def rank_part(files: dict[str, bytes], state: dict[str, Any], manifest: CheckpointManifest, rank: int) -> dict | None:
     """This rank's own state (RNG streams, its data rank's cursor), or None for a rank the checkpoint's smaller
     world did not have: its RNG streams start from the seed."""
-    if manifest["format"] == 1:
+    if manifest.format == 1:
         return state["ranks"][rank]
     if ckpt.rank_file(rank) in files:
         return json.loads(files[ckpt.rank_file(rank)])
@@ -166,7 +167,7 @@ class Restored:
     last_eval: float | None
 
 
-def load_checkpoint(rt: Runtime, cfg: Config, url: str, manifest: dict[str, Any], model, optimizer, scheduler,
+def load_checkpoint(rt: Runtime, cfg: Config, url: str, manifest: CheckpointManifest, model, optimizer, scheduler,
                     data_ranks: int) -> tuple[Restored | None, int]:  # fmt: skip
     """Read, verify and load this rank's part of a checkpoint, every rank deciding together (collectives), and the
     bytes this rank read. None when some rank found its part bad (all fall back); an error that is not the
@@ -190,7 +191,7 @@ def load_checkpoint(rt: Runtime, cfg: Config, url: str, manifest: dict[str, Any]
     return restored, read
 
 
-def restore(rt: Runtime, cfg: Config, files: dict[str, bytes], manifest: dict[str, Any], model, optimizer,
+def restore(rt: Runtime, cfg: Config, files: dict[str, bytes], manifest: CheckpointManifest, model, optimizer,
             scheduler, data_ranks: int) -> tuple[Restored, dict | None]:  # fmt: skip
     """Load a checkpoint's verified files into this rank's model, optimizer and scheduler; the rest of its state,
     and this rank's own cursor when the checkpoint predates the global one (its ``cursors`` then None)."""

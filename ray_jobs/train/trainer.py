@@ -22,6 +22,7 @@ from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.checkpoint.checkpointer import Checkpointer
 from ray_jobs.config import Config
+from ray_jobs.contracts.checkpoint import CheckpointManifest
 from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Phase
 from ray_jobs.data.cache import ShardCache
@@ -143,7 +144,7 @@ class Trainer:
                                               self.model, self.manifest.seq_len, self.rt.world_size,
                                               self.parent)  # fmt: skip
 
-    def _load_checkpoint(self, url: str, manifest: dict[str, Any]) -> bool:
+    def _load_checkpoint(self, url: str, manifest: CheckpointManifest) -> bool:
         """Load a checkpoint every rank agreed on (:func:`~ray_jobs.train.resume.load_checkpoint`); False when a
         rank found its part bad."""
         restored, read = load_checkpoint(self.rt, self.cfg, url, manifest, self.model, self.optimizer,

@@ -46,7 +46,7 @@ def test_an_elastic_run_shrinks_to_one_worker_grows_back_and_trains_every_row_ex
         # The world-1 group's steps count only once it checkpointed them: a host joining before that would let the
         # group grow back and redo them at world 2 (seen once: worlds [2, 2]). Let it join only after the event.
         wait_for("a checkpoint written by the world-1 group", lambda: (c := ckpt.find_latest_valid(ckpts))
-                 and c[1]["world_size"] == 1 and c[1]["step"] > shrunk_beat["started_step"], timeout_s=120)  # fmt: skip
+                 and c[1].world_size == 1 and c[1].step > shrunk_beat["started_step"], timeout_s=120)  # fmt: skip
         assert heartbeat_step(cfg) < cfg.train.max_steps - 40, "enough of the run left to grow back"
         back_at = time.time()
         hosts.start_worker(absent)  # a host joins: the next resize check grows the group

@@ -50,7 +50,7 @@ def test_a_checkpoint_is_taken_every_n_steps_and_reported_once_its_manifest_land
         assert (c.save_if_due(step, last=False, time_due=False, metrics={"step": step}) is None) == (step == 1)
     c.commit()
     assert rt.reports == [({"step": 2}, c.url(2))]
-    assert ckpt.read_manifest(c.url(2))["step"] == 2
+    assert ckpt.read_manifest(c.url(2)).step == 2
     c.writer.close()
 
 

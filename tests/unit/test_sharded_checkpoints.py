@@ -128,7 +128,7 @@ def test_choosing_a_checkpoint_reads_no_tensor_bytes(cut, monkeypatch, caplog) -
     monkeypatch.setattr(fmt, "read_bytes", lambda url: reads.append(url) or real(url))
     with caplog.at_level(logging.WARNING):
         url, manifest_read = ckpt.find_latest_valid(Layout(c.storage).checkpoints_dir(c.name))
-    assert url.endswith(ckpt.checkpoint_name(10)) and manifest_read["step"] == 10
+    assert url.endswith(ckpt.checkpoint_name(10)) and manifest_read.step == 10
     assert reads and all(r.endswith("manifest.json") for r in reads), reads
     assert any("optim-rank-00000.pt" in r.message for r in caplog.records), "the skipped one is named, and why"
 
