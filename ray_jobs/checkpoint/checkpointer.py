@@ -28,6 +28,11 @@ from ray_jobs.storage import join
 log = logging.getLogger("unbroken.train")
 
 
+# What the platform is told with a checkpoint: the step and the eval loss (``checkpoint.keep_best_by`` ranks by them;
+# a search's scheduler decides on them). Numbers, or None before the first eval.
+Reported = dict[str, float | None]
+
+
 class Ranks(Protocol):
     """What the checkpointer needs of the runtime: who this rank is, two collectives, and Ray's report."""
 
@@ -38,7 +43,7 @@ class Ranks(Protocol):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
-    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None: ...
+    def report(self, metrics: Reported, checkpoint_url: str | None) -> None: ...
 
 
 class Checkpointer:
@@ -50,7 +55,7 @@ class Checkpointer:
         self.snapshot, self.phase = snapshot, phase
         self.fsdp = cfg.train.parallelism == "fsdp"
         self.writer = AsyncWriter()
-        self.pending: tuple[int, dict[str, Any]] | None = None  # started, not yet reported (known to all ranks)
+        self.pending: tuple[int, Reported] | None = None  # started, not yet reported (known to all ranks)
         self.manifest_pending = False  # the parts landed; rank 0's manifest write is in flight
         self.owed = False  # one is due but waits for the previous write to land
         self.last_step = -1
@@ -71,7 +76,7 @@ class Checkpointer:
         return self.pending is not None and self.writer.done()
 
     # -- taking one -----------------------------------------------------------------------------------------
-    def save_if_due(self, step: int, last: bool, time_due: bool, metrics: dict[str, Any]) -> float | None:
+    def save_if_due(self, step: int, last: bool, time_due: bool, metrics: Reported) -> float | None:
         """Take this step's checkpoint if one is due (``checkpoint.every_steps``, the agreed ``time_due``, or owed);
         the seconds training was blocked, or None when none was taken. The last step's is :meth:`finish`'s."""
         every = self.cfg.checkpoint.every_steps
@@ -88,7 +93,7 @@ class Checkpointer:
             return self.save(step, metrics, sync=not self.cfg.checkpoint.async_write)
         return None
 
-    def save(self, step: int, metrics: dict[str, Any], sync: bool) -> float:
+    def save(self, step: int, metrics: Reported, sync: bool) -> float:
         """Snapshot state into host memory and hand it to the writer; returns the seconds training was blocked."""
         started = time.monotonic()
         if sync:
@@ -155,7 +160,7 @@ class Checkpointer:
         self.pending, self.manifest_pending, self.owed = None, False, True
 
     # -- the end --------------------------------------------------------------------------------------------
-    def finish(self, step: int, metrics: dict[str, Any]) -> None:
+    def finish(self, step: int, metrics: Reported) -> None:
         """The last step is always checkpointed, synchronously, and every started write is reported."""
         if self.last_step != step:
             self.save(step, metrics, sync=True)

@@ -7,7 +7,7 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 from ray_jobs.checkpoint.format import MODEL_FILE, OPTIM_FILE, CheckpointInvalid, decode, model_part, optim_part
 from ray_jobs.contracts.checkpoint import CheckpointManifest
@@ -16,6 +16,20 @@ from ray_jobs.secrets import mask_tree
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+# A torch state dict -- a module's, an optimizer's, a shard of either: names -> tensors and nested plain values. torch
+# types its own so (``state_dict() -> dict[str, Any]``, ``torch.distributed.checkpoint``'s ``STATE_DICT_TYPE``): the
+# Any is torch's, named once here.
+StateDict = dict[str, Any]
+
+
+class RngState(TypedDict):
+    """Every RNG stream of a process, JSON-safe (a rank's file in a checkpoint keeps it)."""
+
+    python: list[Any]  # random.getstate(): [version, the Mersenne Twister's 625 words, a gauss value or None]
+    numpy: list[Any]  # the legacy RandomState tuple: [name, 624 words, pos, has_gauss, cached_gaussian]
+    torch: list[int]
+    cuda: NotRequired[list[int]]
 
 
 @dataclass
@@ -33,7 +47,7 @@ class RankState:
     """What differs between ranks: where each is in its data, and its RNG streams."""
 
     cursor: dict[str, int]
-    rng: dict[str, Any]
+    rng: RngState
 
 
 def unwrap(model):
@@ -41,14 +55,14 @@ def unwrap(model):
 
 
 # -- RNG state, JSON-safe -------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
+def rng_state() -> RngState:
     import numpy as np
     import torch
 
     py = random.getstate()
     np_state = np.random.get_state(legacy=True)  # numpy's stub types the default call as the dict form
     assert isinstance(np_state, tuple), "the global RandomState is MT19937, whose legacy state is a tuple"
-    out = {
+    out: RngState = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "torch": torch.get_rng_state().tolist(),
@@ -58,7 +72,7 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: RngState) -> None:
     import numpy as np
     import torch
 
@@ -105,7 +119,7 @@ class HostStaging:
     step's kernels, so they read this step's values, and whoever reads the buffers waits on :meth:`ready`'s event."""
 
     def __init__(self):
-        self._buffers: dict[str, Any] = {}
+        self._buffers: dict[str, Tensor] = {}
         self._queued = False  # device-to-host copies issued since the last ready()
 
     def __call__(self, key: str, t) -> Any:
@@ -139,7 +153,7 @@ def _fresh(key: str, t) -> Any:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def model_state(model, fsdp: bool, trainable_only: bool, stage=_fresh) -> dict[str, Any]:
+def model_state(model, fsdp: bool, trainable_only: bool, stage=_fresh) -> StateDict:
     """A CPU copy of the weights (complete on rank 0; under FSDP a collective every rank must join). A tied tensor
     is stored once (safetensors refuses shared tensors, and a copy each would double the embedding's size)."""
     aliases = tied_aliases(model)
@@ -158,7 +172,7 @@ def model_state(model, fsdp: bool, trainable_only: bool, stage=_fresh) -> dict[s
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def optimizer_state(model, optimizer, fsdp: bool, stage=_fresh) -> dict[str, Any]:
+def optimizer_state(model, optimizer, fsdp: bool, stage=_fresh) -> StateDict:
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -180,7 +194,7 @@ def _cpu_copy(obj, stage=_fresh, key: str = "optim"):
     return obj
 
 
-def load_model_state(model, sd: dict[str, Any], fsdp: bool, trainable_only: bool) -> None:
+def load_model_state(model, sd: StateDict, fsdp: bool, trainable_only: bool) -> None:
     """Put weights back; a tied alias takes its source's tensor, so strict loading still names missing weights."""
     expected = trainable_names(model) if trainable_only else None
     if expected is not None and set(sd) != expected:
@@ -211,7 +225,7 @@ def _local_shard(full, like):
     return full
 
 
-def load_optimizer_state(model, optimizer, osd: dict[str, Any], fsdp: bool) -> None:
+def load_optimizer_state(model, optimizer, osd: StateDict, fsdp: bool) -> None:
     if not fsdp:
         optimizer.load_state_dict(osd)
         return
@@ -233,7 +247,7 @@ def load_optimizer_state(model, optimizer, osd: dict[str, Any], fsdp: bool) -> N
 
 
 # -- FSDP, sharded: each rank saves and loads its own shards ---------------------------------------------------
-def sharded_model_state(model, trainable_only: bool, stage=_fresh) -> tuple[dict[str, Any], dict[str, Any]]:
+def sharded_model_state(model, trainable_only: bool, stage=_fresh) -> tuple[StateDict, StateDict]:
     """(this rank's local shards, the tensors FSDP does not shard) as CPU copies; no collective, nothing gathered."""
     from torch.distributed.tensor import DTensor
 
@@ -250,7 +264,7 @@ def sharded_model_state(model, trainable_only: bool, stage=_fresh) -> tuple[dict
     return local, replicated
 
 
-def load_sharded_model_state(model, local: dict[str, Any], replicated: dict[str, Any], trainable_only: bool) -> None:
+def load_sharded_model_state(model, local: StateDict, replicated: StateDict, trainable_only: bool) -> None:
     """Copy this rank's saved shards into its own shards of the weights (the same world size wrote them)."""
     import torch
     from torch.distributed.tensor import DTensor
@@ -269,7 +283,7 @@ def load_sharded_model_state(model, local: dict[str, Any], replicated: dict[str,
             dst.copy_(t)
 
 
-def sharded_optimizer_state(optimizer, stage=_fresh) -> dict[str, Any]:
+def sharded_optimizer_state(optimizer, stage=_fresh) -> StateDict:
     """The optimizer's own state with every DTensor replaced by this rank's local piece (CPU copies)."""
     from torch.distributed.tensor import DTensor
 
@@ -280,7 +294,7 @@ def sharded_optimizer_state(optimizer, stage=_fresh) -> dict[str, Any]:
     return {"state": _cpu_copy(local, stage), "param_groups": osd["param_groups"]}
 
 
-def load_sharded_optimizer_state(optimizer, saved: dict[str, Any]) -> None:
+def load_sharded_optimizer_state(optimizer, saved: StateDict) -> None:
     """Rebuild the optimizer's DTensor state from this rank's saved pieces, on each parameter's mesh and placement."""
     from torch.distributed.tensor import DTensor
 
@@ -307,14 +321,14 @@ def _full(pieces: list[Any]) -> Any:
     return torch.cat([p for p in pieces if p.numel()], dim=0) if any(p.numel() for p in pieces) else pieces[0]
 
 
-def load_resharded_model_state(model, parts: list[dict[str, Any]], replicated: dict[str, Any],
+def load_resharded_model_state(model, parts: list[StateDict], replicated: StateDict,
                                trainable_only: bool) -> None:  # fmt: skip
     """Load weights saved as ``len(parts)`` ranks' shards into this world's shards."""
     full = {name: _full([p[name] for p in parts]) for name in parts[0]}
     load_model_state(model, full | replicated, True, trainable_only)
 
 
-def load_resharded_optimizer_state(optimizer, parts: list[dict[str, Any]]) -> None:
+def load_resharded_optimizer_state(optimizer, parts: list[StateDict]) -> None:
     """Load optimizer state saved as ``len(parts)`` ranks' pieces (index-keyed) into this world's DTensors."""
     from torch.distributed.tensor import DTensor
 
@@ -345,9 +359,10 @@ def loop_state_file(loop: LoopState, scheduler, last_eval: float | None, cfg: An
 
 
 # -- a rank's tensor files, both ways ---------------------------------------------------------------------------
-def tensor_files(rank: int, model, optimizer, staging: HostStaging, fsdp: bool, lora: bool) -> dict[str, Any]:
+def tensor_files(rank: int, model, optimizer, staging: HostStaging, fsdp: bool,
+                 lora: bool) -> dict[str, tuple[str, StateDict]]:  # fmt: skip
     """This rank's weights and optimizer state as checkpoint files (host copies, ``{name: (codec, state)}``)."""
-    files: dict[str, Any] = {}
+    files: dict[str, tuple[str, StateDict]] = {}
     if fsdp:  # each rank its own shards, nothing gathered
         local, replicated = sharded_model_state(model, lora, staging)
         files[model_part(rank)] = ("safetensors", local)
@@ -381,7 +396,7 @@ def load_tensor_files(model, optimizer, files: dict[str, bytes], manifest: Check
         load_sharded_optimizer_state(optimizer, _optim_part(files, rank))
 
 
-def _optim_part(files: dict[str, bytes], rank: int) -> dict[str, Any]:
+def _optim_part(files: dict[str, bytes], rank: int) -> StateDict:
     import io
 
     import torch

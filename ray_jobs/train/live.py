@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any
 
+from ray_jobs.checkpoint.checkpointer import Reported
+from ray_jobs.contracts.heartbeat import Heal
 from ray_jobs.train.runtime import LocalRuntime
 
 log = logging.getLogger("unbroken.train")
@@ -57,7 +58,7 @@ class Solo(LocalRuntime):
     def shard_model(self, model):
         raise RuntimeError("live recovery runs DDP only (config validation refuses fsdp)")
 
-    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+    def report(self, metrics: Reported, checkpoint_url: str | None) -> None:
         if checkpoint_url is None:
             return
         from ray_jobs.checkpoint.format import list_checkpoints
@@ -171,9 +172,9 @@ class Replica:
         self.manager.shutdown(wait=False)
 
 
-def timed_heal(replica: Replica, began: float, step: int, source: int | None) -> dict[str, Any]:
+def timed_heal(replica: Replica, began: float, step: int) -> Heal:
     """What the heartbeat and the log say of a heal this replica just received."""
     replica.heals += 1
     took = time.monotonic() - began
     log.warning("replica %d healed from a live peer at step %d in %.2fs (no storage read)", replica.rank, step, took)
-    return {"rank": replica.rank, "step": step, "heal_s": round(took, 3), "at": time.time(), "source": source}
+    return Heal(rank=replica.rank, step=step, heal_s=round(took, 3), at=time.time())

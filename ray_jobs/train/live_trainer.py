@@ -24,7 +24,7 @@ from typing import Any
 
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
 from ray_jobs.contracts.dataset import DatasetManifest
-from ray_jobs.contracts.heartbeat import Beat
+from ray_jobs.contracts.heartbeat import Beat, Heal
 from ray_jobs.data.reading import Cursor, StepPlan
 from ray_jobs.train import faults, preemption, rowtrace
 from ray_jobs.train.eval import eval_loss
@@ -45,8 +45,9 @@ class LiveTrainer(Trainer):
         self.participants: list[int] = []
         self.history: list[dict[str, Any]] = []  # this attempt's logged rows, kept by every replica
         self.history_base: int | None = None  # the step the log keeps rows up to (None: a fresh run)
-        self.heals: list[dict[str, Any]] = []  # every heal of this attempt (every replica learns of each)
-        self.healed: dict[str, Any] | None = None  # the heal this replica received, until the step's sum carries it
+        self.heals: list[Heal] = []  # every heal of this attempt (every replica learns of each)
+        self.healed: Heal | None = None  # the heal this replica received, until the step's sum carries it
+        self.state_received = False  # a live peer's state was loaded into this replica, its heal not yet timed
         self.replica: Replica | None = None
         self._quorum: tuple[int, int] | None = None  # the joining quorum: the first step's
         self.replacement = _attempt_training(cfg, attempt)  # Ray Train replaced a lost replica with this process
@@ -96,7 +97,7 @@ class LiveTrainer(Trainer):
         return {"model": model, "optim": self.optimizer.state_dict(), "sched": self.scheduler.state_dict(),
                 "loop": asdict(self.loop), "cursors": [asdict(c) for c in self.cursors], "last_eval": self.last_eval,
                 "leader": self.leader, "history": self.history, "history_base": self.history_base,
-                "heals": self.heals, "rng": rng_state()}  # fmt: skip
+                "heals": [h.dump() for h in self.heals], "rng": rng_state()}  # fmt: skip
 
     def _load_heal_state(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"], strict=not self.lora)
@@ -104,10 +105,14 @@ class LiveTrainer(Trainer):
         self.scheduler.load_state_dict(sd["sched"])
         self.loop, self.cursors = LoopState(**sd["loop"]), [Cursor(**c) for c in sd["cursors"]]
         self.last_eval, self.leader = sd["last_eval"], sd["leader"]
-        self.history, self.history_base, self.heals = list(sd["history"]), sd["history_base"], list(sd["heals"])
+        self.history, self.history_base, self.heals = (
+            list(sd["history"]),
+            sd["history_base"],
+            [Heal.model_validate(h) for h in sd["heals"]],
+        )
         set_rng_state(sd["rng"])
         self.checkpointer.last_step = self.loop.step
-        self.healed = {}  # timed by _join
+        self.state_received = True  # the heal is timed by _join
 
     @property
     def joined(self) -> Replica:
@@ -120,8 +125,8 @@ class LiveTrainer(Trainer):
         state from a live peer first (``_load_heal_state``)."""
         began = time.monotonic()
         quorum = self.joined.quorum()
-        if self.healed == {}:
-            self.healed = timed_heal(self.joined, began, self.loop.step, None)
+        if self.state_received:
+            self.healed, self.state_received = timed_heal(self.joined, began, self.loop.step), False
         return quorum
 
     # -- a step ---------------------------------------------------------------------------------------------------
@@ -194,7 +199,7 @@ class LiveTrainer(Trainer):
         v[0], v[1], v[2], v[3] = local[0], local[1], self.loop.step, float(preemption.requested())
         v[HEAD + self.ray_rank] = 1.0
         if self.healed and self.replacement:  # (a replica that only joined late, or missed a commit, heals too)
-            v[HEAD + self.workers + self.ray_rank] = max(self.healed["heal_s"], 1e-6)
+            v[HEAD + self.workers + self.ray_rank] = max(self.healed.heal_s, 1e-6)
         return v
 
     def _consistent(self, v, size: int) -> bool:
@@ -241,8 +246,8 @@ class LiveTrainer(Trainer):
         """Who took part, who healed, and who leads from here (the same on every replica)."""
         for r in range(self.workers):
             if v[HEAD + self.workers + r] > 0:
-                self.heals.append({"rank": r, "step": self.loop.step - 1, "heal_s": float(v[HEAD + self.workers + r]),
-                                   "at": time.time(), "lost_steps": 0})  # fmt: skip
+                self.heals.append(Heal(rank=r, step=self.loop.step - 1, heal_s=float(v[HEAD + self.workers + r]),
+                                       at=time.time(), lost_steps=0))  # fmt: skip
         self.healed = None
         if participants != self.participants:  # (the time: Ray shows a worker's log lines without one)
             log.warning("step %d trained by replicas %s of %d (committed at %.3f)", self.loop.step, participants,

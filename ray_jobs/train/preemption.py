@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ray_jobs.contracts.heartbeat import Phase
+from ray_jobs.train.runtime import DrainNotice
 
 log = logging.getLogger("unbroken.preemption")
 
@@ -148,7 +149,7 @@ def checkpoint_and_raise(checkpoint: Callable[[], float], rank: int, step: int) 
     raise Preempted(f"preempted: just-in-time checkpoint at step {step} saved")
 
 
-def checkpoint_and_wait(notice: dict[str, Any], checkpoint: Callable[[], float], rank: int, step: int,
+def checkpoint_and_wait(notice: DrainNotice, checkpoint: Callable[[], float], rank: int, step: int,
                         grace_s: float, phase: Callable[[Phase], None]) -> None:  # fmt: skip
     """A node of this group is being drained (a spot reclaim, ``ray drain-node``): checkpoint this step now, on
     every rank, then wait for Ray Train to restart the group without that node.
@@ -161,7 +162,7 @@ def checkpoint_and_wait(notice: dict[str, Any], checkpoint: Callable[[], float],
     deadline = drain_deadline(notice)
     train_log.warning("rank %d: just-in-time checkpoint at step %d saved (drain notice for node(s) %s, deadline in "
                       "%.0f s); waiting for Ray Train to restart the group", rank, step,
-                      ", ".join(n[:12] for n in notice.get("nodes", {})), deadline - time.time())  # fmt: skip
+                      ", ".join(n[:12] for n in notice.nodes), deadline - time.time())  # fmt: skip
     phase("preempted")
     wait_for_restart(deadline, grace_s)
     # Still here long past the deadline: the drain went nowhere. Carry on rather than idle for ever.
@@ -169,10 +170,10 @@ def checkpoint_and_wait(notice: dict[str, Any], checkpoint: Callable[[], float],
     phase("training")
 
 
-def drain_deadline(notice: dict[str, Any]) -> float:
+def drain_deadline(notice: DrainNotice) -> float:
     """When a drained node goes (epoch seconds): the notice's deadline, or 120 s from now without one (Ray Train's
     own wait then)."""
-    return notice["deadline_ms"] / 1000 if notice.get("deadline_ms") else time.time() + 120
+    return notice.deadline_ms / 1000 if notice.deadline_ms else time.time() + 120
 
 
 def wait_for_restart(deadline: float, grace_s: float) -> None:

@@ -7,7 +7,20 @@ The loop only talks to a :class:`Runtime`, so the same code trains in-process in
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ray_jobs.checkpoint.checkpointer import Reported
+
+
+@dataclass(frozen=True)
+class DrainNotice:
+    """Ray Train's notice that a node of this group is being drained (``ray.train.get_preemption_info``): when it
+    goes (epoch ms; None: Ray gave no deadline) and the group's ranks on each drained node."""
+
+    deadline_ms: float | None = None
+    nodes: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Runtime(Protocol):
@@ -20,7 +33,7 @@ class Runtime(Protocol):
 
     def device(self): ...
 
-    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+    def report(self, metrics: Reported, checkpoint_url: str | None) -> None:
         """Tell the platform about progress, and about a checkpoint already written to storage."""
 
     def all_reduce_sum(self, values: list[float]) -> list[float]: ...
@@ -29,7 +42,7 @@ class Runtime(Protocol):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
-    def preemption_notice(self) -> dict[str, Any] | None:
+    def preemption_notice(self) -> DrainNotice | None:
         """A drain notice for a node of this group (every rank calls it together; all get the same answer)."""
 
 
@@ -81,7 +94,7 @@ class RayRuntime:
     def device(self):
         return self._device
 
-    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+    def report(self, metrics: Reported, checkpoint_url: str | None) -> None:
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -124,15 +137,15 @@ class RayRuntime:
         dist.broadcast_object_list(box, src=src)  # NCCL: on the current device (set in bind_device)
         return box[0]
 
-    def preemption_notice(self) -> dict[str, Any] | None:
+    def preemption_notice(self) -> DrainNotice | None:
         """Ray Train's own preemption signal (its watcher polls the GCS for draining nodes of this group and marks
-        every worker): ``{"deadline_ms", "nodes": {node_id: [ranks]}}`` or None. A barrier across ranks."""
+        every worker), or None. A barrier across ranks."""
         import ray.train
 
         info = ray.train.get_preemption_info()
         if info is None:
             return None
-        return {"deadline_ms": info.deadline_ms, "nodes": {n: list(r) for n, r in info.preempted_node_to_ranks.items()}}
+        return DrainNotice(info.deadline_ms, {n: list(r) for n, r in info.preempted_node_to_ranks.items()})
 
 
 class TorchRuntime(RayRuntime):
@@ -147,7 +160,7 @@ class TorchRuntime(RayRuntime):
         local = int(os.environ.get("LOCAL_RANK", self.rank))
         cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
         self._device = bind_device(torch.device(f"cuda:{local}") if cuda else torch.device("cpu"))
-        self.reports: list[tuple[dict[str, Any], str | None]] = []
+        self.reports: list[tuple[Reported, str | None]] = []
 
     def prepare_model(self, model):
         from torch.nn.parallel import DistributedDataParallel
@@ -155,13 +168,13 @@ class TorchRuntime(RayRuntime):
         model = model.to(self._device)
         return DistributedDataParallel(model) if self.world_size > 1 else model
 
-    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+    def report(self, metrics: Reported, checkpoint_url: str | None) -> None:
         self.reports.append((dict(metrics), checkpoint_url))
 
-    def preemption_notice(self) -> dict[str, Any] | None:
+    def preemption_notice(self) -> DrainNotice | None:
         return self.notice  # no controller: a test sets it
 
-    notice: dict[str, Any] | None = None
+    notice: DrainNotice | None = None
 
 
 class LocalRuntime:
@@ -177,7 +190,7 @@ class LocalRuntime:
         if dev.type == "cuda" and dev.index is None:  # set_device needs an index: this process's current GPU
             dev = torch.device("cuda", torch.cuda.current_device())
         self._device = bind_device(dev)
-        self.reports: list[tuple[dict[str, Any], str | None]] = []
+        self.reports: list[tuple[Reported, str | None]] = []
 
     def prepare_model(self, model):
         return model.to(self._device)
@@ -188,7 +201,7 @@ class LocalRuntime:
     def device(self):
         return self._device
 
-    def report(self, metrics: dict[str, Any], checkpoint_url: str | None) -> None:
+    def report(self, metrics: Reported, checkpoint_url: str | None) -> None:
         self.reports.append((dict(metrics), checkpoint_url))
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
@@ -200,7 +213,7 @@ class LocalRuntime:
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
 
-    def preemption_notice(self) -> dict[str, Any] | None:
+    def preemption_notice(self) -> DrainNotice | None:
         return self.notice  # no controller: a test sets it
 
-    notice: dict[str, Any] | None = None
+    notice: DrainNotice | None = None

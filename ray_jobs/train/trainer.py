@@ -20,7 +20,7 @@ from typing import Any
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState, unwrap
-from ray_jobs.checkpoint.checkpointer import Checkpointer
+from ray_jobs.checkpoint.checkpointer import Checkpointer, Reported
 from ray_jobs.config import Config
 from ray_jobs.contracts.checkpoint import CheckpointManifest
 from ray_jobs.contracts.dataset import DatasetManifest
@@ -36,7 +36,7 @@ from ray_jobs.train.heartbeat import Heartbeat, start_heartbeat
 from ray_jobs.train.metrics import MetricsLog, Throughput
 from ray_jobs.train.model import autocast_for, build_model, build_optimizer, clip_grads, grad_sync, to_device
 from ray_jobs.train.resume import load_checkpoint, resume_agreed
-from ray_jobs.train.runtime import Runtime
+from ray_jobs.train.runtime import DrainNotice, Runtime
 from ray_jobs.train.tracking import open_trackers
 
 log = logging.getLogger("unbroken.train")
@@ -52,7 +52,7 @@ class Agreed:
     write_done: bool
     time_due: bool
     preempt: bool  # a rank got SIGTERM
-    notice: dict[str, Any] | None = None  # Ray Train's drain notice for a node of this group (when polled)
+    notice: DrainNotice | None = None  # Ray Train's drain notice for a node of this group (when polled)
 
 
 class Trainer:
@@ -320,7 +320,7 @@ class Trainer:
         """A rank got SIGTERM: a just-in-time checkpoint on every rank, then every rank raises."""
         preemption.checkpoint_and_raise(lambda: self.checkpoint(sync=True), self.rt.rank, self.loop.step)
 
-    def _on_drain_notice(self, notice: dict[str, Any]) -> None:
+    def _on_drain_notice(self, notice: DrainNotice) -> None:
         """A node of this group is being drained: checkpoint this step now (unless it just was), on every rank, then
         wait for Ray Train to restart the group without that node (:func:`~.preemption.checkpoint_and_wait`)."""
         self.notice_taken = True
@@ -334,7 +334,7 @@ class Trainer:
         """Take a checkpoint of this step now; returns the seconds training was blocked."""
         return self.checkpointer.save(self.loop.step, self._checkpoint_metrics(), sync)
 
-    def _checkpoint_metrics(self) -> dict[str, Any]:
+    def _checkpoint_metrics(self) -> Reported:
         """What Ray Train is told with a checkpoint (``checkpoint.keep_best_by`` ranks by these)."""
         return {"step": self.loop.step, "eval_loss": self.last_eval}
 

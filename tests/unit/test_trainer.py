@@ -18,7 +18,7 @@ from ray_jobs.data.staging import stage
 from ray_jobs.model.builtin import build_builtin
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.storage import Layout
-from ray_jobs.train.runtime import LocalRuntime
+from ray_jobs.train.runtime import DrainNotice, LocalRuntime
 from ray_jobs.train.trainer import Trainer
 from tests.conftest import ROOT, made_manifest, tiny_overrides
 
@@ -231,7 +231,7 @@ def test_a_drain_notice_checkpoints_the_current_step_once_and_changes_no_number(
 
     def notice():
         asked.append(t.loop.step + 1)  # asked in the step's agreement, before the step counts as done
-        return {"deadline_ms": past, "nodes": {"ab" * 28: [1]}} if len(asked) >= 7 else None
+        return DrainNotice(past, {"ab" * 28: [1]}) if len(asked) >= 7 else None
 
     rt.preemption_notice = notice
     t.resume_or_start()
