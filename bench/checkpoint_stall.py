@@ -75,9 +75,9 @@ def measure(kind: str, args, storage: Path) -> dict:
         periodic = [s for r in ranks for s in r["stalls_s"][:-1]]
         out["async_stall_s" if mode else "sync_stall_s"] = round(statistics.mean(periodic), 4)
     newest = ckpt.list_checkpoints(Layout(cfg.storage).checkpoints_dir(cfg.name))[0][1]
-    files = ckpt.read_manifest(newest)["files"]
-    out["checkpoint_mb"] = round(sum(m["bytes"] for m in files.values()) / 1e6, 1)
-    out["shared_mb"] = round(sum(m["bytes"] for n, m in files.items() if ckpt.owner(n) is None) / 1e6, 3)
+    files = ckpt.read_manifest(newest).files
+    out["checkpoint_mb"] = round(sum(m.bytes for m in files.values()) / 1e6, 1)
+    out["shared_mb"] = round(sum(m.bytes for n, m in files.items() if ckpt.owner(n) is None) / 1e6, 3)
     # one more step from the newest checkpoint: what did each rank read to resume?
     cfg.train.max_steps += 1
     ranks = run_world(train_rank, WORLD, cfg, manifest, model, None)

@@ -1,6 +1,6 @@
 """What every stored record shares: unknown fields refused, assignments validated, a schema version, migration of
 older files on read, and a JSON form that keeps exactly the fields that were set (a field never set is not written,
-so files stay as small and as readable as the dicts they replace)."""
+so files stay as small and as readable as the dicts they replace) -- and, for a whole record, its schema version."""
 
 from __future__ import annotations
 
@@ -42,10 +42,11 @@ class Record(Part):
     SCHEMA: ClassVar[int] = 1
     schema_version: int = 1
 
-    def dump(self) -> dict[str, Any]:
+    def dump(self, full: bool = False) -> dict[str, Any]:
         """The JSON-ready form, always with this code's schema version first: a record made here (not read) has its
-        version unset, and a file written without one would be read as version 1 once a second version exists."""
-        tree = super().dump()
+        version unset, and a file written without one would be read as version 1 once a second version exists.
+        ``full``: every field, set or not (a file a person reads whole, e.g. each trial's state from the start)."""
+        tree = self.model_dump(mode="json") if full else super().dump()
         tree.pop("schema_version", None)
         return {"schema_version": self.SCHEMA, **tree}
 
@@ -71,7 +72,10 @@ class Record(Part):
     def parse(cls, tree: dict[str, Any], where: str) -> Self:
         """The record from a stored tree, migrated first; RecordError naming ``where`` and each bad field."""
         tree = cls.migrate(dict(tree))
-        if tree.get("schema_version", 1) > cls.SCHEMA:
+        version = tree.get("schema_version", 1)
+        if type(version) is not int:  # a garbled or hand-edited file: refused like any bad field, never a TypeError
+            raise RecordError(f"{where}: schema_version: not a version number ({version!r})")
+        if version > cls.SCHEMA:
             raise RecordError(f"{where}: schema_version {tree['schema_version']} is newer than this unbroken "
                               f"reads ({cls.SCHEMA}); upgrade unbroken")  # fmt: skip
         try:

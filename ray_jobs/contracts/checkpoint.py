@@ -1,7 +1,8 @@
 """``<checkpoint folder>/manifest.json``: what makes a checkpoint exist. Written last by rank 0, once every rank's
-files are on storage (ray_jobs/checkpoint/format.py), with the size and sha256 of each; read by every rank choosing
-and loading a checkpoint to resume from, and by the watchdog and a search's close (the newest valid checkpoint: what
-a restart resumes from and how many steps it trains again)."""
+files are on storage (ray_jobs/checkpoint/format.py), with the size and sha256 of each; read by rank 0 choosing the
+checkpoint to resume from (its choice, manifest and all, broadcast to every rank), by every rank checking the files it
+loads, and by the watchdog's restart (the newest valid checkpoint: what a run resumes from, how many steps a run or a
+search's running trials train again)."""
 
 from __future__ import annotations
 

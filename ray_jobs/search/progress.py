@@ -79,7 +79,7 @@ class TrialProgress(Callback):
         doc = self._loaded()
         doc.updated_at = time.time()
         # every field, set or not: a person reading trials.json sees each pending trial's state and steps too
-        write_json_atomic(Layout(self.storage).search_trials(self.search), doc.model_dump(mode="json"))
+        write_json_atomic(Layout(self.storage).search_trials(self.search), doc.dump(full=True))
 
 
 def _first_line(text: str) -> str:

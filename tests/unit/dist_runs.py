@@ -23,6 +23,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from ray_jobs.config import Config
+from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.model.loading import forgo_bitsandbytes
 
 PRELOAD = ["tests.unit.rank_preload"]
@@ -83,7 +84,7 @@ def full_weights_hash(trainer) -> str:
     return hashlib.sha256(b"".join(full[k].numpy().tobytes() for k in sorted(full))).hexdigest()
 
 
-def train_rank(rank: int, cfg: Config, manifest: dict, model: str, stop_at: int | None) -> dict[str, Any]:
+def train_rank(rank: int, cfg: Config, manifest: DatasetManifest, model: str, stop_at: int | None) -> dict[str, Any]:
     """One rank of a run: resume or start, train (to ``stop_at``), and say where it resumed and what it read."""
     from ray_jobs.train.hf import HfTrainer
     from ray_jobs.train.runtime import TorchRuntime
@@ -97,7 +98,7 @@ def train_rank(rank: int, cfg: Config, manifest: dict, model: str, stop_at: int 
             "weights": full_weights_hash(t), "stalls_s": t.checkpointer.stalls_s, "eval_loss": t.last_eval}  # fmt: skip
 
 
-def train_and_export_rank(rank: int, cfg: Config, manifest: dict, model: str) -> dict[str, Any]:
+def train_and_export_rank(rank: int, cfg: Config, manifest: DatasetManifest, model: str) -> dict[str, Any]:
     """One rank of a run trained to the end and exported; rank 0 also says where the export went."""
     from ray_jobs.train.runtime import TorchRuntime
     from ray_jobs.train.trainer import Trainer
@@ -163,7 +164,7 @@ def _gate(hold: str | None, asked: str | None) -> None:
         Manager.start_quorum = asks
 
 
-def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out,
+def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: DatasetManifest, model: str, out,
                 heal_fails: bool = False, gate: tuple[str | None, str | None] = (None, None),
                 caller: tuple[dict[str, str], str] | None = None) -> None:  # fmt: skip
     import torch.distributed as dist
@@ -200,7 +201,7 @@ def _live_entry(rank: int, world: int, address: str, cfg: Config, manifest: dict
         dist.destroy_process_group()
 
 
-def start_live(rank: int, world: int, address: str, cfg: Config, manifest: dict, model: str, out,
+def start_live(rank: int, world: int, address: str, cfg: Config, manifest: DatasetManifest, model: str, out,
                heal_fails: bool = False, gate: tuple[str | None, str | None] = (None, None)):  # fmt: skip
     """Replica ``rank`` of ``world`` as its own process (killed with ``.kill()``, waited with ``.join()``);
     ``heal_fails``: every heal it should receive from a peer breaks in transit; ``gate``: (hold, asked), see

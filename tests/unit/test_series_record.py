@@ -55,6 +55,8 @@ def test_the_typed_fields_read_as_the_untyped_entries_said() -> None:
         (lambda t: t.update(owner="team-a"), "series.json: owner: Extra inputs are not permitted"),
         (lambda t: t["runs"][2].update(score="low"), "runs.2.score: Input should be a valid number"),
         (lambda t: t.update(schema_version=9), "schema_version 9 is newer than this unbroken reads (1)"),
+        (lambda t: t.update(schema_version="2"), "series.json: schema_version: not a version number ('2')"),
+        (lambda t: t.update(schema_version=None), "series.json: schema_version: not a version number (None)"),
     ],
 )
 def test_an_unknown_field_or_a_wrong_value_is_refused_naming_the_file_and_the_field(change, says) -> None:

@@ -131,8 +131,16 @@ def test_resume_deep_into_an_epoch_builds_no_batch_for_skipped_rows(setup) -> No
     [
         (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100]), "is 100 bytes"),
         (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
+        (
+            lambda d: (d / "manifest.json").write_text(
+                json.dumps(  # hand-edited: a model field and the version garbled
+                    {**json.loads((d / "manifest.json").read_text()), "schema_version": "x"}
+                )
+            ),
+            "not a version number",
+        ),
     ],
-    ids=["truncated-file", "missing-manifest"],
+    ids=["truncated-file", "missing-manifest", "garbled-manifest"],
 )
 def test_a_damaged_newest_checkpoint_is_skipped_saying_why(setup, caplog, damage, reason: str) -> None:
     cfg, manifest, model = setup
