@@ -58,6 +58,7 @@ from ray_jobs.checkpoint.format import (
     write_manifest,
     write_part,
 )  # fmt: skip
+from ray_jobs.checkpoint.rng import rng_state, set_rng_state
 from ray_jobs.checkpoint.state import (
     HostStaging,
     LoopState,
@@ -73,8 +74,6 @@ from ray_jobs.checkpoint.state import (
     model_state,
     optimizer_state,
     rank_state,
-    rng_state,
-    set_rng_state,
     sharded_model_state,
     sharded_optimizer_state,
     tensor_files,

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ray_jobs.checkpoint.format import MODEL_FILE, OPTIM_FILE, CheckpointInvalid, decode, model_part, optim_part
+from ray_jobs.checkpoint.rng import RngState, rng_state
 from ray_jobs.contracts.checkpoint import CheckpointManifest
 from ray_jobs.data.reading import Cursor
 from ray_jobs.secrets import mask_tree
@@ -21,15 +21,6 @@ if TYPE_CHECKING:
 # types its own so (``state_dict() -> dict[str, Any]``, ``torch.distributed.checkpoint``'s ``STATE_DICT_TYPE``): the
 # Any is torch's, named once here.
 StateDict = dict[str, Any]
-
-
-class RngState(TypedDict):
-    """Every RNG stream of a process, JSON-safe (a rank's file in a checkpoint keeps it)."""
-
-    python: list[Any]  # random.getstate(): [version, the Mersenne Twister's 625 words, a gauss value or None]
-    numpy: list[Any]  # the legacy RandomState tuple: [name, 624 words, pos, has_gauss, cached_gaussian]
-    torch: list[int]
-    cuda: NotRequired[list[int]]
 
 
 @dataclass
@@ -52,36 +43,6 @@ class RankState:
 
 def unwrap(model):
     return model.module if hasattr(model, "module") else model
-
-
-# -- RNG state, JSON-safe -------------------------------------------------------------------------------------
-def rng_state() -> RngState:
-    import numpy as np
-    import torch
-
-    py = random.getstate()
-    np_state = np.random.get_state(legacy=True)  # numpy's stub types the default call as the dict form
-    assert isinstance(np_state, tuple), "the global RandomState is MT19937, whose legacy state is a tuple"
-    out: RngState = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state().tolist()
-    return out
-
-
-def set_rng_state(state: RngState) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def rank_state(cursor: Cursor) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ray_jobs.checkpoint.state import rng_state, set_rng_state
+from ray_jobs.checkpoint.rng import rng_state, set_rng_state
 from ray_jobs.train import faults
 from ray_jobs.train.model import Placement, build_model
 from ray_jobs.train.trainer import Trainer
