@@ -19,7 +19,7 @@ from ray_jobs.contracts.dataset import DatasetManifest, read_manifest
 from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.contracts.job_spec import JobSpec, WorkerSpec
 from ray_jobs.secrets import mask, mask_output
-from ray_jobs.storage import Layout, pyarrow_filesystem, strip_protocol
+from ray_jobs.storage import Layout, fs_and_path, join, pyarrow_filesystem, read_bytes, strip_protocol
 
 if TYPE_CHECKING:
     from ray.train.torch import TorchTrainer
@@ -61,6 +61,7 @@ def build_trainer(cfg: Config, loop: WorkerSpec, callbacks: list | None = None) 
     from ray_jobs.train.worker import train_loop_per_worker
 
     storage = Layout(cfg.storage).ray_storage()
+    set_aside_torn_snapshot(join(storage, cfg.name))
     fs = pyarrow_filesystem(storage)
     return TorchTrainer(
         train_loop_per_worker,
@@ -85,6 +86,31 @@ def build_trainer(cfg: Config, loop: WorkerSpec, callbacks: list | None = None) 
             callbacks=[*(callbacks or []), group_restarts(cfg)],
         ),
     )
+
+
+# Ray Train V2's record of a run's reported checkpoints, in its run folder (its CheckpointManager's state).
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def set_aside_torn_snapshot(run_dir: str) -> str | None:
+    """Ray Train's controller rewrites its checkpoint manager snapshot in place, not atomically: a head killed
+    mid-write leaves it empty or torn, and every later TrainController of the run then dies in its ``__init__``
+    (``CheckpointManagerInitializationError``), so every restart fails the same way and the run is given up. The file
+    holds nothing unbroken resumes from -- its own manifests say which checkpoints exist and which are whole -- so a
+    torn one is moved aside (kept, ``.torn``, for a person) and Ray Train starts its record afresh. Written by hand:
+    Ray Train has no repair for it. Returns why it was moved, or None when it reads (or is absent)."""
+    url = join(run_dir, RAY_TRAIN_SNAPSHOT)
+    try:
+        json.loads(read_bytes(url))
+        return None
+    except FileNotFoundError:
+        return None
+    except ValueError as e:  # empty, torn, not UTF-8 (UnicodeDecodeError is a ValueError)
+        fs, path = fs_and_path(url)
+        fs.mv(path, path + ".torn")
+        why = f"{url} was torn ({e}): moved aside; Ray Train keeps its checkpoint record afresh"
+        log.warning("%s", why)
+        return why
 
 
 def lighthouse(cfg: Config) -> dict | None:

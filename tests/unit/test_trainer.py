@@ -499,3 +499,26 @@ def test_a_checkpoint_whose_write_failed_is_abandoned_and_taken_at_the_next_step
     assert 10 not in steps and 11 in steps and 30 in steps, steps
     assert "checkpoint for step 10 abandoned" in caplog.text
     assert weights_hash(t) == straight
+
+
+@pytest.mark.parametrize(
+    ("content", "moved"),
+    [(b"", True), (b'{"checkpoints": [', True), (b"\xff\xfe", True), (b'{"checkpoints": []}', False), (None, False)],
+    ids=["empty", "torn", "not-utf8", "whole", "absent"],
+)
+def test_a_torn_ray_train_checkpoint_record_is_moved_aside_before_the_trainer_is_built(
+    tmp_path, content, moved
+) -> None:
+    """A head killed while Ray Train's controller rewrote its checkpoint manager snapshot left it empty, and every
+    restart's TrainController died reading it (this suite's chaos run of 2026-11-27): the job's driver moves such a
+    file aside before it builds the trainer; a whole one, or none, is left alone."""
+    from ray_jobs.job import RAY_TRAIN_SNAPSHOT, build_trainer, worker_config
+
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [f"storage={tmp_path}"])
+    run_dir = tmp_path / "ray" / cfg.name
+    run_dir.mkdir(parents=True)
+    if content is not None:
+        (run_dir / RAY_TRAIN_SNAPSHOT).write_bytes(content)
+    build_trainer(cfg, worker_config(cfg, made_manifest(), "/m"))
+    assert (run_dir / f"{RAY_TRAIN_SNAPSHOT}.torn").exists() == moved
+    assert (run_dir / RAY_TRAIN_SNAPSHOT).exists() == (content is not None and not moved)
