@@ -145,4 +145,7 @@ def serve(opts: ServeOptions) -> None:
     """Register the deployments with the Prefect server at ``PREFECT_API_URL`` and run their flow runs here."""
     from prefect import serve as prefect_serve
 
+    from deployments.cancels import install
+
+    install()  # a cancel is carried out however long the Prefect server was away
     prefect_serve(*build(opts), limit=4)

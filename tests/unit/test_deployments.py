@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from deployments.serve import ServeOptions, build
@@ -105,3 +106,79 @@ def test_serve_without_a_server_says_how_to_start_one(monkeypatch, capsys) -> No
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
     assert "PREFECT_API_URL is not set" in err and "unbroken server" in err
+
+
+class _FlakyApi:
+    """The two ``read_flow_runs`` calls of Prefect's cancel check: the first ``fails`` raise as a server that is
+    away does; then the run is Cancelling."""
+
+    def __init__(self, fails: int, run_id):
+        self.fails, self.run_id, self.calls = fails, run_id, 0
+
+    async def read_flow_runs(self, flow_run_filter):
+        import httpx
+
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise httpx.ConnectError("All connection attempts failed")
+        return [type("FlowRun", (), {"id": self.run_id})()]
+
+
+@pytest.mark.parametrize(
+    "websocket_ends, fails, cancels",
+    [
+        ("with an error", 0, True),  # Prefect polls too, but gives up after 3 failed polls: here 8 fail first
+        ("with an error", 8, True),
+        ("closed cleanly", 8, True),  # Prefect stops observing altogether
+        ("cancelled", 0, False),  # the runner is stopping: no polling
+    ],
+)
+def test_a_cancel_is_observed_however_long_the_prefect_server_was_away(websocket_ends, fails, cancels) -> None:
+    import asyncio
+    import uuid
+
+    from deployments.cancels import LastingCancellingObserver
+
+    run_id = uuid.uuid4()
+
+    async def go() -> list:
+        seen: list = []
+        obs = LastingCancellingObserver(on_cancelling=seen.append, polling_interval=0.001)
+        obs.add_in_flight_flow_run_id(run_id)
+        obs._client = _FlakyApi(fails, run_id)
+
+        async def websocket() -> None:
+            if websocket_ends == "with an error":
+                raise ConnectionError("no close frame received or sent")
+            if websocket_ends == "cancelled":
+                await asyncio.sleep(3600)
+
+        consumer = asyncio.create_task(websocket())
+        if websocket_ends == "cancelled":
+            await asyncio.sleep(0)
+            consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        obs._start_polling_task(consumer)
+        for _ in range(2000):
+            if seen or obs._polling_task is None:
+                break
+            await asyncio.sleep(0.001)
+        obs._is_shutting_down = True
+        if obs._polling_task is not None:
+            await obs._polling_task
+        return seen
+
+    assert set(asyncio.run(go())) == ({run_id} if cancels else set())
+
+
+def test_unbroken_serve_runs_prefects_runner_with_the_lasting_observer(monkeypatch) -> None:
+    import prefect.runner.runner as runner
+
+    from deployments.cancels import LastingCancellingObserver, install
+
+    monkeypatch.setattr(runner, "FlowRunCancellingObserver", runner.FlowRunCancellingObserver)  # restored after
+    install()
+    assert runner.FlowRunCancellingObserver is LastingCancellingObserver
+    monkeypatch.setattr(runner, "FlowRunCancellingObserver", object)  # a Prefect that moved it is refused
+    with pytest.raises(RuntimeError, match="deployments/cancels.py"):
+        install()
