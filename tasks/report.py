@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -11,11 +11,13 @@ from prefect.cache_policies import NO_CACHE
 from control.logs import run_logger
 from ray_jobs.config import Config, DataConfig
 from ray_jobs.contracts.base import RecordError
+from ray_jobs.contracts.metrics import MetricsRow, MetricValue
 from ray_jobs.contracts.tracking import TrackingLinks
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout
 
 if TYPE_CHECKING:
+    from control.series import SeriesRow
     from ray_jobs.data.records import Renderer
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
@@ -23,6 +25,17 @@ CHART_POINTS = 60  # mermaid renders a few dozen points legibly
 TABLE_ROWS = 200  # rows of an artifact table (metrics, eval losses): long runs are thinned evenly
 # A line colour that stands out on the UI's code-block background (mermaid's default is a pale yellow).
 CHART_THEME = '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "#ff6b35"}}}}%%'
+TableRow = dict[str, MetricValue | str | None]  # a row of the metrics table artifact: the columns, the checkpoint
+
+
+class Sample(TypedDict):
+    """A held-out prompt answered by the base model and the fine-tuned one."""
+
+    prompt: str  # as a person reads it (the question, not the rendered template)
+    target: str
+    before: str  # the base model's answer
+    output: str  # the fine-tuned model's
+    exact: bool  # output == target up to surrounding whitespace
 
 
 def thin(items: list, limit: int) -> list:
@@ -34,7 +47,7 @@ def thin(items: list, limit: int) -> list:
     return items[::every] + ([items[-1]] if (len(items) - 1) % every else [])
 
 
-def metrics_table(cfg: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def metrics_table(cfg: Config, rows: list[MetricsRow]) -> list[TableRow]:
     """The logged steps (thinned to ``TABLE_ROWS``), with the checkpoint (if any) written at each step."""
     from ray_jobs import checkpoint as ckpt
 
@@ -63,7 +76,7 @@ def mermaid_chart(title: str, y_label: str, xs: list[str], lines: list[list[floa
     return [*out, "```"]
 
 
-def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:
+def loss_chart_markdown(cfg: Config, rows: list[MetricsRow]) -> str:
     """Train and eval loss by step as a mermaid ``xychart-beta`` line chart (the Prefect UI renders mermaid)."""
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
@@ -84,7 +97,7 @@ def loss_chart_markdown(cfg: Config, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_metrics(cfg: Config) -> list[dict[str, Any]]:
+def read_metrics(cfg: Config) -> list[MetricsRow]:
     from ray_jobs.train.metrics import read_rows
 
     return read_rows(Layout(cfg.storage).metrics(cfg.name))
@@ -144,7 +157,7 @@ def greedy(model_path: str, cfg: Config, prompts: list[str], targets: list[str],
     return outputs
 
 
-def generate_samples(base_path: str, final_url: str, cfg: Config) -> list[dict[str, Any]]:
+def generate_samples(base_path: str, final_url: str, cfg: Config) -> list[Sample]:
     """Held-out prompts answered by the base model (``before``) and the fine-tuned one (``output``).
 
     For every format whose records have a prompt and an expected completion (all but ``text``, ``auto`` resolved
@@ -256,13 +269,13 @@ def summarize(cfg: Config, dataset_id: str, base_model: str) -> dict[str, Any]:
     return s
 
 
-def series_chart_markdown(series: str, rows: list[dict[str, Any]]) -> str:
+def series_chart_markdown(series: str, rows: list[SeriesRow]) -> str:
     """Each scored run's loss on the series' fixed eval set, in order, as a mermaid line chart; the champion named."""
-    scored = [r for r in rows if r["score"] is not None]
+    scores = [r["score"] for r in rows if r["score"] is not None]
     lines = [f"# Series {series}", "", f"Runs: {len(rows)}; champion: "
              f"{next((r['run'] for r in rows if r['champion']), 'none yet')}", ""]  # fmt: skip
-    if scored:
-        points = [(str(i), r["score"]) for i, r in enumerate(scored, 1)]
+    if scores:
+        points = [(str(i), score) for i, score in enumerate(scores, 1)]
         title = f"{series}: eval loss on the series eval set, by run"
         lines += [*mermaid_line(title, "eval loss", points, max(y for _, y in points)), ""]
     lines += ["| # | run | dataset | eval loss | warm start from | verdict |", "|---|---|---|---|---|---|"]

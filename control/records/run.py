@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, JsonValue
 
 from ray_jobs.config import Config, from_json
 from ray_jobs.contracts.base import Part, Record, RecordError
@@ -174,7 +174,7 @@ class RunRecord(Record):
     kind: Literal["run", "search"] = "run"
     trials: list[str] = Field(default_factory=list)
     search: str | None = None
-    params: dict[str, Any] | None = None  # a trial's drawn values, field -> value
+    params: dict[str, JsonValue] | None = None  # a trial's drawn values, field -> value
     # A succeeded run still to be closed (scored in its series, its cluster released): the flow closes it, or the
     # watchdog once the flow has not for a while (a closing that raised, a flow killed meanwhile)
     closing_since: float | None = None

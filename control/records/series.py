@@ -9,9 +9,7 @@ Version 1: the untyped files of earlier releases had these same fields and no ve
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import Field
+from pydantic import Field, JsonValue
 
 from ray_jobs.contracts.base import Part, Record
 
@@ -57,7 +55,7 @@ class SeriesRun(Part):
     trials: list[str] | None = None
     winner: str | None = None
     search: str | None = None
-    params: dict[str, Any] | None = None
+    params: dict[str, JsonValue] | None = None
     state: str | None = None
     steps: int | None = None  # the trial's last reported step
 

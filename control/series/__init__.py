@@ -36,9 +36,10 @@ from control.series.search import (
     sync_trials,
     winner,
 )
-from control.series.views import format_table, lineage_lines, table
+from control.series.views import SeriesRow, format_table, lineage_lines, table
 
 __all__ = [
+    "SeriesRow",
     "WarmStart",
     "already_trained",
     "begin_run",

@@ -3,7 +3,9 @@ lines (``unbroken status``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
+
+from pydantic import JsonValue
 
 from control import registry
 from control.records.series import SeriesRecord, SeriesRun
@@ -11,9 +13,25 @@ from control.series.lineage import load, state_of
 from ray_jobs.storage import fs_and_path, join
 
 
-def table(storage: str, series: str | None = None) -> list[dict[str, Any]]:
-    """One row per run of every series (or one): run, series, state, dataset, score, parent, champion mark. Rows
-    are plain dicts: they are what the CLI prints and what a Prefect table artifact takes."""
+class SeriesRow(TypedDict):
+    """A run of a series as people read it: a plain dict (what the CLI prints and a Prefect table artifact takes)."""
+
+    series: str
+    run: str
+    state: str  # its run record's (the truth about a run), "unknown" without one
+    dataset: str
+    score: float | None  # eval loss on the series' pinned eval set, once scored
+    parent: str | None  # the run it was warm-started from; None: the base model
+    champion: bool
+    verdict: str | None  # the promotion gate's reason
+    started_at: float | None
+    search: str | None  # a trial's search
+    params: dict[str, JsonValue] | None  # a trial's drawn values
+    steps: int | None  # a trial's last reported step
+
+
+def table(storage: str, series: str | None = None) -> list[SeriesRow]:
+    """One row per run of every series (or one): run, series, state, dataset, score, parent, champion mark."""
     names = [series] if series else _series_names(storage)
     rows = []
     for s in names:
@@ -22,7 +40,7 @@ def table(storage: str, series: str | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def _row(storage: str, rec: SeriesRecord, e: SeriesRun) -> dict[str, Any]:
+def _row(storage: str, rec: SeriesRecord, e: SeriesRun) -> SeriesRow:
     return {"series": rec.series, "run": e.run, "state": state_of(storage, e.run), "dataset": e.dataset_id,
             "score": e.score, "parent": e.parent, "champion": rec.champion == e.run,
             "verdict": e.verdict.why if e.verdict else None, "started_at": e.started_at, "search": e.search,
@@ -38,7 +56,7 @@ def _series_names(storage: str) -> list[str]:
         return []
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[SeriesRow]) -> str:
     if not rows:
         return "no runs in any series"
     head = f"{'series':<16} {'run':<28} {'state':<13} {'dataset':<20} {'eval loss':>9}  {'parent':<28} champion"
@@ -51,16 +69,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def short_value(v: Any) -> Any:
+def short_value(v: JsonValue) -> JsonValue:
     """A drawn value as people read it: a float to 4 significant digits."""
     return float(f"{v:.4g}") if isinstance(v, float) else v
 
 
-def _params(r: dict[str, Any]) -> str:
+def _params(r: SeriesRow) -> str:
     """A trial's values (and the step it was stopped at), after the row."""
-    if not r.get("params"):
+    params = r["params"]
+    if not params:
         return ""
-    values = ", ".join(f"{k}={short_value(v)}" for k, v in r["params"].items())
+    values = ", ".join(f"{k}={short_value(v)}" for k, v in params.items())
     stopped = f" (stopped at step {r['steps']})" if r["state"] == "stopped-early" and r.get("steps") else ""
     return f"  {values}{stopped}"
 

@@ -28,9 +28,10 @@ import time
 from typing import Any
 
 from ray_jobs.checkpoint.rng import rng_state, set_rng_state
+from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.train import faults
 from ray_jobs.train.model import Placement, build_model
-from ray_jobs.train.trainer import Trainer
+from ray_jobs.train.trainer import Agreed, Trainer
 
 
 class _Unwrapped:
@@ -91,7 +92,7 @@ class HfTrainer(Trainer):
         self._step_started = time.monotonic()
         return self.loop.step >= self.stop_at
 
-    def _extra_columns(self) -> dict[str, Any]:
+    def _extra_columns(self) -> MetricsRow:
         window, self._window = self._window, {}
         return _rewards(window)
 
@@ -100,7 +101,7 @@ class HfTrainer(Trainer):
             self.last_eval = self.evaluate()
             self._log({"step": 0, "eval_loss": self.last_eval, **self._eval_extra})
 
-    def _step_row(self, a) -> tuple[dict[str, Any], bool]:
+    def _step_row(self, a: Agreed) -> tuple[MetricsRow, bool]:
         row, last = super()._step_row(a)
         if "eval_loss" in row:
             row |= self._eval_extra

@@ -23,8 +23,10 @@ from dataclasses import asdict
 from typing import Any
 
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
+from ray_jobs.checkpoint.state import StateDict
 from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Beat, Heal
+from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.reading import Cursor, StepPlan
 from ray_jobs.train import faults, preemption, rowtrace
 from ray_jobs.train.eval import eval_loss
@@ -43,7 +45,7 @@ class LiveTrainer(Trainer):
         self.ray_rank, self.replicas, self.workers = rt.rank, cfg.cluster.max_workers, rt.world_size
         self.leader: int | None = None  # the Ray rank of the replica that writes (module docstring)
         self.participants: list[int] = []
-        self.history: list[dict[str, Any]] = []  # this attempt's logged rows, kept by every replica
+        self.history: list[MetricsRow] = []  # this attempt's logged rows, kept by every replica
         self.history_base: int | None = None  # the step the log keeps rows up to (None: a fresh run)
         self.heals: list[Heal] = []  # every heal of this attempt (every replica learns of each)
         self.healed: Heal | None = None  # the heal this replica received, until the step's sum carries it
@@ -90,7 +92,7 @@ class LiveTrainer(Trainer):
     def _open_log(self, resumed: int | None) -> None:
         self.history_base = resumed  # opened when this replica leads (_lead)
 
-    def _heal_state(self) -> dict[str, Any]:
+    def _heal_state(self) -> StateDict:
         """Everything a replica that joins behind needs, sent by torchft from this live one."""
         names = trainable_names(self.model) if self.lora else None
         model = {k: v for k, v in self.model.state_dict().items() if names is None or k in names}
@@ -99,7 +101,7 @@ class LiveTrainer(Trainer):
                 "leader": self.leader, "history": self.history, "history_base": self.history_base,
                 "heals": [h.dump() for h in self.heals], "rng": rng_state()}  # fmt: skip
 
-    def _load_heal_state(self, sd: dict[str, Any]) -> None:
+    def _load_heal_state(self, sd: StateDict) -> None:
         self.model.load_state_dict(sd["model"], strict=not self.lora)
         self.optimizer.load_state_dict(sd["optim"])
         self.scheduler.load_state_dict(sd["sched"])
@@ -270,7 +272,7 @@ class LiveTrainer(Trainer):
         log.info("replica %d leads (heartbeat, metrics, checkpoints) from step %d", self.ray_rank, self.loop.step)
 
     # -- after a step -----------------------------------------------------------------------------------------------
-    def _extra_columns(self) -> dict[str, Any]:
+    def _extra_columns(self) -> MetricsRow:
         return {"participants": len(self.participants), "heals": len(self.heals)}
 
     def _after_step(self, a: Agreed) -> None:
@@ -284,7 +286,7 @@ class LiveTrainer(Trainer):
             self.checkpointer.save_if_due(self.loop.step, last, self.checkpointer.time_due(),
                                           self._checkpoint_metrics())  # fmt: skip
 
-    def _leave(self, row: dict[str, Any]) -> None:
+    def _leave(self, row: MetricsRow) -> None:
         """This SIGTERMed replica leaves at this step boundary, its step committed, and is replaced live; when every
         replica of the step got one (the whole job is being stopped), the leader saves the step first."""
         self._log(row)
@@ -297,7 +299,7 @@ class LiveTrainer(Trainer):
         preemption.checkpoint_saved()
         raise preemption.Preempted(f"replica {self.ray_rank} left at step {self.loop.step} (SIGTERM)")
 
-    def _log(self, row: dict[str, Any]) -> None:
+    def _log(self, row: MetricsRow) -> None:
         """Every replica keeps the row (a replica that takes the lead writes them all); the leader writes it."""
         if len(row) > 1:
             row = {**row, "time": time.time()}

@@ -15,10 +15,14 @@ import json
 import re
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
+from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.storage import fs_and_path, is_local, join, listing, read_bytes, write_bytes_atomic
 from ray_jobs.train.sidewrite import SideWriter
+
+if TYPE_CHECKING:
+    from ray_jobs.checkpoint.state import LoopState
 
 _SEGMENT = re.compile(r"g(\d{6})-keep(\d{9})-(\d{6})\.jsonl$")
 
@@ -28,7 +32,7 @@ def segments_dir(url: str) -> str:
     return url.removesuffix(".jsonl")
 
 
-def _parse(data: bytes) -> list[dict[str, Any]]:
+def _parse(data: bytes) -> list[MetricsRow]:
     rows = []
     for line in data.decode().splitlines():
         with contextlib.suppress(ValueError):  # a half-written last line (a writer mid-append) is not a row yet
@@ -51,14 +55,14 @@ class MetricsTail:
 
     def __init__(self, url: str):
         self.url, self.local = url, is_local(url)
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[MetricsRow] = []
         self._seen: set[str] = set()
         self._generation = -1
         self._offset = 0
         self._inode = None
         self.bytes_read = 0
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[MetricsRow]:
         """Every row so far (updated in place from what is new)."""
         if self.local:
             self._poll_file()
@@ -100,7 +104,7 @@ class MetricsTail:
             self._seen.add(url)
 
 
-def read_rows(url: str) -> list[dict[str, Any]]:
+def read_rows(url: str) -> list[MetricsRow]:
     """Every row of a run's metrics log (either form)."""
     return MetricsTail(url).poll()
 
@@ -116,7 +120,7 @@ class MetricsLog:
 
     def __init__(self, url: str, resumed_step: int | None):
         self.url, self.local = url, is_local(url)
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[MetricsRow] = []
         if resumed_step is not None:
             self.rows = [r for r in read_rows(url) if r["step"] <= resumed_step]
         self._lock = threading.Lock()
@@ -133,7 +137,7 @@ class MetricsLog:
         self._writer.poke()
         self.trackers = None  # the run's experiment trackers (``tracking.Trackers``), fed each row too
 
-    def append(self, row: dict[str, Any]) -> None:
+    def append(self, row: MetricsRow) -> None:
         with self._lock:
             self.rows.append(row)
         self._writer.poke()
@@ -163,7 +167,7 @@ class MetricsLog:
             self.bytes_written += len(body)
             self._seq, self._written, self._segment = self._seq + 1, upto, None
 
-    def _write_file(self, rows: list[dict[str, Any]], start: int) -> None:
+    def _write_file(self, rows: list[MetricsRow], start: int) -> None:
         append, self._rewrite = not self._rewrite, True  # a failed append: rewrite next time
         if append:
             body = "".join(json.dumps(r) + "\n" for r in rows[start:])
@@ -186,7 +190,7 @@ class Throughput:
     def restart(self, tokens_seen: int) -> None:
         self._window = (time.monotonic(), tokens_seen)
 
-    def row(self, loop: Any) -> dict[str, float]:
+    def row(self, loop: LoopState) -> MetricsRow:
         """The logged row's throughput columns for ``loop`` (a ``LoopState``); starts the next window."""
         now = time.monotonic()
         t0, tok0 = self._window

@@ -25,6 +25,7 @@ from ray_jobs.config import Config
 from ray_jobs.contracts.checkpoint import CheckpointManifest
 from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Phase
+from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, ShardRows, StepPlan, open_rows
 from ray_jobs.storage import Layout
@@ -275,12 +276,12 @@ class Trainer:
         every_part = v[2] >= self.rt.world_size
         return Agreed(v[0] / self.rt.world_size, int(v[1]), grad_norm, every_part, v[3] > 0, v[4] > 0, notice)
 
-    def _step_row(self, a: Agreed) -> tuple[dict[str, Any], bool]:
+    def _step_row(self, a: Agreed) -> tuple[MetricsRow, bool]:
         """The step's metrics row (logged columns on log steps, the eval loss on eval steps), and whether it is the
         last step."""
         t, step = self.cfg.train, self.loop.step
         last = step == t.max_steps
-        row: dict[str, Any] = {"step": step}
+        row: MetricsRow = {"step": step}
         if step % t.log_every_steps == 0 or last:
             row |= {"loss": a.loss, "grad_norm": a.grad_norm, "lr": self.scheduler.get_last_lr()[0]}
             row |= self.throughput.row(self.loop) | self._extra_columns()
@@ -288,7 +289,7 @@ class Trainer:
             row["eval_loss"] = self._eval_during_training()
         return row, last
 
-    def _extra_columns(self) -> dict[str, Any]:
+    def _extra_columns(self) -> MetricsRow:
         return {}  # live recovery's: who took part, who healed
 
     def _after_step(self, a: Agreed) -> None:
@@ -361,7 +362,7 @@ class Trainer:
         return eval_loss(model, rows or self.eval_rows, self.rt, self.device, self.autocast, t.micro_batch_size,
                          t.eval_max_batches)  # fmt: skip
 
-    def _log(self, row: dict[str, Any]) -> None:
+    def _log(self, row: MetricsRow) -> None:
         if self.metrics is not None and len(row) > 1:
             self.metrics.append({**row, "time": time.time()})
             log.info("step %d %s", row["step"], {k: v for k, v in row.items() if k != "step"})

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ray_jobs.contracts.metrics import MetricsRow
+
 log = logging.getLogger("unbroken.tracking")
 
 # The row columns trackers are given, under the names they show them as.
@@ -70,7 +72,7 @@ class Tracker(Protocol):
     def close(self, status: str, final_model: str | None) -> None: ...
 
 
-def tracked(row: dict[str, Any]) -> dict[str, float]:
+def tracked(row: MetricsRow) -> dict[str, float]:
     """The metrics of one log row, under the trackers' names (non-numbers left out)."""
     return {name: float(row[k]) for k, name in METRICS.items() if isinstance(row.get(k), int | float)}
 
@@ -153,7 +155,7 @@ class Trackers:
     def __init__(self, trackers: list[Tracker], info: RunInfo):
         self.lanes = [_Lane(t, info) for t in trackers]
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: MetricsRow) -> None:
         metrics = tracked(row)
         for lane in self.lanes:
             lane.items.put((int(row["step"]), metrics))
