@@ -62,7 +62,6 @@ from ray_jobs.checkpoint.rng import rng_state, set_rng_state
 from ray_jobs.checkpoint.state import (
     HostStaging,
     LoopState,
-    RankState,
     load_model_state,
     load_optimizer_state,
     load_resharded_model_state,
@@ -85,7 +84,7 @@ from ray_jobs.checkpoint.writer import AsyncWriter
 
 __all__ = [
     "FORMAT", "MANIFEST_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_FILE", "AsyncWriter", "CheckpointInvalid",
-    "Checkpointer", "HostStaging", "LoopState", "Part", "RankState", "check", "checkpoint_name", "checkpoint_step",
+    "Checkpointer", "HostStaging", "LoopState", "Part", "check", "checkpoint_name", "checkpoint_step",
     "decode", "encode_file", "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state",
     "load_resharded_model_state", "load_resharded_optimizer_state", "load_sharded_model_state",
     "load_sharded_optimizer_state", "load_tensor_files", "loop_state_file", "model_part", "model_state", "optim_part",

@@ -4,16 +4,8 @@ in a checkpoint keeps, and what a live peer sends a replica it heals, so either 
 from __future__ import annotations
 
 import random
-from typing import Any, NotRequired, TypedDict
 
-
-class RngState(TypedDict):
-    """Every RNG stream of a process, JSON-safe (a rank's file in a checkpoint keeps it)."""
-
-    python: list[Any]  # random.getstate(): [version, the Mersenne Twister's 625 words, a gauss value or None]
-    numpy: list[Any]  # the legacy RandomState tuple: [name, 624 words, pos, has_gauss, cached_gaussian]
-    torch: list[int]
-    cuda: NotRequired[list[int]]
+from ray_jobs.contracts.checkpoint import RngState
 
 
 def rng_state() -> RngState:

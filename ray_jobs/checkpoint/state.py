@@ -9,18 +9,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ray_jobs.checkpoint.format import MODEL_FILE, OPTIM_FILE, CheckpointInvalid, decode, model_part, optim_part
-from ray_jobs.checkpoint.rng import RngState, rng_state
-from ray_jobs.contracts.checkpoint import CheckpointManifest
+from ray_jobs.checkpoint.rng import rng_state
+from ray_jobs.contracts.checkpoint import CheckpointManifest, CursorDict, LoopDict, RankPart, StateDict, StateFile
 from ray_jobs.data.reading import Cursor
 from ray_jobs.secrets import mask_tree
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-# A torch state dict -- a module's, an optimizer's, a shard of either: names -> tensors and nested plain values. torch
-# types its own so (``state_dict() -> dict[str, Any]``, ``torch.distributed.checkpoint``'s ``STATE_DICT_TYPE``): the
-# Any is torch's, named once here.
-StateDict = dict[str, Any]
 
 
 @dataclass
@@ -33,20 +28,13 @@ class LoopState:
     dataset_id: str = ""
 
 
-@dataclass
-class RankState:
-    """What differs between ranks: where each is in its data, and its RNG streams."""
-
-    cursor: dict[str, int]
-    rng: RngState
-
-
 def unwrap(model):
     return model.module if hasattr(model, "module") else model
 
 
-def rank_state(cursor: Cursor) -> dict[str, Any]:
-    return asdict(RankState(cursor=asdict(cursor), rng=rng_state()))
+def rank_state(cursor: Cursor) -> RankPart:
+    """This rank's ``rank-<r>.json``: its data rank's cursor and its RNG streams."""
+    return {"cursor": {"epoch": cursor.epoch, "pos": cursor.pos}, "rng": rng_state()}
 
 
 # -- model / optimizer state (DDP or FSDP) --------------------------------------------------------------------
@@ -307,15 +295,15 @@ def load_resharded_optimizer_state(optimizer, parts: list[StateDict]) -> None:
 
 
 def loop_state_file(loop: LoopState, scheduler, last_eval: float | None, cfg: Any, data_ranks: int,
-                    cursors: list[Cursor]) -> dict[str, Any]:  # fmt: skip
+                    cursors: list[Cursor]) -> StateFile:  # fmt: skip
     """``state.json``: everything but tensors that resuming exactly needs (nanochat's ``meta``)."""
     return {
-        "loop": asdict(loop),
+        "loop": cast(LoopDict, asdict(loop)),  # LoopState is the one definition of its fields
         "scheduler": scheduler.state_dict(),
         "last_eval_loss": last_eval,
         "config": mask_tree(json.loads(cfg.model_dump_json())),  # the run's config, never its credentials
         # the global cursor: where every data rank is, so any world size resumes on the same rows
-        "data": {"data_ranks": data_ranks, "cursors": [asdict(c) for c in cursors]},
+        "data": {"data_ranks": data_ranks, "cursors": [cast(CursorDict, asdict(c)) for c in cursors]},
     }
 
 

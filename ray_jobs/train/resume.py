@@ -11,12 +11,11 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.checkpoint import LoopState
 from ray_jobs.config import Config
-from ray_jobs.contracts.checkpoint import CheckpointManifest
+from ray_jobs.contracts.checkpoint import CheckpointManifest, CursorDict, RankPart, StateFile
 from ray_jobs.data.reading import Cursor
 from ray_jobs.train.runtime import Runtime
 
@@ -126,7 +125,7 @@ def read_part(rt: Runtime, url: str, manifest: CheckpointManifest) -> tuple[dict
         return None, 0.0, f"rank {rt.rank} could not read checkpoint {url}: {type(e).__name__}: {e}"
 
 
-def check_resumable(state: dict[str, Any], manifest: CheckpointManifest, data_ranks: int, world_size: int,
+def check_resumable(state: StateFile, manifest: CheckpointManifest, data_ranks: int, world_size: int,
                     fsdp: bool) -> None:  # fmt: skip
     """Refuse (``CheckpointInvalid``) a checkpoint this run cannot resume exactly: another data layout, a world
     size it cannot be resharded to, another parallelism."""
@@ -148,7 +147,7 @@ def check_resumable(state: dict[str, Any], manifest: CheckpointManifest, data_ra
         )
 
 
-def rank_part(files: dict[str, bytes], state: dict[str, Any], manifest: CheckpointManifest, rank: int) -> dict | None:
+def rank_part(files: dict[str, bytes], state: StateFile, manifest: CheckpointManifest, rank: int) -> RankPart | None:
     """This rank's own state (RNG streams, its data rank's cursor), or None for a rank the checkpoint's smaller
     world did not have: its RNG streams start from the seed."""
     if manifest.format == 1:
@@ -192,11 +191,11 @@ def load_checkpoint(rt: Runtime, cfg: Config, url: str, manifest: CheckpointMani
 
 
 def restore(rt: Runtime, cfg: Config, files: dict[str, bytes], manifest: CheckpointManifest, model, optimizer,
-            scheduler, data_ranks: int) -> tuple[Restored, dict | None]:  # fmt: skip
+            scheduler, data_ranks: int) -> tuple[Restored, CursorDict | None]:  # fmt: skip
     """Load a checkpoint's verified files into this rank's model, optimizer and scheduler; the rest of its state,
     and this rank's own cursor when the checkpoint predates the global one (its ``cursors`` then None)."""
     fsdp = cfg.train.parallelism == "fsdp"
-    state = json.loads(files[ckpt.STATE_FILE])
+    state: StateFile = json.loads(files[ckpt.STATE_FILE])
     check_resumable(state, manifest, data_ranks, rt.world_size, fsdp)
     loop = LoopState(**state["loop"])
     ckpt.load_tensor_files(model, optimizer, files, manifest, loop.world_size, rt.rank, rt.world_size, fsdp,

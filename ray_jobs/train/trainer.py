@@ -342,7 +342,9 @@ class Trainer:
     def _snapshot(self) -> ckpt.Part:
         """This rank's part of the checkpoint as host copies (the device-to-host copy is all training waits for)."""
         r = self.rt.rank
-        files = {ckpt.rank_file(r): ("json", ckpt.rank_state(self.cursors[r]))}  # its data rank's, as before
+        files: dict[str, tuple[str, Any]] = {
+            ckpt.rank_file(r): ("json", ckpt.rank_state(self.cursors[r]))
+        }  # its data rank's
         files |= ckpt.tensor_files(r, self.model, self.optimizer, self.staging, self.fsdp, self.lora)
         if r == 0:
             files[ckpt.STATE_FILE] = (
