@@ -10,18 +10,20 @@ Recoveries and give-ups are Prefect events (``unbroken.run.recovered`` / ``unbro
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TypedDict
 
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
+from pydantic import JsonValue
 
 from control import registry
 from control.logs import run_logger
 from control.watchdog import Outcome, check_run, janitor, left_alone, metrics
 from ray_jobs.config import absolute_url
 from ray_jobs.secrets import mask_tree
+from tasks.report import TableRow
 
 EVENTS = {"restarted": "unbroken.run.recovered", "gave-up": "unbroken.run.gave-up"}
 
@@ -50,8 +52,22 @@ def skip_unreadable(run: str, why: str) -> Outcome:
     return left_alone(Outcome(run, "unreadable", f"skipped: {why}"), "error")
 
 
-def incidents_table(storage: str, runs: list[str]) -> list[dict[str, Any]]:
-    rows = []
+class OutcomeDict(TypedDict):
+    """An outcome as plain JSON: what the watchdog flow returns, one per run."""
+
+    run: str
+    action: str
+    detail: str
+    incident: dict[str, JsonValue] | None
+
+
+def as_json(outcome: Outcome) -> OutcomeDict:
+    incident = outcome.incident.dump() if outcome.incident is not None else None
+    return {"run": outcome.run, "action": outcome.action, "detail": outcome.detail, "incident": incident}
+
+
+def incidents_table(storage: str, runs: list[str]) -> list[TableRow]:
+    rows: list[TableRow] = []
     for run in runs:
         reg = registry.load(storage, run)
         for i in reg.incidents if reg else []:
@@ -73,14 +89,14 @@ def incidents_table(storage: str, runs: list[str]) -> list[dict[str, Any]]:
 
 
 @flow(name="watchdog", flow_run_name="watchdog")
-def watchdog(storage: str = ".unbroken/storage") -> list[dict[str, Any]]:
+def watchdog(storage: str = ".unbroken/storage") -> list[OutcomeDict]:
     """Check every active run under ``storage`` once; returns what was done for each."""
     log = run_logger()
     storage = absolute_url(storage)
     unreadable: list[tuple[str, str]] = []
     active = registry.active_runs(storage, unreadable)
     log.info("%d active run(s) under %s: %s", len(active), storage, ", ".join(active) or "-")
-    outcomes = [skip_unreadable(run, why).to_dict() for run, why in unreadable]
+    outcomes = [as_json(skip_unreadable(run, why)) for run, why in unreadable]
     for run in active:
         try:
             outcome = check_run_task(storage, run)
@@ -89,7 +105,7 @@ def watchdog(storage: str = ".unbroken/storage") -> list[dict[str, Any]]:
             outcome = Outcome(run, "error", f"{type(e).__name__}: {e}")
         log.info("run %s: %s %s", run, outcome.action, outcome.detail)
         emit(outcome)
-        outcomes.append(outcome.to_dict())
+        outcomes.append(as_json(outcome))
     try:
         janitor(storage)  # clusters unbroken brought up on Kubernetes for runs that are over
     except Exception as e:  # never a reason to fail the pass: the next one tries again

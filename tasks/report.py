@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from pydantic import JsonValue
 
 from control.logs import run_logger
 from ray_jobs.config import Config, DataConfig
 from ray_jobs.contracts.base import RecordError
-from ray_jobs.contracts.metrics import MetricsRow, MetricValue
+from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.contracts.tracking import TrackingLinks
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout
@@ -25,7 +26,7 @@ CHART_POINTS = 60  # mermaid renders a few dozen points legibly
 TABLE_ROWS = 200  # rows of an artifact table (metrics, eval losses): long runs are thinned evenly
 # A line colour that stands out on the UI's code-block background (mermaid's default is a pale yellow).
 CHART_THEME = '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "#ff6b35"}}}}%%'
-TableRow = dict[str, MetricValue | str | None]  # a row of the metrics table artifact: the columns, the checkpoint
+TableRow = dict[str, JsonValue]  # a row of a table artifact (the metrics, a search's trials, the watchdog's incidents)
 
 
 class Sample(TypedDict):

@@ -14,7 +14,7 @@ from control.logs import run_logger
 from control.series.views import short_value
 from ray_jobs.config import Config
 from ray_jobs.contracts.trials import TrialEntry
-from tasks.report import mermaid_chart
+from tasks.report import TableRow, mermaid_chart
 
 # one colour per trial's line
 CHART_THEME = (
@@ -41,7 +41,7 @@ def summarize_search(cfg: Config, dataset_id: str) -> dict[str, Any]:
     return {"run": cfg.name, "dataset_id": dataset_id, "trials": rows, "winner": best, "final_model": final}
 
 
-def trial_rows(cfg: Config, found: dict[str, TrialEntry], best: str | None) -> list[dict[str, Any]]:
+def trial_rows(cfg: Config, found: dict[str, TrialEntry], best: str | None) -> list[TableRow]:
     """One row per trial, in order (plain dicts: what the CLI prints and a table artifact takes)."""
     rows = []
     for name, t in sorted(found.items(), key=lambda kv: kv[1].index):

@@ -83,10 +83,6 @@ class Outcome:
     detail: str = ""
     incident: Incident | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        incident = self.incident.dump() if self.incident is not None else None
-        return {"run": self.run, "action": self.action, "detail": self.detail, "incident": incident}
-
 
 @dataclass
 class Decision:

@@ -342,17 +342,12 @@ class Trainer:
     def _snapshot(self) -> ckpt.Part:
         """This rank's part of the checkpoint as host copies (the device-to-host copy is all training waits for)."""
         r = self.rt.rank
-        files: dict[str, tuple[str, Any]] = {
-            ckpt.rank_file(r): ("json", ckpt.rank_state(self.cursors[r]))
-        }  # its data rank's
+        files: dict[str, tuple[str, Any]] = {ckpt.rank_file(r): ("json", ckpt.rank_state(self.cursors[r]))}
         files |= ckpt.tensor_files(r, self.model, self.optimizer, self.staging, self.fsdp, self.lora)
         if r == 0:
-            files[ckpt.STATE_FILE] = (
-                "json",
-                ckpt.loop_state_file(
-                    self.loop, self.scheduler, self.last_eval, self.cfg, self.plan.data_ranks, self.cursors
-                ),
-            )
+            state = ckpt.loop_state_file(self.loop, self.scheduler, self.last_eval, self.cfg, self.plan.data_ranks,
+                                         self.cursors)  # fmt: skip
+            files[ckpt.STATE_FILE] = ("json", state)
         return ckpt.Part(self.loop.step, files, ready=self.staging.ready())
 
     # -- measuring ------------------------------------------------------------------------------------------
