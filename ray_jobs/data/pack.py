@@ -20,6 +20,9 @@ from ray_jobs.data.tokenize import IGNORE_INDEX, Examples
 from ray_jobs.storage import join, write_bytes_atomic
 
 COLUMNS = ("input_ids", "labels", "position_ids")
+# What a packer carries from one batch to the next, JSON-safe (staging's progress keeps it to resume): the row being
+# filled as [ids, labels, positions] lists.
+PackerState = dict[str, list[list[int]]]
 
 
 class Rows(NamedTuple):
@@ -37,11 +40,11 @@ class Packer:
     from one batch to the next (and in :meth:`state`, so a resumed staging packs exactly as an unbroken one).
     """
 
-    def __init__(self, seq_len: int, pad_id: int, state: dict[str, Any] | None = None):
+    def __init__(self, seq_len: int, pad_id: int, state: PackerState | None = None):
         self.seq_len, self.pad_id = seq_len, pad_id
         self.cur = np.asarray((state or {}).get("row", [[], [], []]), dtype=np.int32).reshape(3, -1)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> PackerState:
         return {"row": self.cur.tolist()}
 
     def add(self, ex: Examples) -> np.ndarray:

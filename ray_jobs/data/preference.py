@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_jobs.data.pack import PackerState
 from ray_jobs.data.tokenize import IGNORE_INDEX, Examples
 
 PAD_CODE = -1
@@ -28,10 +29,10 @@ class PairPacker:
 
     per_example = 2  # sequences a record's example is made of (the staging counts count records)
 
-    def __init__(self, seq_len: int, pad_id: int, state: dict[str, Any] | None = None):
+    def __init__(self, seq_len: int, pad_id: int, state: PackerState | None = None):
         self.seq_len, self.pad_id = seq_len, pad_id
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> PackerState:
         return {}  # nothing carried from one batch to the next
 
     def add(self, ex: Examples) -> np.ndarray:

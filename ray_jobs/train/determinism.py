@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from ray_jobs.config import Config
 
 
-def determinism_settings(deterministic: bool, device_type: str) -> dict[str, Any]:
+class Determinism(TypedDict):
+    """What :func:`setup_determinism` sets: torch's algorithm switch, environment variables, and on CUDA cuDNN's."""
+
+    deterministic_algorithms: bool
+    env: dict[str, str]
+    cudnn_deterministic: NotRequired[bool]
+    cudnn_benchmark: NotRequired[bool]
+
+
+def determinism_settings(deterministic: bool, device_type: str) -> Determinism:
     """What :func:`setup_determinism` sets for ``train.deterministic`` on a ``device_type`` ("cuda" or "cpu")."""
-    out: dict[str, Any] = {"deterministic_algorithms": deterministic, "env": {}}
+    out: Determinism = {"deterministic_algorithms": deterministic, "env": {}}
     if device_type == "cuda":
         # cuBLAS picks its reduction workspace per stream unless told a fixed one; read at its first call.
         out["env"] = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if deterministic else {}
