@@ -9,7 +9,6 @@ and a watchdog reading a run's config back must not fail because a cluster YAML 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from control.backends import backend_problems
 from ray_jobs.config import Config, ConfigError, from_json, loading
@@ -22,7 +21,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     return validate(loading.raw_config(path, overrides), str(path or "config"))
 
 
-def validate(raw: dict[str, Any], source: str = "config") -> Config:
+def validate(raw: loading.RawTree, source: str = "config") -> Config:
     """A raw tree validated by ray_jobs, with its cluster backend's problems added to the same error (also when
     other sections have errors of their own: every problem is reported at once)."""
     cfg: Config | None = None

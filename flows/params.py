@@ -21,7 +21,8 @@ def run_config(config_path: str | None, overrides: list[str] | None = None, data
     # Set as the string it is, never as a ``data.train=...`` override: an override's value is YAML, so the URI
     # "'/etc/passwd'" (a relative path under the allowed working folder) would become /etc/passwd.
     raw = raw_config(config_path, overrides)
-    raw["data"] = {**(raw.get("data") or {}), "train": uri}
+    data = raw.get("data")
+    raw["data"] = {**(data if isinstance(data, dict) else {}), "train": uri}
     run = validate(raw, str(config_path or "config"))
     check_allowed_source(cfg, run.data.train)  # what staging will read, as validation resolved it
     return run

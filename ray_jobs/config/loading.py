@@ -32,9 +32,14 @@ def absolute_url(url: str | None) -> str | None:
     return str(Path(os.path.expanduser(url)).resolve())
 
 
-def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+# A config as read (YAML, --set overrides), before validation: any values at all, so code that reads one narrows it
+# first (``isinstance``); Config.model_validate makes it typed.
+RawTree = dict[str, object]
+
+
+def parse_overrides(overrides: list[str]) -> tuple[RawTree, list[str]]:
     """``["a.b=1", "c=x"]`` -> nested dict, with YAML typing of values; returns (tree, problems)."""
-    tree: dict[str, Any] = {}
+    tree: RawTree = {}
     problems: list[str] = []
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -65,14 +70,15 @@ def _override_value(raw: str) -> Any:
         return raw
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def _merge(base: RawTree, top: RawTree) -> RawTree:
     out = dict(base)
     for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        below = out.get(k)
+        out[k] = _merge(below, v) if isinstance(v, dict) and isinstance(below, dict) else v
     return out
 
 
-def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+def _read_yaml(path: str | os.PathLike) -> RawTree:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -92,7 +98,7 @@ def _field_name(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
-def validate(raw: dict[str, Any], source: str = "config") -> Config:
+def validate(raw: RawTree, source: str = "config") -> Config:
     """Validate a raw tree; every problem is collected into one ConfigError (the cluster backend's checks too,
     which read its files: a ``ray up`` YAML)."""
     problems: list[str] = []
@@ -119,7 +125,7 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
     return cfg
 
 
-def cluster_alone(raw: dict[str, Any]) -> ClusterConfig | None:
+def cluster_alone(raw: RawTree) -> ClusterConfig | None:
     """The cluster section on its own, when the whole config did not validate (its own errors are reported)."""
     try:
         return ClusterConfig.model_validate(raw.get("cluster") or {})
@@ -127,7 +133,7 @@ def cluster_alone(raw: dict[str, Any]) -> ClusterConfig | None:
         return None
 
 
-def raw_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def raw_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RawTree:
     """The YAML (optional) with ``--set`` overrides applied, not yet validated; ConfigError for a bad override. Masked
     URIs are revealed with this process's ``UNBROKEN_CREDENTIALS`` (the CLI masks the overrides it makes a flow run's
     parameters and keeps their credentials there: ray_jobs/secrets.py)."""

@@ -11,7 +11,7 @@ import math
 import random
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, JsonValue, ValidationError, field_validator
 
 from ray_jobs.config.base import Section
 
@@ -24,7 +24,7 @@ NOT_SEARCHABLE = {"train.max_steps": "every trial trains the same steps (ASHA st
 
 
 class TuneConfig(Section):
-    space: dict[str, Any]
+    space: dict[str, JsonValue]
     """Field -> distribution, e.g. ``train.lr: {loguniform: [1.0e-4, 1.0e-2]}``. Distributions: ``choice: [a, b]``,
     ``uniform: [lo, hi]``, ``loguniform: [lo, hi]`` (lo > 0), ``randint: [lo, hi]`` (lo <= n < hi, as Ray Tune's).
     Fields: any of ``train.*`` (but ``max_steps``) and ``model.lora.*``; no ``data.*`` field, since each one that
@@ -53,12 +53,12 @@ class TuneConfig(Section):
         return flatten(v) if isinstance(v, dict) else v
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def flatten(tree: dict[str, JsonValue], prefix: str = "") -> dict[str, JsonValue]:
+    out: dict[str, JsonValue] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        leaf = len(value) == 1 and isinstance(next(iter(value.values())), list) if isinstance(value, dict) else True
-        if not leaf:  # a section of fields (``{train: {lr: {...}}}``), not a distribution (``{name: [args]}``)
+        # a section of fields (``{train: {lr: {...}}}``), not a distribution (``{name: [args]}``)
+        if isinstance(value, dict) and not (len(value) == 1 and isinstance(next(iter(value.values())), list)):
             out |= flatten(value, f"{name}.")
         else:
             out[name] = value
@@ -87,7 +87,7 @@ def distribution(field: str, spec: Any) -> tuple[str, list[Any]]:
     return kind, args
 
 
-def draw(kind: str, args: list[Any], rng: random.Random) -> Any:
+def draw(kind: str, args: list[Any], rng: random.Random) -> JsonValue:
     if kind == "choice":
         return args[rng.randrange(len(args))]
     lo, hi = args
@@ -98,7 +98,7 @@ def draw(kind: str, args: list[Any], rng: random.Random) -> Any:
     return rng.randrange(lo, hi)
 
 
-def trial_values(tune: TuneConfig) -> list[dict[str, Any]]:
+def trial_values(tune: TuneConfig) -> list[dict[str, JsonValue]]:
     """Every trial's values, drawn in order from ``tune.seed``: trial ``i``'s are the same wherever they are drawn
     (why the draws are ours, not Ray Tune's search algorithm: the flow records the trials as runs before the search
     starts, and a restored search must run exactly those)."""
@@ -112,10 +112,12 @@ def trial_name(run: str, index: int) -> str:
     return f"{run}-t{index:02d}"
 
 
-def set_field(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_field(tree: dict[str, JsonValue], dotted: str, value: JsonValue) -> None:
     *parents, leaf = dotted.split(".")
     for part in parents:
-        tree = tree[part]
+        section = tree[part]
+        assert isinstance(section, dict), f"{part} of {dotted} is a section of the config"
+        tree = section
     tree[leaf] = value
 
 
