@@ -18,7 +18,7 @@ from typing import Any
 from control import lease as leases
 from control.backends import backend_class
 from control.backends import record as cluster_record
-from control.records.run import ACTIVE, STATES, Attempt, ClusterRecord, Incident, RunRecord, State
+from control.records.run import ACTIVE, STATES, Attempt, AttemptInputs, ClusterRecord, Incident, RunRecord, State
 from ray_jobs.config import Config, without_later_defaults
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.errors import UserError
@@ -228,7 +228,7 @@ def begin_attempt(
     *,
     resume_from: str | None = None,
     started_by: str = "finetune-flow",
-    extra: dict[str, Any] | None = None,
+    extra: AttemptInputs | None = None,
     lease: leases.Lease | None = None,
     flow_run_id: str | None = None,
     job_spec: Callable[[int], Any] | None = None,
@@ -257,7 +257,7 @@ def _cluster_record(cfg: Config, cluster: dict[str, Any]) -> dict[str, Any]:
 
 
 def _begin(cfg: Config, cluster: dict[str, Any], dataset_id: str, resume_from: str | None, started_by: str,
-           extra: dict[str, Any] | None, flow_run_id: str | None,
+           extra: AttemptInputs | None, flow_run_id: str | None,
            job_spec: Callable[[int], Any] | None) -> int:  # fmt: skip
     if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
         raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")

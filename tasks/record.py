@@ -4,8 +4,6 @@ are control/registry.py; the watchdog makes its own changes there under the run'
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
@@ -14,6 +12,7 @@ from control import registry, series
 from control.backends.base import ClusterHandle
 from control.jobs import cancelled, stop_and_wait, write_job_spec
 from control.logs import run_logger
+from control.records.run import AttemptInputs
 from control.records.series import EvalPin
 from control.tracking import end_tracker_runs
 from control.watchdog import failed_job_incident
@@ -34,8 +33,8 @@ def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest
     flow that is refused never overwrites the winner's -- and the run's place in its series (a search's trials too:
     each a run). Returns (attempt, job spec URL)."""
     _stop_superseded_job(cfg)
-    extra: dict[str, Any] = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
-                             "score_manifest_url": pin.manifest_url}  # fmt: skip
+    extra: AttemptInputs = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
+                            "score_manifest_url": pin.manifest_url}  # fmt: skip
     if cfg.tune is not None:  # a search: its trials are runs of their own, recorded before it starts
         trials = series.record_trials(cfg, dataset_id, extra)
         extra |= {"kind": "search", "trials": [t.name for t in trials]}

@@ -12,7 +12,7 @@ watchdog looks after the search, never a trial on its own.
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypedDict
 
 from pydantic import Field, JsonValue
 
@@ -141,6 +141,18 @@ class Shape(Part):
 
     attempt: int
     nodes: int = 0
+
+
+class AttemptInputs(TypedDict, total=False):
+    """What the record keeps of a run's inputs with each attempt, so the watchdog can resubmit without its flow
+    (and, for a search, its trials' names): fields of :class:`RunRecord`."""
+
+    manifest_url: str | None
+    model_path: str | None
+    score_manifest_url: str | None
+    parent: str | None
+    kind: Literal["run", "search"]
+    trials: list[str]
 
 
 class RunRecord(Record):

@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from typing import Any
 
 from control import registry
-from control.records.run import RunRecord
+from control.records.run import AttemptInputs, RunRecord
 from control.records.series import SeriesRecord, Verdict
 from control.series import promotion
 from control.series.lineage import mutate
@@ -31,7 +30,7 @@ RUN_STATE: dict[TrialState, str] = {"pending": "submitted", "running": "running"
              "failed": "failed"}  # fmt: skip
 
 
-def record_trials(cfg: Config, dataset_id: str, extra: dict[str, Any]) -> list[Trial]:
+def record_trials(cfg: Config, dataset_id: str, extra: AttemptInputs) -> list[Trial]:
     """Each trial's run record (``unbroken runs`` and ``status`` show a trial like any run): written once, when
     the search first starts; ``extra``: the search's manifest, base model and eval set, which every trial shares."""
     out = trials(cfg)

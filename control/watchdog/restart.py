@@ -19,7 +19,7 @@ from control.cluster import provision
 from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
 from control.logs import run_logger
 from control.rayapi import first_line
-from control.records.run import Incident, RunRecord
+from control.records.run import AttemptInputs, Incident, RunRecord
 from control.watchdog import credentials
 from control.watchdog.decide import Outcome, resumed_step
 from control.watchdog.observe import heartbeat_seen, recorded_handle
@@ -71,8 +71,9 @@ def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str 
     brought it up, now or before)."""
     was = reg.recorded_cluster
     owned = handle.started_here or (was.started_here and was.url() == handle.address)
-    extra = {k: getattr(reg, k) for k in ("manifest_url", "model_path", "score_manifest_url")}
     manifest_url, model_path, dataset_id = reg.manifest_url, reg.model_path, reg.dataset_id
+    extra: AttemptInputs = {"manifest_url": manifest_url, "model_path": model_path,
+                            "score_manifest_url": reg.score_manifest_url}  # fmt: skip
     if manifest_url is None or model_path is None or dataset_id is None:  # a flow records them with every attempt
         raise RecordError(f"run {cfg.name}: its record lacks what a resubmission needs (manifest_url, model_path, "
                           "dataset_id)")  # fmt: skip

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pydantic import JsonValue
+
 from ray_jobs.config import Config, fitting_trials, from_json
 from ray_jobs.contracts.job_spec import WorkerSpec
 from ray_jobs.search.progress import TrialProgress
@@ -23,13 +25,16 @@ log = logging.getLogger("unbroken.search")
 DRIVER_MEMORY = 64 * 2**20  # bytes of Ray's logical memory resource a trial's driver asks for
 
 
-def run_trial(config: dict[str, Any], loops: list[WorkerSpec]) -> None:
-    """One trial (Tune's function trainable): the trial's run, trained to its end or until Tune stops it."""
+def run_trial(config: dict[str, JsonValue], loops: list[WorkerSpec]) -> None:
+    """One trial (Tune's function trainable): the trial's run, trained to its end or until Tune stops it.
+    ``config``: Tune's param space for it, ``{"trial": index}``."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from ray_jobs.job import build_trainer
 
-    loop = loops[config["trial"]]
+    index = config["trial"]
+    assert isinstance(index, int), "the search's param space is a grid of trial indices (search_job)"
+    loop = loops[index]
     build_trainer(from_json(loop.config), loop, callbacks=[TuneReportCallback()]).fit()
 
 

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+from pydantic import JsonValue
 
 from ray_jobs.config import Config, from_json
 from ray_jobs.contracts.job_spec import WorkerSpec
@@ -17,7 +18,7 @@ from ray_jobs.train.trainer import Trainer
 log = logging.getLogger("unbroken.train")
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+def train_loop_per_worker(loop_config: dict[str, JsonValue]) -> None:
     """Entry point Ray Train runs on every worker (and re-runs after a worker-group restart). ``loop_config``: a
     :class:`WorkerSpec`'s JSON form (Ray Train's ``train_loop_config`` is a dict), parsed again here."""
     from ray_jobs.train.runtime import RayRuntime
