@@ -27,16 +27,7 @@ from ray_jobs.config import Config, ConfigError
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.storage import StorageFull
 
-__all__ = [
-    "Outcome",
-    "OutcomeDict",
-    "check_run",
-    "failed_job_incident",
-    "janitor",
-    "left_alone",
-    "metrics",
-    "storage_error",
-]
+__all__ = ["Outcome", "check_run", "failed_job_incident", "janitor", "left_alone", "metrics", "storage_error"]
 
 LEASE_TTL_S = 300.0
 _SAID: set[tuple[str, str]] = set()  # (run, why) already logged by this process: said once, not every pass

@@ -12,5 +12,6 @@ are built on the same base.
   what every rank of a training run is given (the manifests inside it, read once by the job's driver).
 - ``tracking.TrackingLinks``: where each experiment tracker keeps the run (``runs/<run>/tracking.json``).
 - ``checkpoint.CheckpointManifest``: what makes a checkpoint exist (``<checkpoint>/manifest.json``, written last).
+  Beside it, its JSON files as TypedDicts: ``StateFile`` (``state.json``), ``RankPart`` (``rank-<r>.json``).
 - ``metrics.MetricsRow``: one row of a run's metrics log (``runs/<run>/metrics.jsonl``): open columns, number values.
 """
