@@ -112,9 +112,16 @@ class Lease:
             yield self
 
     def release(self) -> None:
-        body = self._body(released=True)
-        write_json_atomic(self.url, body, durable=True)
-        fs, _ = fs_and_path(self.url)
+        fs, path = fs_and_path(self.url)
+        try:
+            write_json_atomic(self.url, self._body(released=True), durable=True)
+        except StorageFull:
+            # No room to mark it released (the disk filled while it was held): it would stay "held" until it runs
+            # out (ttl_s: 5 min for a watchdog's pass), the run locked long after the disk is freed. A removal needs
+            # no room: the previous generation (released) is the newest again, and the next holder takes this
+            # number anew -- nobody else ever held it, and this holder is done with it.
+            fs.rm(path)
+            return
         for g in _generations(self.lease_dir):
             if g < self.generation:  # older generations are history; keep the directory small
                 with contextlib.suppress(FileNotFoundError):

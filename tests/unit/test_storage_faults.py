@@ -73,6 +73,25 @@ def test_a_full_disk_fails_clearly_tears_nothing_and_is_forgotten_once_freed(tmp
         assert check_run(str(storage), "r").action not in ("skipped", "storage-full")
 
 
+def test_a_lease_held_while_the_disk_fills_is_released_and_locks_nothing(tmp_path: Path) -> None:
+    """A watchdog's pass holds the lease when the disk fills: its release cannot mark the generation released (no
+    room), so it removes it -- before, the generation stayed "held" for its ttl (5 min), and the run stayed locked
+    that long after the disk was freed (found by CI: the full-disk chaos scenario timed out at 300 s)."""
+    storage = str(tmp_path / "storage")
+    lease_dir = Path(Layout(storage).lease_dir("r"))
+    with small_disk(lease_dir) as (fill, free):
+        leases.acquire(storage, "r").release()  # generation 1, released, as a flow's leaves it
+        held = leases.acquire(storage, "r", ttl_s=300.0)
+        assert held is not None and held.generation == 2
+        fill()
+        held.release()  # no StorageFull: nothing to mark, so nothing is left held
+        assert leases.holder(storage, "r") is None, "not locked while the disk is full"
+        assert leftovers(lease_dir) == ["lease-00000001.json"]
+        free()
+        again = leases.acquire(storage, "r")
+        assert again is not None and again.generation == 2, "taken at once once freed, not after the ttl"
+
+
 def test_an_unreadable_lease_generation_runs_out_by_its_stamp(tmp_path: Path) -> None:
     lease_dir = Path(Layout(str(tmp_path)).lease_dir("r"))
     lease_dir.mkdir(parents=True)
