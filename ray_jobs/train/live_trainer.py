@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
-from ray_jobs.checkpoint.state import StateDict
+from ray_jobs.contracts.checkpoint import StateDict
 from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Beat, Heal
 from ray_jobs.contracts.metrics import MetricsRow
