@@ -121,22 +121,25 @@ def submit(
     if _already_submitted(handle.address, submission_id):
         log.info("Ray job %s was already submitted; watching it", submission_id)
         return submission_id
-    job: dict[str, Any] = {
-        "entrypoint": f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}",
-        "submission_id": submission_id,
-        # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
-        # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
-        # RUST_LOG: torchft (live recovery) logs every quorum at INFO from Rust, in the workers and its lighthouse.
-        "runtime_env": {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES,
-                        "env_vars": {"RAY_LOGGER_LEVEL": "info", "RUST_LOG": "warn", **(env or {}),
-                                     JOB_ENV: submission_id}},
-        "entrypoint_num_cpus": 0,
-    }  # fmt: skip
+    entrypoint = f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}"
+    # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
+    # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
+    # RUST_LOG: torchft (live recovery) logs every quorum at INFO from Rust, in the workers and its lighthouse.
+    runtime_env = {
+        "working_dir": str(PROJECT_ROOT),
+        "excludes": WORKING_DIR_EXCLUDES,
+        "env_vars": {"RAY_LOGGER_LEVEL": "info", "RUST_LOG": "warn", **(env or {}), JOB_ENV: submission_id},
+    }
+
+    def job() -> None:  # a client per try: a head that just came up may not have answered the last one
+        jobs_client(handle.address).submit_job(entrypoint=entrypoint, submission_id=submission_id,
+                                               runtime_env=runtime_env, entrypoint_num_cpus=0)  # fmt: skip
+
     last: list[Exception] = []
 
     def submitted() -> bool:
         try:
-            _bounded(lambda: jobs_client(handle.address).submit_job(**job), SUBMIT_TIMEOUT_S, "submitting a Ray job")
+            _bounded(job, SUBMIT_TIMEOUT_S, "submitting a Ray job")
             return True
         except RuntimeError as e:  # a head that just started answers before its job agent is up
             if "No available agent" not in str(e):

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from control import lease as leases
-from control.backends import backend_class
+from control.backends import ClusterSeen, backend_class
 from control.backends import record as cluster_record
-from control.records.run import ACTIVE, STATES, Attempt, AttemptInputs, ClusterRecord, Incident, RunRecord, State
+from control.records.run import ACTIVE, STATES, Attempt, AttemptInputs, Incident, RunRecord, State
 from ray_jobs.config import Config, without_later_defaults
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.errors import UserError
@@ -195,7 +195,8 @@ class RunBusy(UserError, RuntimeError):
     would write into the same checkpoints."""
 
 
-def _pick(tree: dict[str, Any], dotted: str) -> Any:
+def _pick(tree: object, dotted: str) -> object:
+    """The value at ``dotted`` in a config tree (``{}`` where it has none)."""
     for part in dotted.split("."):
         tree = tree.get(part, {}) if isinstance(tree, dict) else {}
     if dotted == "cluster.num_workers" and isinstance(tree, dict) and "max" in tree:
@@ -223,7 +224,7 @@ def check_compatible(cfg: Config, dataset_id: str) -> None:
 
 def begin_attempt(
     cfg: Config,
-    cluster: dict[str, Any],
+    cluster: ClusterSeen,
     dataset_id: str,
     *,
     resume_from: str | None = None,
@@ -231,7 +232,7 @@ def begin_attempt(
     extra: AttemptInputs | None = None,
     lease: leases.Lease | None = None,
     flow_run_id: str | None = None,
-    job_spec: Callable[[int], Any] | None = None,
+    job_spec: Callable[[int], object] | None = None,
 ) -> int:
     """Record a new attempt (state ``submitted``) and return its number (1-based).
 
@@ -250,15 +251,9 @@ def begin_attempt(
         return _begin(*args)
 
 
-def _cluster_record(cfg: Config, cluster: dict[str, Any]) -> dict[str, Any]:
-    """Which backend made the run's cluster, from what (``spec``), where it answers and who owns it (``mode``): what
-    its backend records (control/backends: ``record``)."""
-    return cluster_record(cfg, cluster)
-
-
-def _begin(cfg: Config, cluster: dict[str, Any], dataset_id: str, resume_from: str | None, started_by: str,
+def _begin(cfg: Config, cluster: ClusterSeen, dataset_id: str, resume_from: str | None, started_by: str,
            extra: AttemptInputs | None, flow_run_id: str | None,
-           job_spec: Callable[[int], Any] | None) -> int:  # fmt: skip
+           job_spec: Callable[[int], object] | None) -> int:  # fmt: skip
     if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
         raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")
     reg = load(cfg.storage, cfg.name) or RunRecord(name=cfg.name, created_at=time.time(), attempts=[], incidents=[],
@@ -273,7 +268,8 @@ def _begin(cfg: Config, cluster: dict[str, Any], dataset_id: str, resume_from: s
         superseded.set(action="superseded", reason=f"a new flow run started attempt {attempt}")
     reg.unset("suspect")
     reg.unset("closing_since")
-    recorded = ClusterRecord(**_cluster_record(cfg, cluster))
+    # which backend made the run's cluster, from what (``spec``), where it answers and who owns it (``mode``)
+    recorded = cluster_record(cfg, cluster)
     reg.set(state="submitted", config=json.loads(cfg.model_dump_json()), dataset_id=dataset_id, cluster=recorded,
             **(extra or {}))  # fmt: skip
     reg.attempts.append(Attempt(attempt=attempt, submission_id=submission_id(cfg.storage, cfg.name, attempt),
@@ -341,22 +337,28 @@ def set_running(reg: RunRecord, attempt: int) -> bool:
 
 
 def end_attempt(
-    cfg: Config, attempt: int, status: str, message: str = "", state: State | None = None, **extra: Any
+    cfg: Config,
+    attempt: int,
+    status: str,
+    message: str = "",
+    state: State | None = None,
+    final_model: str | None = None,
 ) -> RunRecord | None:
     """Record how the flow's attempt ended; the run state follows (succeeded / failed) unless ``state`` says
     otherwise. Under the run's lease, and only while the attempt is still the run's current, unfinished one: a
     watchdog that got there first (recorded the failure, maybe restarted the run) is never overwritten.
-    Returns the new record, or None when the watchdog had already dealt with the attempt."""
-    return _end(cfg, attempt, status, message, state, None, extra)
+    Returns the new record, or None when the watchdog had already dealt with the attempt. ``final_model``: where a
+    succeeded attempt's model is."""
+    return _end(cfg, attempt, status, message, state, None, final_model)
 
 
 def hand_over(cfg: Config, attempt: int, message: str, incident: Incident) -> RunRecord | None:
     """The finetune flow saw its training job fail: record the incident and leave recovery to the watchdog."""
-    return _end(cfg, attempt, "FAILED", message, "recovering", incident, {})
+    return _end(cfg, attempt, "FAILED", message, "recovering", incident, None)
 
 
 def _end(cfg: Config, attempt: int, status: str, message: str, state: State | None, incident: Incident | None,
-         extra: dict[str, Any]) -> RunRecord | None:  # fmt: skip
+         final_model: str | None) -> RunRecord | None:  # fmt: skip
     with leases.acquire_wait(cfg.storage, cfg.name):
         reg = load(cfg.storage, cfg.name)
         if reg is None:
@@ -373,7 +375,8 @@ def _end(cfg: Config, attempt: int, status: str, message: str, state: State | No
             reg.reason = message
         if incident is not None:
             reg.incidents.append(incident)
-        reg.set(**extra)
+        if final_model is not None:
+            reg.final_model = final_model
         save(cfg.storage, cfg.name, reg)
         return reg
 

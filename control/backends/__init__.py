@@ -13,14 +13,14 @@ else.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
 
-from control.backends.base import Backend, ClusterError, ClusterHandle, StopUnverified
+from control.backends.base import Backend, ClusterError, ClusterHandle, ClusterSeen, StopUnverified
+from control.records.run import ClusterRecord
 from ray_jobs.config import ClusterConfig, Config
-from ray_jobs.secrets import reveal_tree
+from ray_jobs.secrets import reveal, reveal_tree
 
 __all__ = [
-    "BACKENDS", "Backend", "ClusterError", "ClusterHandle", "StopUnverified", "backend_class", "backend_for",
+    "BACKENDS", "Backend", "ClusterError", "ClusterHandle", "ClusterSeen", "StopUnverified", "backend_class", "backend_for",
     "backend_problems", "handle_from_record", "janitor_backends", "record",
 ]  # fmt: skip
 
@@ -51,18 +51,18 @@ def backend_problems(cluster: ClusterConfig, storage: str) -> list[str]:
     return backend_class(cluster.backend_name).problems(cluster, storage)
 
 
-def record(cfg: Config, cluster: dict[str, Any]) -> dict[str, Any]:
+def record(cfg: Config, cluster: ClusterSeen) -> ClusterRecord:
     """The run record's ``cluster`` for the cluster a run got (a handle's dict, or the part of one a caller knows;
     without a ``backend``, the config's)."""
     return backend_class(cluster.get("backend") or cfg.cluster.backend_name).record(cluster)
 
 
-def handle_from_record(rec: dict[str, Any]) -> ClusterHandle:
-    """The run's cluster as its record has it, its address revealed with this process's ``UNBROKEN_CREDENTIALS``
-    (recorded masked). Records written before backends existed have only ``mode``: a local head, or an existing
-    cluster."""
-    rec = reveal_tree(rec)
-    name = rec.get("backend") or ("local" if rec.get("mode") == "local" else "address")
+def handle_from_record(rec: ClusterRecord) -> ClusterHandle:
+    """The run's cluster as its record has it, its address (and spec) revealed with this process's
+    ``UNBROKEN_CREDENTIALS`` (recorded masked). Records written before backends existed have only ``mode``: a local
+    head, or an existing cluster."""
+    rec = rec.model_copy(update={"address": reveal(rec.address), "spec": reveal_tree(rec.spec)})
+    name = rec.backend or ("local" if rec.mode == "local" else "address")
     return backend_class(name).handle_from_record(rec)
 
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, Required, TypedDict
 
 from control import jobsapi
 from control.rayapi import AUTH_MODE_ENV, enable_token_auth, jobs_client, redact
+from control.records.run import ClusterRecord, ClusterSpec
 from ray_jobs.config import ClusterConfig, Config
 from ray_jobs.errors import UserError
 from ray_jobs.secrets import MaskedError
 
 if TYPE_CHECKING:
     from control.backends.health import Health
-    from control.records.run import ClusterRecord
 
 __all__ = [
     "AUTH_MODE_ENV",
@@ -27,6 +27,7 @@ __all__ = [
     "ClusterError",
     "ClusterUnreachable",
     "ClusterHandle",
+    "ClusterSeen",
     "StopUnverified",
     "enable_token_auth",
     "jobs_client",
@@ -59,11 +60,27 @@ class ClusterHandle:
     python: str  # interpreter the job entrypoints run with on the cluster
     local: bool = False  # a local head unbroken manages (stopped by its last user); False: any other cluster
     backend: str = "local"  # which backend made it (control/backends/__init__.py)
-    spec: dict[str, Any] = field(default_factory=dict)  # what made it: the backend's own record (a YAML, a name)
+    spec: ClusterSpec = field(default_factory=dict)  # what made it: the backend's own record (a YAML, a name)
     metrics_url: str = ""  # the head node's Prometheus endpoint, when known (a local head's)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self) -> ClusterSeen:
+        return {"address": self.address, "dashboard_url": self.dashboard_url, "started_here": self.started_here,
+                "python": self.python, "local": self.local, "backend": self.backend, "spec": self.spec,
+                "metrics_url": self.metrics_url}  # fmt: skip
+
+
+class ClusterSeen(TypedDict, total=False):
+    """A cluster as whoever records an attempt on it knows it: a handle's ``to_dict()``, or the part of one a caller
+    knows (its address at least). What the run record keeps of it is its backend's ``record``."""
+
+    address: Required[str]
+    dashboard_url: str
+    started_here: bool
+    python: str
+    local: bool
+    backend: str
+    spec: ClusterSpec
+    metrics_url: str
 
 
 class StartedAhead(Protocol):
@@ -109,7 +126,7 @@ class Backend:
         method: it runs while the config is loaded, before there is a valid config to make a backend of."""
         return []
 
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> ClusterSpec:
         """What this backend makes its cluster from (recorded with the run, so a restart makes the same one)."""
         return {}
 
@@ -182,24 +199,23 @@ class Backend:
         raise NotImplementedError
 
     @classmethod
-    def record(cls, cluster: dict[str, Any]) -> dict[str, Any]:
-        """What the run record keeps of its cluster (``cluster`` is a handle's dict, or the part of one a caller
+    def record(cls, cluster: ClusterSeen) -> ClusterRecord:
+        """What the run record keeps of its cluster (``cluster``: a handle's dict, or the part of one a caller
         knows): where it answers, which backend made it from what, who owns it, whether its release is owed."""
-        return {
-            "address": cluster["address"],
-            "backend": cls.name,
-            "spec": cluster.get("spec") or {},
-            "mode": cls.mode,
+        return ClusterRecord(
+            address=cluster["address"],
+            backend=cls.name,
+            spec=cluster.get("spec") or {},
+            mode=cls.mode,
             # A cluster whose release is owed by whoever finishes the run (unless cluster.keep_running).
-            "started_here": bool(cluster.get("started_here")),
-        }
+            started_here=bool(cluster.get("started_here")),
+        )
 
     @classmethod
-    def handle_from_record(cls, record: dict[str, Any]) -> ClusterHandle:
+    def handle_from_record(cls, record: ClusterRecord) -> ClusterHandle:
         """The run's cluster as its record has it (the interpreter is the config's business, not the record's)."""
-        address = record["address"]
-        return ClusterHandle(address, address, bool(record.get("started_here")), "", local=cls.mode == "local",
-                             backend=cls.name, spec=record.get("spec") or {})  # fmt: skip
+        return ClusterHandle(record.address, record.address, record.started_here, "", local=cls.mode == "local",
+                             backend=cls.name, spec=record.spec)  # fmt: skip
 
     @classmethod
     def janitor_index(cls, storage: str) -> str | None:
@@ -207,7 +223,7 @@ class Backend:
         over (one listing per pass); None when it leaves nothing behind that a janitor must clean."""
         return None
 
-    def janitor_scope(self) -> Any:
+    def janitor_scope(self) -> Hashable:
         """Where this backend's janitor looks (one pass per place, however many runs used it)."""
         return None
 

@@ -23,10 +23,12 @@ import base64
 import os
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from control.backends.base import Backend, ClusterError, ClusterHandle, StopUnverified, reachable
+from control.backends.kubeobjects import Manifest, ObjectMeta, RayCluster, RayClusterList, RayClusterStatus
 from control.rayapi import headers
+from control.records.run import ClusterSpec
 from ray_jobs.config import ClusterConfig, Config
 from ray_jobs.poll import poll_until
 from ray_jobs.storage import Layout
@@ -62,13 +64,13 @@ def token_secret_name(cfg: Config) -> str:
     return cfg.cluster.kuberay.auth_secret or f"{cluster_name(cfg)}-ray-token"
 
 
-def _container(cfg: Config, name: str, cpus: str, memory: str, gpus: int) -> dict[str, Any]:
+def _container(cfg: Config, name: str, cpus: str, memory: str, gpus: int) -> Manifest:
     k = cfg.cluster.kuberay
-    limits: dict[str, Any] = {"cpu": cpus, "memory": memory}
+    limits: dict[str, str] = {"cpu": cpus, "memory": memory}
     if gpus:
         limits["nvidia.com/gpu"] = str(gpus)
-    c: dict[str, Any] = {"name": name, "image": k.image, "resources": {"requests": dict(limits), "limits": limits},
-                         "env": [{"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]}  # fmt: skip
+    c: Manifest = {"name": name, "image": k.image, "resources": {"requests": dict(limits), "limits": limits},
+                   "env": [{"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]}  # fmt: skip
     if k.s3_secret:
         c["envFrom"] = [{"secretRef": {"name": k.s3_secret}}]
     if k.storage_pvc:
@@ -79,9 +81,9 @@ def _container(cfg: Config, name: str, cpus: str, memory: str, gpus: int) -> dic
     return c
 
 
-def _pod(cfg: Config, run: str, container: dict[str, Any], worker: bool) -> dict[str, Any]:
+def _pod(cfg: Config, run: str, container: Manifest, worker: bool) -> Manifest:
     k = cfg.cluster.kuberay
-    spec: dict[str, Any] = {"containers": [container]}
+    spec: Manifest = {"containers": [container]}
     if k.storage_pvc:
         spec["volumes"] = [{"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": k.storage_pvc}}]
     if worker and k.node_selector:
@@ -95,7 +97,7 @@ def labels(cfg: Config, run: str) -> dict[str, str]:
     return {**MANAGED_BY, RUN_LABEL: dns_name(run, 63), SERIES_LABEL: dns_name(cfg.series_name, 63)}
 
 
-def raycluster_manifest(cfg: Config, run: str) -> dict[str, Any]:
+def raycluster_manifest(cfg: Config, run: str) -> Manifest:
     """The RayCluster unbroken creates for ``run`` (ray.io/v1, fields of the KubeRay CRD API reference)."""
     k = cfg.cluster.kuberay
     head = _container(cfg, "ray-head", k.head_cpus, k.head_memory, 0)
@@ -132,7 +134,7 @@ def raycluster_manifest(cfg: Config, run: str) -> dict[str, Any]:
     }
 
 
-def token_secret_manifest(cfg: Config, run: str, token: str) -> dict[str, Any]:
+def token_secret_manifest(cfg: Config, run: str, token: str) -> Manifest:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": token_secret_name(cfg), "namespace": cfg.cluster.kuberay.namespace,
                          "labels": labels(cfg, run)},
@@ -150,19 +152,19 @@ def _local_token() -> str:
     return token
 
 
-def ready(obj: dict[str, Any]) -> bool:
+def ready(obj: RayCluster) -> bool:
     """KubeRay's verdict: ``status.state`` ready (all pods running), or the RayClusterProvisioned condition."""
-    status = obj.get("status") or {}
+    status: RayClusterStatus = obj.get("status") or {}
     if status.get("state") == "ready":
         return True
     return any(c.get("type") == "RayClusterProvisioned" and c.get("status") == "True"
                for c in status.get("conditions") or [])  # fmt: skip
 
 
-def _status_line(obj: dict[str, Any] | None) -> str:
+def _status_line(obj: RayCluster | None) -> str:
     if obj is None:
         return "it does not exist"
-    status = obj.get("status") or {}
+    status: RayClusterStatus = obj.get("status") or {}
     bits = [f"state={status.get('state') or '-'}"]
     if status.get("reason"):
         bits.append(f"reason={status['reason']}")
@@ -197,7 +199,7 @@ class KubeRay(Backend):
     def problems(cls, cluster: ClusterConfig, storage: str) -> list[str]:
         return config_problems(cluster, storage)
 
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> ClusterSpec:
         k = self.cfg.cluster.kuberay
         return {"namespace": k.namespace, "name": cluster_name(self.cfg), "context": k.context, "image": k.image}
 
@@ -229,14 +231,14 @@ class KubeRay(Backend):
 
         return client.CoreV1Api(self._api())
 
-    def _get(self) -> dict[str, Any] | None:
+    def _get(self) -> RayCluster | None:
         from kubernetes.client.exceptions import ApiException
 
         k = self.cfg.cluster.kuberay
         try:
             obj = self._custom().get_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
                                                               cluster_name(self.cfg))  # fmt: skip
-            return cast(dict[str, Any], obj)  # the client annotates ``object``: it is the decoded JSON object, a dict
+            return cast(RayCluster, obj)  # the client annotates ``object``: it is the decoded JSON object, a dict
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -248,14 +250,14 @@ class KubeRay(Backend):
         if self.cfg.cluster.kuberay.auth_secret:
             return  # the user's own Secret: its token must be this machine's (their setup)
         body = token_secret_manifest(self.cfg, run, _local_token())
-        ns = self.cfg.cluster.kuberay.namespace
+        ns, name = self.cfg.cluster.kuberay.namespace, token_secret_name(self.cfg)
         try:
             # the client's pydantic validate_call turns the dict body into its V1Secret; the annotation names the model
             self._core().create_namespaced_secret(ns, body)  # ty: ignore[invalid-argument-type]
         except ApiException as e:
             if e.status != 409:
-                raise ClusterError(f"Kubernetes API: creating Secret {body['metadata']['name']}: {_why(e)}") from e
-            name = body["metadata"]["name"]  # ours: keep it current (a dict body, as above)
+                raise ClusterError(f"Kubernetes API: creating Secret {name}: {_why(e)}") from e
+            # ours: keep it current (a dict body, as above)
             self._core().replace_namespaced_secret(name, ns, body)  # ty: ignore[invalid-argument-type]
 
     # -- the interface -----------------------------------------------------------------------------------------
@@ -286,7 +288,7 @@ class KubeRay(Backend):
                 if e.status != 409:  # 409: another flow created it meanwhile; wait for it like for our own
                     raise ClusterError(f"Kubernetes API: creating RayCluster {cluster_name(self.cfg)}: "
                                        f"{_why(e)}") from e  # fmt: skip
-        seen: list[dict[str, Any] | None] = [None]  # the last look, for the time-out's message
+        seen: list[RayCluster | None] = [None]  # the last look, for the time-out's message
 
         def answers() -> bool:
             seen[0] = obj = self._get()
@@ -350,18 +352,18 @@ class KubeRay(Backend):
         selector = ",".join(f"{a}={b}" for a, b in MANAGED_BY.items())
         found = self._custom().list_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
                                                              label_selector=selector)  # fmt: skip
-        found = cast(dict[str, Any], found)  # the client annotates ``object``: the decoded JSON list, a dict
+        listed = cast(RayClusterList, found)  # the client annotates ``object``: the decoded JSON list, a dict
         deleted = []
-        for obj in found.get("items", []):
-            meta = obj.get("metadata") or {}
+        for obj in listed.get("items", []):
+            meta: ObjectMeta = obj.get("metadata") or {}
             notes = meta.get("annotations") or {}
-            storage, run = notes.get(STORAGE_ANNOTATION), notes.get(RUN_LABEL)
-            if not storage or not run or not is_over(storage, run):
+            storage, run, name = notes.get(STORAGE_ANNOTATION), notes.get(RUN_LABEL), meta.get("name")
+            if not storage or not run or not name or not is_over(storage, run):
                 continue
             other = self.cfg.model_copy(deep=True)
-            other.cluster.kuberay.name = meta["name"]
+            other.cluster.kuberay.name = name
             KubeRay(other, self._api()).down(ClusterHandle("", "", True, "", backend=self.name), run)
-            deleted.append(meta["name"])
+            deleted.append(name)
         return deleted
 
 

@@ -44,7 +44,8 @@ from ray_jobs.poll import poll_until
 from ray_jobs.storage import exclusive_lock
 
 if TYPE_CHECKING:
-    from control.records.run import ClusterRecord
+    from control.backends.base import ClusterSeen
+    from control.records.run import ClusterRecord, ClusterSpec
 
 __all__ = ["LocalHead", "head_dir", "head_pids", "head_processes", "start_local_head", "stop_local_head"]
 
@@ -285,7 +286,7 @@ class LocalHead(Backend):
     name = "local"
     mode = "local"
 
-    def spec(self) -> dict:
+    def spec(self) -> ClusterSpec:
         c = self.cfg.cluster
         return {"head_port": c.head_port, "dashboard_port": c.dashboard_port, "host": host_identity()}
 
@@ -294,11 +295,11 @@ class LocalHead(Backend):
         return elsewhere(cluster.spec or {})
 
     @classmethod
-    def record(cls, cluster: dict) -> dict:
+    def record(cls, cluster: ClusterSeen) -> ClusterRecord:
         """A local head is recorded by the process on its host (the flow that started it or found it, a watchdog
         that brought it back): that is where it runs."""
         rec = super().record(cluster)
-        rec["spec"] = {**rec["spec"], "host": rec["spec"].get("host") or host_identity()}
+        rec.spec = {**rec.spec, "host": rec.spec.get("host") or host_identity()}
         return rec
 
     def preflight(self) -> None:

@@ -13,13 +13,16 @@ import signal
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import psutil
 
 from control.backends.base import JOB_ENV
 from ray_jobs.config import Config, ConfigError
 from ray_jobs.poll import poll_until
+
+if TYPE_CHECKING:
+    from control.records.run import ClusterSpec
 
 # Each local head unbroken starts has its own Ray temp dir, named by its dashboard port (a short path: Ray's unix
 # sockets live under it, and a socket path must stay under 107 bytes). Its processes are found through it, so
@@ -51,10 +54,12 @@ def _namespace(kind: str) -> str:
         return ""
 
 
-def elsewhere(spec: dict[str, Any]) -> str | None:
+def elsewhere(spec: ClusterSpec) -> str | None:
     """Why a local head recorded with ``spec`` cannot be seen or stopped from here (another host, boot or
     namespace), or None. A record from before hosts were recorded is taken as this host's."""
-    there = spec.get("host") or {}
+    there = spec.get("host")
+    if not isinstance(there, dict):  # absent (a record from before hosts were recorded), or not one of ours
+        there = {}
     here = host_identity()
     differ = [k for k in ("boot_id", "net_ns", "pid_ns") if there.get(k) and there[k] != here[k]]
     if not differ:
@@ -73,7 +78,17 @@ class HeadMismatch(ConfigError):
         ValueError.__init__(self, message)  # one line, not the config's list
 
 
-def head_identity(cfg: Config) -> dict[str, Any]:
+class HeadIdentity(TypedDict):
+    """What a local head was started with (``identity.json`` in its temp dir, with its Ray session)."""
+
+    interpreter: str
+    project: str
+    version: str
+    env_passthrough: list[str]
+    env_digest: str
+
+
+def head_identity(cfg: Config) -> HeadIdentity:
     """What a head's jobs inherit from whoever started it: the interpreter (its virtualenv), the project checkout,
     unbroken's version, and the environment allow-list (``cluster.env_passthrough``: the names, and a digest of their
     values -- no value is written)."""
@@ -91,7 +106,7 @@ def record_identity(cfg: Config, session: str | None) -> None:
     """Written by whoever started the head on ``cluster.dashboard_port``, once it answers (``session``: Ray's
     session name, which ties the record to this very head and not to an earlier one on the same port)."""
     path = head_dir(cfg.cluster.dashboard_port) / IDENTITY
-    path.write_text(json.dumps(head_identity(cfg) | {"session": session}, indent=2, sort_keys=True))
+    path.write_text(json.dumps({**head_identity(cfg), "session": session}, indent=2, sort_keys=True))
 
 
 def check_identity(cfg: Config, session: str | None) -> None:
@@ -107,9 +122,10 @@ def check_identity(cfg: Config, session: str | None) -> None:
         raise HeadMismatch(f"{ports}: a Ray head that unbroken did not start answers on these ports; stop it or "
                            "give the run other ports")  # fmt: skip
     ours = head_identity(cfg)
+    mine: dict[str, object] = dict(ours)  # read by the names below
     what = {"interpreter": "interpreter", "project": "project checkout", "version": "unbroken version"}
-    differ = [f"{label} {theirs.get(k)!r} (this run: {ours[k]!r})" for k, label in what.items()
-              if theirs.get(k) != ours[k]]  # fmt: skip
+    differ = [f"{label} {theirs.get(k)!r} (this run: {mine[k]!r})" for k, label in what.items()
+              if theirs.get(k) != mine[k]]  # fmt: skip
     theirs_env, ours_env = set(theirs.get("env_passthrough") or []), set(ours["env_passthrough"])
     if theirs_env != ours_env:
         differ.append(f"cluster.env_passthrough (only the head's: {sorted(theirs_env - ours_env)}, only this run's: "

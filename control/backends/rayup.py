@@ -18,7 +18,6 @@ import socket
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import yaml
 
@@ -31,6 +30,7 @@ from control.backends.base import (
     reachable,
     redact,
 )
+from control.records.run import ClusterSpec
 from ray_jobs.config import ClusterConfig
 from ray_jobs.poll import poll_until
 
@@ -61,10 +61,16 @@ def yaml_problems(path: str, use_gpu: bool) -> list[str]:
     return out
 
 
-def _declares_gpus(spec: dict[str, Any]) -> bool:
+# A cluster YAML as read (a mapping of whatever the launcher's schema allows; read here only where narrowed)
+ClusterYaml = dict[str, object]
+
+
+def _declares_gpus(spec: ClusterYaml) -> bool:
     """Whether some node type has a GPU; True too when the YAML does not declare its resources (the launcher then
     detects them on the nodes)."""
-    types = spec.get("available_node_types") or {}
+    types = spec.get("available_node_types")
+    if not isinstance(types, dict):
+        return True
     declared = [t.get("resources") for t in types.values() if isinstance(t, dict)]
     if not declared or not all(isinstance(r, dict) for r in declared):
         return True
@@ -78,10 +84,10 @@ class RayUp(Backend):
     def problems(cls, cluster: ClusterConfig, storage: str) -> list[str]:
         return yaml_problems(cluster.ray_up.config, cluster.use_gpu)
 
-    def _yaml(self) -> dict[str, Any]:
+    def _yaml(self) -> ClusterYaml:
         return yaml.safe_load(Path(self.cfg.cluster.ray_up.config).read_text(encoding="utf-8"))
 
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> ClusterSpec:
         return {"config": self.cfg.cluster.ray_up.config, "cluster_name": self._yaml().get("cluster_name")}
 
     def _sdk(self) -> ModuleType:
@@ -123,7 +129,8 @@ class RayUp(Backend):
     def up(self, run: str | None = None) -> ClusterHandle:
         path, limit = self.cfg.cluster.ray_up.config, self.cfg.cluster.ray_up.up_timeout_s
         already = self._live_head()
-        if (self._yaml().get("provider") or {}).get("type") == "local":
+        provider = self._yaml().get("provider")
+        if isinstance(provider, dict) and provider.get("type") == "local":
             # Ray 2.60's autoscaler v2 (ray up's default) never replaces a dead worker of the local provider: the
             # new instance waits on the dead one's IP, whose termination times out (seen here, 300 s and again). v1
             # replaces it. A user's explicit setting wins.
@@ -167,7 +174,8 @@ class RayUp(Backend):
 
     def _gcs_port(self) -> int:
         """The head's GCS port as the YAML starts it (``--port=N`` in head_start_ray_commands), else Ray's 6379."""
-        commands = " ".join(str(c) for c in self._yaml().get("head_start_ray_commands") or [])
+        listed = self._yaml().get("head_start_ray_commands")
+        commands = " ".join(str(c) for c in listed) if isinstance(listed, list) else ""
         found = re.search(r"--port[= ](\d+)", commands)
         return int(found.group(1)) if found else GCS_PORT
 

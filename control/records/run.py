@@ -29,13 +29,18 @@ AttemptStatus = Literal["SUBMITTED", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
 IN_FLIGHT = ("SUBMITTED", "RUNNING")
 
 
+# What a backend made its cluster from (``Backend.spec``: a YAML's path, a namespace and name, a head's ports and
+# host): that backend's own record, read by it alone -- opaque (``object``) to everyone else.
+ClusterSpec = dict[str, object]
+
+
 class ClusterRecord(Part):
     """Where the run's cluster answers and which backend made it from what; what its backend needs to find it
     again (control/backends: ``record`` / ``handle_from_record``)."""
 
     address: str
     backend: str | None = None  # absent in records written before backends existed: read by ``mode``
-    spec: dict[str, Any] = Field(default_factory=dict)
+    spec: ClusterSpec = Field(default_factory=dict)
     mode: str | None = None  # local | existing | managed: who owns the cluster
     started_here: bool = False  # its release is owed by whoever finishes the run (unless cluster.keep_running)
 

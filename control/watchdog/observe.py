@@ -5,8 +5,7 @@ the cluster's health while the job runs -- each read only when the look so far m
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 from control import jobsapi
 from control.backends import backend_for, handle_from_record
@@ -98,14 +97,14 @@ def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
     error = job_failure(address, attempt.submission_id) if ended else None
     gone = job_gone(cfg, reg) if view.api != "ok" else None
     verdict = classify(view, attempt, beat, cfg, now, address, error, age, gone)
-    extra: dict[str, Any] = {}
-    if verdict.trouble:
-        extra["metrics_step"] = last_step(cfg.storage, cfg.name)
-    elif verdict.kind == "succeeded":
-        extra["final_model"] = final_model(cfg.storage, cfg.name)
-    elif view.status == "RUNNING":
-        extra["health"], extra["disk"] = backend_for(cfg).health(recorded_handle(reg)), disk_usage(cfg.storage)
-    return Observations(now, view, beat, error, beat_age_s=age, job_gone=gone, **extra)
+    seen = Observations(now, view, beat, error, beat_age_s=age, job_gone=gone)
+    if verdict.trouble:  # what else is read depends on the verdict (each is a look at storage or the cluster)
+        return replace(seen, metrics_step=last_step(cfg.storage, cfg.name))
+    if verdict.kind == "succeeded":
+        return replace(seen, final_model=final_model(cfg.storage, cfg.name))
+    if view.status == "RUNNING":
+        return replace(seen, health=backend_for(cfg).health(recorded_handle(reg)), disk=disk_usage(cfg.storage))
+    return seen
 
 
 def job_gone(cfg: Config, reg: RunRecord) -> bool | None:
@@ -117,4 +116,4 @@ def job_gone(cfg: Config, reg: RunRecord) -> bool | None:
 
 def recorded_handle(reg: RunRecord) -> ClusterHandle:
     """The run's cluster as its record has it (its backend rebuilds the handle)."""
-    return handle_from_record(reg.recorded_cluster.dump())
+    return handle_from_record(reg.recorded_cluster)

@@ -10,6 +10,7 @@ counted against the budget and backed off, so a cluster gone for good ends in a 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from control import lease as leases
 from control import registry, series
@@ -81,7 +82,7 @@ def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str 
     def job_spec(attempt: int) -> None:
         write_job_spec(cfg, attempt, manifest_url, model_path, resume_from, reg.score_manifest_url, reg.parent)
 
-    return registry.begin_attempt(cfg, handle.to_dict() | {"started_here": owned}, dataset_id,
+    return registry.begin_attempt(cfg, replace(handle, started_here=owned).to_dict(), dataset_id,
                                   resume_from=resume_from, started_by="watchdog", extra=extra, lease=lease,
                                   job_spec=job_spec)  # fmt: skip
 

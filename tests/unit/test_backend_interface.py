@@ -22,6 +22,7 @@ from control.backends import (
 from control.backends.base import ClusterHandle
 from control.backends.localhost import host_identity
 from control.config import load_config
+from control.records.run import ClusterRecord
 from ray_jobs.storage import Layout
 from tests.conftest import ROOT
 
@@ -64,14 +65,15 @@ def test_the_run_record_says_who_owns_the_cluster_and_gives_the_handle_back(name
     rec = record(c, {"address": "http://h:8265", "started_here": True, "spec": spec, "python": "x"})
     if local_head:  # recorded where the head runs: the host is part of it (a watchdog elsewhere leaves it alone)
         spec = spec | {"host": host_identity()}
-    assert rec == {"address": "http://h:8265", "backend": name, "spec": spec, "mode": mode, "started_here": True}
+    assert rec.dump() == {"address": "http://h:8265", "backend": name, "spec": spec, "mode": mode, "started_here": True}
     handle = handle_from_record(rec)
     assert (handle.backend, handle.local, handle.started_here, handle.spec) == (name, local_head, True, spec)
 
 
 def test_a_record_from_before_backends_names_only_its_mode() -> None:
-    assert handle_from_record({"address": "http://127.0.0.1:8265", "mode": "local"}).backend == "local"
-    assert handle_from_record({"address": "http://h:8265", "mode": "existing"}).backend == "address"
+    old = ClusterRecord.model_validate  # what such a record holds
+    assert handle_from_record(old({"address": "http://127.0.0.1:8265", "mode": "local"})).backend == "local"
+    assert handle_from_record(old({"address": "http://h:8265", "mode": "existing"})).backend == "address"
 
 
 def test_only_ray_up_asks_for_a_lost_node_back(monkeypatch) -> None:

@@ -119,9 +119,9 @@ def test_a_recorded_cluster_address_is_revealed_where_it_is_used(tmp_path, monke
                     tiny_overrides(tmp_path / "storage", name="r", **{"cluster.address": "https://u:pw-123@ray.example.com"}))  # fmt: skip
     registry.begin_attempt(c, {"address": c.cluster.address, "backend": "address"}, "ds-1")
     reg = registry.load(c.storage, "r")
-    assert reg.cluster.address == "https://u:***@ray.example.com" == handle_from_record(reg.cluster.dump()).address
+    assert reg.cluster.address == "https://u:***@ray.example.com" == handle_from_record(reg.cluster).address
     monkeypatch.setenv(CREDENTIALS_ENV, "https://u:pw-123@ray.example.com")
-    assert reg.cluster.url() == "https://u:pw-123@ray.example.com" == handle_from_record(reg.cluster.dump()).address
+    assert reg.cluster.url() == "https://u:pw-123@ray.example.com" == handle_from_record(reg.cluster).address
     assert reg.cfg().cluster.address == "https://u:pw-123@ray.example.com"
 
 
