@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_link_artifact
@@ -23,6 +22,7 @@ from control.config import Config, ConfigError, check_flow, load_config
 from control.jobs import JobFailed
 from control.records.series import SeriesRun
 from control.sources import SourceRefused, rejected_event
+from control.summaries import NothingNew, RunSummary, SearchSummary
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from flows.params import run_config
 from flows.stage import stage_for
@@ -69,7 +69,7 @@ def _started_at() -> float:
 )
 async def finetune(
     config_path: str | None = None, overrides: list[str] | None = None, dataset_uri: str | None = None
-) -> dict[str, Any] | State:
+) -> RunSummary | SearchSummary | State:
     """Fine-tune a causal LM on Ray Train from a YAML config (plus ``a.b=c`` overrides, and ``dataset_uri`` as
     ``data.train`` when a dataset event started the run); returns the summary."""
     try:
@@ -82,7 +82,7 @@ async def finetune(
         return await _finetune(cfg)
 
 
-async def _finetune(cfg: Config) -> dict[str, Any] | State:
+async def _finetune(cfg: Config) -> RunSummary | SearchSummary | State:
     """The flow's body, the tune flow's too: a config with a ``tune`` section trains a search (one job, its trials
     runs of the series) where another trains one run."""
     search = cfg.tune is not None  # a search always searches: no "nothing new" for it
@@ -155,12 +155,12 @@ def nothing_new(cfg: Config, done: SeriesRun) -> State:
     final = rec.final_model
     message = f"nothing new to train: run {done.run} already trained on dataset {done.dataset_id}"
     get_run_logger().info(message)
-    summary = {"run": done.run, "dataset_id": done.dataset_id, "nothing_new": True, "message": message,
-               "final_model": final}  # fmt: skip
+    summary: NothingNew = {"run": done.run, "dataset_id": done.dataset_id, "nothing_new": True, "message": message,
+                           "final_model": final}  # fmt: skip
     return Completed(message=message, data=summary)
 
 
-async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage) -> dict[str, Any]:
+async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage) -> RunSummary | SearchSummary:
     """One attempt: check the run fits its cluster, then record the attempt and submit, watch, summarize.
 
     The attempt is recorded only once the run is known to fit (a watchdog pass meanwhile sees nothing to do),
@@ -184,7 +184,7 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
 
 
 async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage, attempt: int,
-                   spec_url: str) -> dict[str, Any]:  # fmt: skip
+                   spec_url: str) -> RunSummary | SearchSummary:  # fmt: skip
     """Submit the attempt's job, watch it to its end, summarize; a failed job is handed over to the watchdog."""
     submission = submit_job(handle, registry.submission_id(cfg.storage, cfg.name, attempt), spec_url, cfg)
     await acreate_link_artifact(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Any
+from typing import TypedDict
 
 from prefect import flow
 from prefect.events import emit_event
@@ -30,9 +30,32 @@ from ray_jobs.storage import fs_and_path, join, read_json, write_json_atomic
 EVENT = "unbroken.dataset.updated"
 
 
-def fingerprint(source: str) -> dict[str, Any]:
+class SourceFile(TypedDict):
+    file: str  # its URL, masked
+    size: int | None
+    version: str  # the store's change marker (ray_jobs/data/fingerprint.file_version)
+
+
+class Look(TypedDict):
+    """What a source held at one look (the sensor's state file keeps the last, with ``seen_at``)."""
+
+    source: str
+    fingerprint: str  # over every file's name, size and version
+    files: list[SourceFile]
+
+
+class SensorResult(TypedDict):
+    """What a sensor flow run returns: what it saw, and whether it emitted an event."""
+
+    source: str
+    fingerprint: str
+    changed: bool
+    first_look: bool
+
+
+def fingerprint(source: str) -> Look:
     """What the source holds now: each data file with size and version marker, and a hash over all of them."""
-    files = []
+    files: list[SourceFile] = []
     for url in list_sources(source, "source"):
         fs, path = fs_and_path(url)
         info = fs.info(path)
@@ -55,7 +78,7 @@ def state_url(storage: str, source: str) -> str:
 
 
 @flow(name="dataset-sensor", flow_run_name="dataset-sensor")
-def dataset_sensor(source: str, storage: str = ".unbroken/storage") -> dict[str, Any]:
+def dataset_sensor(source: str, storage: str = ".unbroken/storage") -> SensorResult:
     """Look at ``source``; emit ``unbroken.dataset.updated`` (payload: ``dataset_uri``) if it changed since the
     last look. Returns what was seen and whether an event went out."""
     log = run_logger()
@@ -90,5 +113,5 @@ def dataset_sensor(source: str, storage: str = ".unbroken/storage") -> dict[str,
     else:
         log.info("%s unchanged (%s)", source, now["fingerprint"])
     if before is None or changed:
-        write_json_atomic(url, now | {"seen_at": time.time()})
+        write_json_atomic(url, {**now, "seen_at": time.time()})
     return {"source": source, "fingerprint": now["fingerprint"], "changed": changed, "first_look": before is None}

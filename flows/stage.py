@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 from control.config import Config, load_config
 from tasks.cluster import ClusterHandle, provision_cluster, stop_cluster
 from tasks.model import prepare_base_model
-from tasks.stage import Staged, cached_dataset, stage_dataset, stages_on_cluster
+from tasks.stage import Staged, StagedDict, cached_dataset, stage_dataset, stages_on_cluster
 
 
 def stage_for(cfg: Config, model_path: str, on_cluster: bool) -> tuple[Staged, ClusterHandle | None]:
@@ -29,7 +27,7 @@ def stage_for(cfg: Config, model_path: str, on_cluster: bool) -> tuple[Staged, C
 
 
 @flow(name="stage-dataset")
-def stage_flow(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def stage_flow(config_path: str | None = None, overrides: list[str] | None = None) -> StagedDict:
     """Stage ``data.train`` to ``<storage>/datasets/<id>``; returns the dataset id and manifest URL."""
     cfg = load_config(config_path, overrides or [])
     staged, handle = stage_for(cfg, prepare_base_model(cfg), stages_on_cluster(cfg))

@@ -6,14 +6,13 @@ search then restores its experiment from storage.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 from prefect.runtime import flow_run
 from prefect.states import State
 
 from control.config import ConfigError, check_flow
 from control.sources import SourceRefused
+from control.summaries import RunSummary, SearchSummary
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from flows.finetune import _finetune
 from flows.params import run_config
@@ -29,7 +28,9 @@ def tune_run_name() -> str:
 
 
 @flow(name="tune", flow_run_name=tune_run_name, on_cancellation=[stop_on_cancel], on_crashed=[stop_on_crash])
-async def tune(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any] | State:
+async def tune(
+    config_path: str | None = None, overrides: list[str] | None = None
+) -> RunSummary | SearchSummary | State:
     """Search hyperparameters with Ray Tune over the config's ``tune.space``; returns the trials and the winner."""
     cfg = run_config(config_path, overrides)
     check_flow(cfg, search=True, source=str(config_path or "config"))

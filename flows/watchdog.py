@@ -20,10 +20,10 @@ from pydantic import JsonValue
 
 from control import registry
 from control.logs import run_logger
+from control.summaries import TableRow
 from control.watchdog import Outcome, check_run, janitor, left_alone, metrics
 from ray_jobs.config import absolute_url
 from ray_jobs.secrets import mask_tree
-from tasks.report import TableRow
 
 EVENTS = {"restarted": "unbroken.run.recovered", "gave-up": "unbroken.run.gave-up"}
 

@@ -17,8 +17,8 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Generator
-from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from dataclasses import dataclass, field
+from typing import TextIO, TypedDict
 
 from ray_jobs.poll import repeating
 
@@ -35,6 +35,25 @@ def every_s() -> float:
         return max(0.0, float(os.environ.get("UNBROKEN_PROGRESS_S", EVERY_S)))
     except ValueError:
         return EVERY_S
+
+
+class SnapshotJson(TypedDict):
+    """A snapshot as a staging job on the cluster writes it for the flow (``<submission>.progress.json``)."""
+
+    what: str
+    done: float
+    total: float | None
+    unit: str
+    elapsed_s: float
+    rate: float | None
+    counts: dict[str, float]
+    rates: dict[str, float | None]
+    final: bool
+    note: str
+    percent: float | None
+    eta_s: float | None
+    line: str
+    at: float  # when it was written
 
 
 @dataclass(frozen=True)
@@ -84,8 +103,11 @@ class Snapshot:
             parts.append(f"ETA {_duration(eta)}")
         return ", ".join(parts)
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "percent": self.percent, "eta_s": self.eta_s, "line": self.line(), "at": time.time()}
+    def to_json(self) -> SnapshotJson:
+        return {"what": self.what, "done": self.done, "total": self.total, "unit": self.unit,
+                "elapsed_s": self.elapsed_s, "rate": self.rate, "counts": self.counts, "rates": self.rates,
+                "final": self.final, "note": self.note, "percent": self.percent, "eta_s": self.eta_s,
+                "line": self.line(), "at": time.time()}  # fmt: skip
 
 
 class Reporter:

@@ -14,6 +14,7 @@ from control.jobs import cancelled, stop_and_wait, write_job_spec
 from control.logs import run_logger
 from control.records.run import AttemptInputs
 from control.records.series import EvalPin
+from control.summaries import VerdictSummary, verdict_summary
 from control.tracking import end_tracker_runs
 from control.watchdog import failed_job_incident
 from ray_jobs.config import Config
@@ -69,11 +70,11 @@ def hand_over(cfg: Config, attempt: int, address: str, failure: Exception) -> No
 
 
 @task(name="record-success", cache_policy=NO_CACHE)
-def record_success(cfg: Config, attempt: int, final_model: str) -> dict | None:
+def record_success(cfg: Config, attempt: int, final_model: str | None) -> VerdictSummary | None:
     """The attempt succeeded: close the run, and score it against its series' champion (the verdict, or None)."""
     registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=final_model)
     verdict = series.finish_run(cfg.storage, cfg.name)
-    return verdict.dump() if verdict else None  # plain JSON: it goes into the flow's result
+    return verdict_summary(verdict) if verdict else None  # plain JSON: it goes into the flow's result
 
 
 @task(name="record-flow-end", cache_policy=NO_CACHE)

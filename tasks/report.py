@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import JsonValue
 
 from control.logs import run_logger
+from control.summaries import RunSummary, Sample, TableRow
 from ray_jobs.config import Config, DataConfig
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.contracts.metrics import MetricsRow
@@ -26,17 +26,6 @@ CHART_POINTS = 60  # mermaid renders a few dozen points legibly
 TABLE_ROWS = 200  # rows of an artifact table (metrics, eval losses): long runs are thinned evenly
 # A line colour that stands out on the UI's code-block background (mermaid's default is a pale yellow).
 CHART_THEME = '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "#ff6b35"}}}}%%'
-TableRow = dict[str, JsonValue]  # a row of a table artifact (the metrics, a search's trials, the watchdog's incidents)
-
-
-class Sample(TypedDict):
-    """A held-out prompt answered by the base model and the fine-tuned one."""
-
-    prompt: str  # as a person reads it (the question, not the rendered template)
-    target: str
-    before: str  # the base model's answer
-    output: str  # the fine-tuned model's
-    exact: bool  # output == target up to surrounding whitespace
 
 
 def thin(items: list, limit: int) -> list:
@@ -186,7 +175,7 @@ def _same(output: str, target: str) -> bool:
     return output.strip() == target.strip()
 
 
-def summary_markdown(cfg: Config, s: dict[str, Any]) -> str:
+def summary_markdown(cfg: Config, s: RunSummary) -> str:
     lines = [
         f"# Run `{cfg.name}`",
         "",
@@ -240,17 +229,17 @@ def _cell(text: str) -> str:
 
 
 @task(name="summarize", cache_policy=NO_CACHE)
-def summarize(cfg: Config, dataset_id: str, base_model: str) -> dict[str, Any]:
+def summarize(cfg: Config, dataset_id: str, base_model: str) -> RunSummary:
     """Metrics table, summary and final-model link as artifacts; returns the numbers the CLI prints."""
     rows = read_metrics(cfg)
     evals = [r for r in rows if "eval_loss" in r]
     losses = [r for r in rows if "loss" in r]
     final = Layout(cfg.storage).final_model(cfg.name)
     samples = generate_samples(base_model, final, cfg)
-    s = {
+    s: RunSummary = {
         "run": cfg.name,
         "dataset_id": dataset_id,
-        "steps": rows[-1]["step"] if rows else 0,
+        "steps": int(rows[-1]["step"]) if rows else 0,
         "first_eval_loss": evals[0]["eval_loss"],
         "final_eval_loss": evals[-1]["eval_loss"],
         "final_train_loss": losses[-1]["loss"] if losses else float("nan"),

@@ -3,8 +3,6 @@ the series' eval set, starts) and a chart of each trial's eval loss over steps; 
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
@@ -12,9 +10,10 @@ from prefect.cache_policies import NO_CACHE
 from control import series
 from control.logs import run_logger
 from control.series.views import short_value
+from control.summaries import SearchSummary, TableRow
 from ray_jobs.config import Config
 from ray_jobs.contracts.trials import TrialEntry
-from tasks.report import TableRow, mermaid_chart
+from tasks.report import mermaid_chart
 
 # one colour per trial's line
 CHART_THEME = (
@@ -24,7 +23,7 @@ CHART_THEME = (
 
 
 @task(name="summarize-search", cache_policy=NO_CACHE)
-def summarize_search(cfg: Config, dataset_id: str) -> dict[str, Any]:
+def summarize_search(cfg: Config, dataset_id: str) -> SearchSummary:
     """Trial table and eval-loss chart as artifacts; the winner and its final model."""
     found = series.sync_trials(cfg.storage, cfg.name)
     best = series.winner(found)

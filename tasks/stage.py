@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -21,7 +21,7 @@ from ray_jobs.contracts.job_spec import StageSpec
 from ray_jobs.data.fingerprint import describe
 from ray_jobs.data.staging import StageResult, StagingError, cached, stage, summary
 from ray_jobs.model.loading import load_tokenizer
-from ray_jobs.progress import Reporter, Snapshot, then
+from ray_jobs.progress import Reporter, Snapshot, SnapshotJson, then
 from ray_jobs.secrets import job_env
 from ray_jobs.storage import Layout, exists, is_local, read_json, write_json_atomic
 
@@ -39,8 +39,19 @@ class Staged:
     counts: dict[str, int]  # the manifest's (ray_jobs/contracts/dataset.Counts), as the flow's result keeps them
     summary: str = ""  # what staging made of the records (staging.summary), for people
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> StagedDict:
+        return {"dataset_id": self.dataset_id, "manifest_url": self.manifest_url, "cache_hit": self.cache_hit,
+                "counts": self.counts, "summary": self.summary}  # fmt: skip
+
+
+class StagedDict(TypedDict):
+    """A Staged as the stage flow returns it (and ``unbroken stage`` prints it)."""
+
+    dataset_id: str
+    manifest_url: str
+    cache_hit: bool
+    counts: dict[str, int]
+    summary: str
 
 
 def stages_on_cluster(cfg: Config) -> bool:
@@ -102,7 +113,7 @@ class ProgressArtifact:
         self.key = re.sub(r"[^a-z0-9-]+", "-", f"{cfg.series_name}-staging".lower()).strip("-")
         self.id: uuid.UUID | None = None
 
-    def show(self, snap: Snapshot | dict[str, Any]) -> None:
+    def show(self, snap: Snapshot | SnapshotJson) -> None:
         """``snap``: a Reporter's snapshot, or its JSON (what a staging job writes)."""
         pct, line = (snap.percent, snap.line()) if isinstance(snap, Snapshot) else (snap["percent"], snap["line"])
         # _sync=True: the sync function, even on an async flow's thread. Prefect's async_dispatch takes it at run

@@ -15,11 +15,22 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from control.config import check_flow, load_config
 from ray_jobs.secrets import export_credentials, mask, mask_logs
 from unbroken import errors
+
+if TYPE_CHECKING:  # the flows' summaries: the flows themselves are imported by the command that runs them
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
+
+    from control.summaries import NothingNew, RunSummary, SearchSummary, TableRow
+
+
+def nothing_new(s: RunSummary | NothingNew) -> TypeIs[NothingNew]:
+    """A finetune flow's summary that says nothing was trained (the series trained this dataset already)."""
+    return "nothing_new" in s
+
 
 STORAGE_ENV = "UNBROKEN_STORAGE"  # the storage root of status, runs, watchdog and serve when --storage is not given
 EXAMPLES = {  # one line of each subcommand's help (``unbroken CMD --help``)
@@ -137,9 +148,7 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _with_early_cluster(
-    args: argparse.Namespace, run_flow: Callable[[], Coroutine[Any, Any, object]]
-) -> dict[str, Any]:
+def _with_early_cluster(args: argparse.Namespace, run_flow: Callable[[], Coroutine[Any, Any, object]]) -> object:
     """Run a flow (``run_flow()``, a coroutine) while the cluster it will surely need starts coming up beside
     Prefect's temporary server; a head the flow never took over (it ended before it needed one) is released."""
     from flows.finetune import start_cluster_early
@@ -148,7 +157,7 @@ def _with_early_cluster(
     try:
         # Prefect types a flow's call as its function's return (the summary, or a State carrying it: nothing new to
         # train), but the call resolves a returned State to its data (flow_engine's result): the summary either way
-        return cast(dict[str, Any], asyncio.run(run_flow()))
+        return asyncio.run(run_flow())
     finally:
         if early is not None:
             early.release()
@@ -157,8 +166,9 @@ def _with_early_cluster(
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.finetune import finetune
 
-    s = _with_early_cluster(args, lambda: finetune(args.config, args.overrides))
-    if s.get("nothing_new"):
+    # a run's summary, or the nothing-new one (a State's data, resolved by the call: see _with_early_cluster)
+    s = cast("RunSummary | NothingNew", _with_early_cluster(args, lambda: finetune(args.config, args.overrides)))
+    if nothing_new(s):
         print(s["message"])
         print(f"final model: {s['final_model']}")
         return 0
@@ -180,7 +190,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from flows.tune import tune
 
-    s = _with_early_cluster(args, lambda: tune(args.config, args.overrides))
+    s = cast("SearchSummary", _with_early_cluster(args, lambda: tune(args.config, args.overrides)))  # a search searches
     print(f"search {s['run']}: {len(s['trials'])} trials on dataset {s['dataset_id']}")
     print(format_trials(s["trials"]))
     if verdict := s.get("verdict"):
@@ -191,7 +201,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_trials(rows: list[dict]) -> str:
+def format_trials(rows: list[TableRow]) -> str:
     """The trial table the CLI prints: each trial's values, state, steps, eval loss and series score."""
     fixed = ("trial", "state", "steps", "eval_loss", "score", "starts", "winner")
     params = [k for k in rows[0] if k not in fixed] if rows else []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypedDict
 
 import numpy as np
 
@@ -106,7 +106,16 @@ def shard_bounds(n_rows: int, n_shards: int) -> list[int]:
     return [round(i * n_rows / n_shards) for i in range(n_shards + 1)]
 
 
-def write_shard(split: str, i: int, rows: np.ndarray, out_dir: str) -> dict[str, Any]:
+class ShardEntry(TypedDict):
+    """A shard as the manifest lists it (ray_jobs/contracts/dataset.Shard), as staging's progress keeps it too."""
+
+    file: str
+    rows: int
+    bytes: int
+    sha256: str
+
+
+def write_shard(split: str, i: int, rows: np.ndarray, out_dir: str) -> ShardEntry:
     """Rows ``[n, 3, seq_len]`` as Parquet shard ``i`` of ``split`` under ``out_dir``; its manifest entry."""
     data = parquet_bytes(rows)
     name = f"{split}-{i:05d}.parquet"

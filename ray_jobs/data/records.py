@@ -12,7 +12,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from ray_jobs.config import DataConfig
 from ray_jobs.data.formats import reader_for
@@ -55,6 +55,18 @@ class Record:
     pair: Record | None = None  # a preference record's rejected answer (this one holds the chosen)
 
 
+class RejectJson(TypedDict, total=False):
+    """A reject as ``rejects.jsonl`` holds it: where (``line`` of a JSONL file, or ``row`` of a Parquet one), why,
+    and the record's text; ``dropped`` only when it is."""
+
+    file: Required[str]
+    line: int
+    row: int
+    reason: Required[str]
+    text: str
+    dropped: bool
+
+
 @dataclass
 class Reject:
     file: str
@@ -68,16 +80,22 @@ class Reject:
     def where(self) -> str:
         return f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file}:row {self.line}"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> RejectJson:
         # rejects.jsonl names the source file masked (a URL's credentials are never written); the record's own
         # text is the data's, quoted as it is
-        out = {"file": mask(self.file, ()), self.unit: self.line, "reason": self.reason, "text": self.text}
-        return {**out, "dropped": True} if self.dropped else out
+        file = mask(self.file, ())
+        out: RejectJson = ({"file": file, "row": self.line, "reason": self.reason, "text": self.text}
+                           if self.unit == "row" else
+                           {"file": file, "line": self.line, "reason": self.reason, "text": self.text})  # fmt: skip
+        if self.dropped:
+            out["dropped"] = True
+        return out
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Reject:
-        unit = "row" if "row" in obj else "line"
-        return cls(obj["file"], obj[unit], obj["reason"], obj.get("text", ""), unit, obj.get("dropped", False))
+    def from_json(cls, obj: RejectJson) -> Reject:
+        row = obj.get("row")
+        where, unit = (row, "row") if row is not None else (obj["line"], "line")
+        return cls(obj["file"], where, obj["reason"], obj.get("text", ""), unit, obj.get("dropped", False))
 
 
 Renderer = Callable[[list[dict]], Rendered]

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
 from ray_jobs.data.documents import DocPieces
-from ray_jobs.data.pack import Packer, shard_bounds, write_shard
+from ray_jobs.data.pack import Packer, PackerState, ShardEntry, shard_bounds, write_shard
 from ray_jobs.data.records import Reject
 from ray_jobs.data.sources import Position
 from ray_jobs.data.tokenize import IGNORE_INDEX
@@ -29,6 +30,19 @@ SPLITS = ("train", "eval")
 REJECT_KINDS = ("invalid", "train", "eval")
 _COUNTS = ("records", "rejects", "dropped", "truncated", "documents", "pieces", "cut_documents", "train_examples",
            "eval_examples", "train_tokens", "train_target_tokens")  # fmt: skip
+
+
+class SpillProgress(TypedDict):
+    """``progress.json``: how far the spill got (written after its files, so it vouches for their sizes)."""
+
+    dataset_id: str
+    phase: str  # "read" (sources into the spill), then "shard" (the spill into Parquet shards)
+    file: int  # the source file to read next
+    position: dict[str, int]  # where in it (formats/base.Position's fields)
+    packers: dict[str, PackerState]  # per split: its packer's open rows
+    sizes: dict[str, int]  # bytes of each spill file this progress vouches for
+    counts: dict[str, int]
+    shards: dict[str, list[ShardEntry]]  # per split: the shards written
 
 
 class Spill:
@@ -91,7 +105,7 @@ class Spill:
 
     def commit(self, file_index: int, position: Position) -> None:
         """Record that every source before ``file_index``, and that file up to ``position``, is in the spill."""
-        self.progress.update(file=file_index, position=position.__dict__)
+        self.progress["file"], self.progress["position"] = file_index, asdict(position)
         self._save()
 
     def end_reading(self) -> None:
@@ -101,7 +115,7 @@ class Spill:
         self._save()
 
     # -- writing shards
-    def write_split(self, split: str, n_shards: int, out_dir: str, told=None) -> list[dict[str, Any]]:
+    def write_split(self, split: str, n_shards: int, out_dir: str, told=None) -> list[ShardEntry]:
         """The split's rows as ``n_shards`` Parquet shards (those written before a kill are kept); ``told(rows)``
         hears how many of the split's rows are written, after each shard."""
         n = self.rows(split)
@@ -186,7 +200,7 @@ class Spill:
     def _path(self, name: str) -> Path:
         return self.folder / name
 
-    def _load(self, dataset_id: str) -> dict[str, Any]:
+    def _load(self, dataset_id: str) -> SpillProgress:
         try:
             progress = json.loads((self.folder / "progress.json").read_text())
             if progress.get("dataset_id") == dataset_id:
@@ -196,9 +210,9 @@ class Spill:
         return self._fresh(dataset_id)
 
     @staticmethod
-    def _fresh(dataset_id: str) -> dict[str, Any]:
+    def _fresh(dataset_id: str) -> SpillProgress:
         names = [f"{s}.rows" for s in SPLITS] + [f"rejects-{k}.jsonl" for k in REJECT_KINDS]
         return {
-            "dataset_id": dataset_id, "phase": "read", "file": 0, "position": Position().__dict__, "packers": {},
+            "dataset_id": dataset_id, "phase": "read", "file": 0, "position": asdict(Position()), "packers": {},
             "sizes": dict.fromkeys(names, 0), "counts": dict.fromkeys(_COUNTS, 0), "shards": {},
         }  # fmt: skip

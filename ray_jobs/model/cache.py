@@ -32,7 +32,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from ray_jobs.progress import Reporter, every_s, polled
 from ray_jobs.secrets import mask
@@ -45,7 +45,22 @@ MARKER = ".verified.json"  # inside a verified copy, written last
 SOURCE_MANIFEST = "sha256.json"  # at the top of a folder on storage, optional: {relative path: sha256}
 LOCK_TIMEOUT_S = 3600.0  # a rank waits this long for another's download (a big model on a slow link) before failing
 HASH_THREADS = 8  # files hashed at once after a download (hashlib releases the GIL)
-_RECORDED = {"bytes", "sha256", "mtime_ns"}  # what the marker holds of each file
+_RECORDED = {"bytes", "sha256", "mtime_ns"}  # what the marker holds of each file (CachedFile)
+
+
+class CachedFile(TypedDict):
+    bytes: int
+    sha256: str
+    mtime_ns: int  # when it was verified: a file whose mtime moved is hashed again
+
+
+class Marker(TypedDict):
+    """A node's copy's marker: where it came from, when it was verified, and each file as verified."""
+
+    url: str  # masked
+    verified_at: float
+    sha256_from: str  # the source's manifest, or "computed on this node after the download"
+    files: dict[str, CachedFile]
 
 
 class ModelCacheError(RuntimeError):
@@ -81,7 +96,7 @@ def problem(folder: Path, url: str) -> str | None:
     restored the time): that would take hashing every file at every use."""
     try:
         record = json.loads((folder / MARKER).read_text())
-        files: dict[str, dict[str, Any]] = record["files"]
+        files: dict[str, CachedFile] = record["files"]  # checked below: a marker is read, not trusted
     except FileNotFoundError:
         return "no marker: its download never finished" if folder.exists() else "not cached"
     except (ValueError, LookupError, TypeError):
@@ -151,7 +166,7 @@ def _source_manifest(fs, path: str, url: str, sizes: dict[str, int]) -> dict[str
     return expected
 
 
-def _verify(tmp: Path, url: str, sizes: dict[str, int], expected: dict[str, str] | None) -> dict[str, Any]:
+def _verify(tmp: Path, url: str, sizes: dict[str, int], expected: dict[str, str] | None) -> Marker:
     """The marker's record of the downloaded copy, after checking every file's size against the listing and its
     sha256 against the source's manifest (when there is one; otherwise the sha256 is recorded as computed here)."""
     wrong = [f"{rel}: {(tmp / rel).stat().st_size} bytes, storage lists {n}" for rel, n in sizes.items()
@@ -164,8 +179,8 @@ def _verify(tmp: Path, url: str, sizes: dict[str, int], expected: dict[str, str]
         wrong = [rel for rel, h in expected.items() if digests[rel] != h]
         if wrong:
             raise ModelCacheError(f"{url}: sha256 of {', '.join(wrong)} does not match {SOURCE_MANIFEST}")
-    files = {rel: {"bytes": sizes[rel], "sha256": digests[rel], "mtime_ns": (tmp / rel).stat().st_mtime_ns}
-             for rel in sizes}  # fmt: skip
+    files: dict[str, CachedFile] = {rel: {"bytes": sizes[rel], "sha256": digests[rel],
+                                          "mtime_ns": (tmp / rel).stat().st_mtime_ns} for rel in sizes}  # fmt: skip
     sha256_from = SOURCE_MANIFEST if expected is not None else "computed on this node after the download"
     return {"url": mask(url, ()), "verified_at": time.time(), "sha256_from": sha256_from, "files": files}
 

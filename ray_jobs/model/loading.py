@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from ray_jobs.model.cache import cached_folder
 from ray_jobs.storage import is_local, join, read_json
+
+if TYPE_CHECKING:  # transformers is imported when a model is loaded
+    from transformers import BitsAndBytesConfig
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter folder
@@ -68,7 +71,14 @@ def load_model_fp32(name_or_path: str, cache_root: str | Path | None = None, **k
     return load_model(name_or_path, cache_root, dtype=torch.float32, **kwargs)
 
 
-def quantized_loading(quantization: str, device, bf16: bool) -> dict[str, Any]:
+class QuantizedLoading(TypedDict, total=False):
+    """What ``from_pretrained`` is given to load a quantized base."""
+
+    quantization_config: BitsAndBytesConfig
+    device_map: dict[str, str]
+
+
+def quantized_loading(quantization: str, device, bf16: bool) -> QuantizedLoading:
     """``from_pretrained``'s arguments for ``model.quantization`` (``none``: none). ``4bit``: QLoRA's recipe
     (bitsandbytes NF4, double quantization), computed in bf16 when training runs in bf16, else fp32; the weights are
     quantized as they load, onto ``device`` (bitsandbytes quantizes on the device that holds them)."""
@@ -98,7 +108,11 @@ def forgo_bitsandbytes(quantization: str) -> bool:
     return "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None
 
 
-def config_dict(name_or_path: str) -> dict[str, Any]:
+# A model's ``config.json`` as saved: architecture-specific fields, read by key and narrowed where used
+ModelConfigJson = dict[str, object]
+
+
+def config_dict(name_or_path: str) -> ModelConfigJson:
     """The model's ``config.json`` as saved, without loading weights (or copying them off storage); an adapter
     folder's is its base model's."""
     if (base := adapter_base(name_or_path)) is not None:
@@ -110,7 +124,7 @@ def config_dict(name_or_path: str) -> dict[str, Any]:
     return PretrainedConfig.get_config_dict(name_or_path.removeprefix("file://"))[0]
 
 
-def saved_dtype(config: dict[str, Any]) -> str:
+def saved_dtype(config: ModelConfigJson) -> str:
     """The dtype a model was saved in, from its config dict (``dtype`` since transformers 5, ``torch_dtype``
     before); float32 when it is missing or not one we export."""
     raw = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
@@ -123,6 +137,6 @@ def meta_model(name_or_path: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = dict(config_dict(name_or_path))
-    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    config = AutoConfig.for_model(str(raw.pop("model_type")), **raw)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)

@@ -4,10 +4,11 @@ and the model rank 0 exports at the end."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol
+from typing import Protocol
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
+from ray_jobs.contracts.checkpoint import StateDict
 from ray_jobs.model.loading import config_dict, load_model_fp32, quantized_loading, saved_dtype
 from ray_jobs.model.lora import check_lora, ties_embeddings
 
@@ -93,7 +94,7 @@ def _needs_tying(model, modules_to_save: list[str]) -> bool:
     return ties_embeddings(model) and any(n.rsplit(".", 1)[-1] in EMBEDDING_LAYER_NAMES for n in modules_to_save)
 
 
-def export_model(cfg: Config, model_path: str, state: dict[str, Any]):
+def export_model(cfg: Config, model_path: str, state: StateDict):
     """The final model as a plain HF model in ``train.export_dtype`` built from a full state dict: the base model
     (unquantized) with the trained weights (LoRA merged in). Only FSDP + LoRA and a 4-bit base need this (a second
     model instance: adapters merged into 4-bit weights would be rounded back to 4 bits, and a 4-bit model cannot be
@@ -160,7 +161,7 @@ def plan_export_files(sizes: dict[str, int], shard_mb: float):
                                                 max_shard_size=int(shard_mb * 1e6))  # fmt: skip
 
 
-def _write_export_file(state: dict[str, Any], names: list[str], dtype, rank: int, path: str) -> None:
+def _write_export_file(state: StateDict, names: list[str], dtype, rank: int, path: str) -> None:
     """Gather each tensor of one file (a collective: every rank calls this), rank 0 writing the file."""
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor

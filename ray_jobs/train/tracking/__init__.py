@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -68,9 +69,9 @@ def end_runs(cfg, status: str) -> list[str]:
     return ended
 
 
-def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_params(tree: Mapping[str, object], prefix: str = "") -> dict[str, object]:
     """``{"train.lr": 1e-4, ...}``: a config as the flat key/value pairs trackers take as params."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for k, v in tree.items():
         if isinstance(v, dict):
             out |= flat_params(v, f"{prefix}{k}.")

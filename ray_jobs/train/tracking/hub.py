@@ -56,7 +56,7 @@ class RunInfo:
     dataset_id: str = ""
     parent: str | None = None  # the run this one warm-started from, if any
     resumed_step: int | None = None  # the checkpoint's step this process resumed from; None: a fresh start
-    params: dict[str, Any] = field(default_factory=dict)  # the flattened config
+    params: dict[str, object] = field(default_factory=dict)  # the flattened config
 
 
 class Tracker(Protocol):
