@@ -9,18 +9,9 @@ from typing import Literal, NotRequired, TypedDict
 from pydantic import JsonValue
 
 from control.records.series import Verdict
+from ray_jobs.train.samples import Sample
 
 TableRow = dict[str, JsonValue]  # a row of a table artifact (the metrics, a search's trials, the watchdog's incidents)
-
-
-class Sample(TypedDict):
-    """A held-out prompt answered by the base model and the fine-tuned one."""
-
-    prompt: str  # as a person reads it (the question, not the rendered template)
-    target: str
-    before: str  # the base model's answer
-    output: str  # the fine-tuned model's
-    exact: bool  # output == target up to surrounding whitespace
 
 
 class VerdictSummary(TypedDict):

@@ -1,4 +1,5 @@
-"""Summarize a finished run: metrics into Prefect artifacts, eval loss first vs last, sample generations."""
+"""Summarize a finished run: metrics into Prefect artifacts, eval loss first vs last, the sample generations
+(made by ray_jobs/train/samples.py) published."""
 
 from __future__ import annotations
 
@@ -9,17 +10,17 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 
 from control.logs import run_logger
-from control.summaries import RunSummary, Sample, TableRow
-from ray_jobs.config import Config, DataConfig
+from control.summaries import RunSummary, TableRow
+from ray_jobs.config import Config
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.contracts.tracking import TrackingLinks
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout
+from ray_jobs.train.samples import generate_samples
 
 if TYPE_CHECKING:
     from control.series import SeriesRow
-    from ray_jobs.data.records import Renderer
 
 METRIC_COLUMNS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
 CHART_POINTS = 60  # mermaid renders a few dozen points legibly
@@ -91,88 +92,6 @@ def read_metrics(cfg: Config) -> list[MetricsRow]:
     from ray_jobs.train.metrics import read_rows
 
     return read_rows(Layout(cfg.storage).metrics(cfg.name))
-
-
-def eval_examples(cfg: Config, limit: int, model_path: str) -> list[tuple[str, str, str, bool]]:
-    """Up to ``limit`` (shown, prompt, target, templated) from the held-out eval split, in source order: what a
-    person would read as the question, the prompt as staging rendered it (a conversation up to the final reply,
-    template applied), the expected completion, and whether the chat template wrote the prompt (its special tokens
-    included). Records are read as staging read them: the resolved format, the same renderer."""
-    from ray_jobs.data.records import batch_records
-    from ray_jobs.data.shapes import resolve_format
-    from ray_jobs.data.sources import list_sources, read_batches
-    from ray_jobs.data.staging import record_in_eval
-
-    data = resolve_format(cfg.data)
-    if data.eval:
-        urls, keep = list_sources(data.eval, "data.eval"), lambda r: True
-    else:
-        urls, keep = list_sources(data.train, "data.train"), lambda r: record_in_eval(r, data.eval_fraction)
-    render = _chat_renderer(data, model_path)
-    out: list[tuple[str, str, str, bool]] = []
-    for url in urls:  # a batch at a time, stopping once there are enough: memory stays one batch
-        for batch in read_batches(url):
-            out += [(r.shown or r.prompt, r.prompt, r.target, r.templated)
-                    for r in batch_records(batch, data, "train", render)[0] if keep(r)]  # fmt: skip
-            if len(out) >= limit:
-                return out[:limit]
-    return out
-
-
-def _chat_renderer(data: DataConfig, model_path: str) -> Renderer | None:
-    """The renderer staging used for ``data`` with this model's tokenizer (None where records are not rendered)."""
-    from ray_jobs.data.workers import BatchWork
-    from ray_jobs.model.loading import load_tokenizer
-
-    return BatchWork(load_tokenizer(model_path, data.cache_dir), model_path, data).render()
-
-
-def greedy(model_path: str, cfg: Config, prompts: list[str], targets: list[str], templated: list[bool]) -> list[str]:
-    """Greedy completions of ``prompts`` by the model at ``model_path`` (plain transformers, fp32, CPU), each a
-    little longer than its target. Prompts are encoded as staging encoded them: one the chat template wrote
-    (``templated``) already holds its special tokens; a plain prompt gets the tokenizer's own (e.g. BOS)."""
-    import torch
-
-    from ray_jobs.model.loading import load_model, load_tokenizer
-
-    tok = load_tokenizer(model_path, cfg.data.cache_dir)
-    model = load_model(model_path, cfg.data.cache_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt, target, rendered in zip(prompts, targets, templated, strict=True):
-        ids = torch.tensor([tok(prompt, add_special_tokens=not rendered)["input_ids"]])
-        budget = len(tok(target, add_special_tokens=False)["input_ids"]) + 8
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=budget, do_sample=False, pad_token_id=tok.pad_token_id)
-        outputs.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    return outputs
-
-
-def generate_samples(base_path: str, final_url: str, cfg: Config) -> list[Sample]:
-    """Held-out prompts answered by the base model (``before``) and the fine-tuned one (``output``).
-
-    For every format whose records have a prompt and an expected completion (all but ``text``, ``auto`` resolved
-    first); none when ``train.sample_generations`` is 0.
-    """
-    from ray_jobs.data.shapes import resolve_format
-
-    if cfg.train.sample_generations == 0:
-        return []
-    cfg = cfg.model_copy(update={"data": resolve_format(cfg.data)})
-    if cfg.data.format == "text":
-        return []
-    examples = eval_examples(cfg, cfg.train.sample_generations, base_path)
-    prompts, targets, templated = [x[1] for x in examples], [x[2] for x in examples], [x[3] for x in examples]
-    before = greedy(base_path, cfg, prompts, targets, templated)
-    after = greedy(final_url, cfg, prompts, targets, templated)
-    return [
-        {"prompt": shown, "target": target, "before": b, "output": a, "exact": _same(a, target)}
-        for (shown, _, target, _), b, a in zip(examples, before, after, strict=True)
-    ]
-
-
-def _same(output: str, target: str) -> bool:
-    """Exact match up to surrounding whitespace (special tokens such as an end-of-turn marker are not decoded)."""
-    return output.strip() == target.strip()
 
 
 def summary_markdown(cfg: Config, s: RunSummary) -> str:

@@ -321,7 +321,7 @@ def test_max_record_chars_defaults_to_100k_for_prompts_and_no_limit_for_text() -
 
 def test_report_reads_eval_examples_of_a_detected_shape_as_staging_did(tmp_path: Path, smollm2: Path) -> None:
     from ray_jobs.config import load_config
-    from tasks.report import eval_examples
+    from ray_jobs.train.samples import eval_examples
     from tests.conftest import ROOT
 
     src = write_jsonl(tmp_path / "a.jsonl", [alpaca(i) for i in range(40)])
