@@ -9,8 +9,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from control import registry, series
+from control.attempt import JobInputs, start_attempt
 from control.backends.base import ClusterHandle
-from control.jobs import cancelled, stop_and_wait, write_job_spec
+from control.jobs import cancelled, stop_and_wait
 from control.logs import run_logger
 from control.records.run import AttemptInputs
 from control.records.series import EvalPin
@@ -39,16 +40,11 @@ def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest
     if cfg.tune is not None:  # a search: its trials are runs of their own, recorded before it starts
         trials = series.record_trials(cfg, dataset_id, extra)
         extra |= {"kind": "search", "trials": [t.name for t in trials]}
-    specs: dict[int, str] = {}
-
-    def job_spec(attempt: int) -> None:
-        specs[attempt] = write_job_spec(cfg, attempt, manifest_url, start, None, pin.manifest_url, parent)
-
     run_id = str(flow_run.id) if flow_run.id else None
-    attempt = registry.begin_attempt(cfg, handle.to_dict(), dataset_id, extra=extra, flow_run_id=run_id,
-                                     job_spec=job_spec)  # fmt: skip
+    job = JobInputs(manifest_url, start, pin.manifest_url, parent)
+    attempt, spec_url = start_attempt(cfg, handle.to_dict(), dataset_id, job, extra, flow_run_id=run_id)
     series.begin_run(cfg, dataset_id, pin, parent, flow_run.id)
-    return attempt, specs[attempt]
+    return attempt, spec_url
 
 
 def _stop_superseded_job(cfg: Config) -> None:

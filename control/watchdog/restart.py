@@ -14,10 +14,11 @@ from dataclasses import replace
 
 from control import lease as leases
 from control import registry, series
+from control.attempt import JobInputs, start_attempt
 from control.backends import backend_for
 from control.backends.base import ClusterError, ClusterHandle, StopUnverified
 from control.cluster import provision
-from control.jobs import entrypoint, stop_and_wait, submit, write_job_spec
+from control.jobs import entrypoint, stop_and_wait, submit
 from control.logs import run_logger
 from control.rayapi import first_line
 from control.records.run import AttemptInputs, Incident, RunRecord
@@ -54,9 +55,8 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
     env = credentials.for_resubmission(reg)  # before the attempt it replaces is superseded in the record
     lease.check()  # fencing: never record or submit on a lease another watchdog has taken over
     registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
-    attempt = _begin(cfg, reg, handle, resume_from, lease)
+    attempt, spec = _begin(cfg, reg, handle, resume_from, lease)
     lease.check()
-    spec = Layout(cfg.storage).job_spec(cfg.name, attempt)
     sid = submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), entrypoint(cfg), spec, env)
     reg = registry.load_existing(cfg.storage, cfg.name)
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
@@ -67,7 +67,8 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
     return Outcome(cfg.name, "restarted", f"attempt {attempt} from {where}", incident)
 
 
-def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str | None, lease: leases.Lease) -> int:
+def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str | None,
+           lease: leases.Lease) -> tuple[int, str]:  # fmt: skip
     """Record the new attempt with its job spec, under the lease (the cluster it runs on owed a release if this run
     brought it up, now or before)."""
     was = reg.recorded_cluster
@@ -78,13 +79,9 @@ def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str 
     if manifest_url is None or model_path is None or dataset_id is None:  # a flow records them with every attempt
         raise RecordError(f"run {cfg.name}: its record lacks what a resubmission needs (manifest_url, model_path, "
                           "dataset_id)")  # fmt: skip
-
-    def job_spec(attempt: int) -> None:
-        write_job_spec(cfg, attempt, manifest_url, model_path, resume_from, reg.score_manifest_url, reg.parent)
-
-    return registry.begin_attempt(cfg, replace(handle, started_here=owned).to_dict(), dataset_id,
-                                  resume_from=resume_from, started_by="watchdog", extra=extra, lease=lease,
-                                  job_spec=job_spec)  # fmt: skip
+    job = JobInputs(manifest_url, model_path, reg.score_manifest_url, reg.parent)
+    return start_attempt(cfg, replace(handle, started_here=owned).to_dict(), dataset_id, job, extra,
+                         resume_from=resume_from, started_by="watchdog", lease=lease)  # fmt: skip
 
 
 def failed_restart(cfg: Config, reg: RunRecord, incident: Incident, e: Exception, lease: leases.Lease) -> Outcome:
