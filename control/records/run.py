@@ -171,7 +171,7 @@ class RunRecord(Record):
     created_at: float | None = None
     updated_at: float | None = None
     state: State = "submitted"
-    config: dict[str, Any] = Field(default_factory=dict)  # as the current attempt was given it (a plain tree:
+    config: dict[str, JsonValue] = Field(default_factory=dict)  # as the current attempt was given it (a plain tree:
     # a record outlives the version of the config schema that wrote it)
     dataset_id: str | None = None
     cluster: ClusterRecord | None = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_jobs.contracts.base import RecordError
-from ray_jobs.contracts.checkpoint import CheckpointManifest, FileMeta
+from ray_jobs.contracts.checkpoint import CheckpointManifest, FileMeta, StateDict, StateFile
 from ray_jobs.storage import as_url, fs_and_path, join, listing, read_bytes, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("unbroken.checkpoint")
@@ -206,7 +206,7 @@ def find_latest_valid(checkpoints_dir: str) -> tuple[str, CheckpointManifest] | 
     return None
 
 
-def decode(files: dict[str, bytes]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def decode(files: dict[str, bytes]) -> tuple[StateDict, StateDict, StateFile]:
     """(model state, optimizer state, state.json) of a replicated (not sharded) checkpoint's verified files."""
     import torch
     from safetensors.torch import load

@@ -38,7 +38,7 @@ OWNED = {
 
 
 @functools.cache
-def _fields(dpo: bool) -> dict[str, Any]:
+def _fields(dpo: bool) -> dict[str, Any]:  # field name -> its type hint (what TypeAdapter takes: typing says Any)
     import dataclasses
     import typing
 

@@ -6,7 +6,7 @@ One model for every writer and reader: a field one side renames fails the other'
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypedDict
 
 from ray_jobs.contracts.base import Part, Record
 
@@ -26,6 +26,17 @@ class Heal(Part):
     heal_s: float = 0.0
     lost_steps: int = 0
     source: str | None = None
+
+
+class LiveFields(TypedDict):
+    """The heartbeat's live-recovery fields as a live trainer reports them (``Beat``'s fields of the same names)."""
+
+    replicas: int
+    participants: int
+    standby: int
+    healing: bool
+    heals: int
+    last_heal: Heal | None
 
 
 class Beat(Record):

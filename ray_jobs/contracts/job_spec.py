@@ -5,7 +5,9 @@ where it is read (``ray_jobs.config.from_json``): a job never trusts a file for 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
+
+from pydantic import JsonValue
 
 from ray_jobs.contracts.base import Part, Record
 from ray_jobs.contracts.dataset import DatasetManifest
@@ -14,7 +16,7 @@ from ray_jobs.contracts.dataset import DatasetManifest
 class Spec(Record):
     """What every job's spec holds: the run's config."""
 
-    config: dict[str, Any]  # the run's Config as JSON (credentials masked; revealed where the job reads it)
+    config: dict[str, JsonValue]  # the run's Config as JSON (credentials masked; revealed where the job reads it)
 
 
 class JobSpec(Spec):

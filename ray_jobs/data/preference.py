@@ -13,12 +13,15 @@ the row trace and the checkpoints serve DPO unchanged:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ray_jobs.data.pack import PackerState
 from ray_jobs.data.tokenize import IGNORE_INDEX, Examples
+
+if TYPE_CHECKING:  # torch is imported where a batch is made
+    import torch
 
 PAD_CODE = -1
 
@@ -51,7 +54,7 @@ class PairPacker:
         return np.empty((0, 3, self.seq_len), dtype=np.int32)
 
 
-def pair_batch(ids: np.ndarray, labels: np.ndarray, coded: np.ndarray, pad_id: int) -> dict[str, Any]:
+def pair_batch(ids: np.ndarray, labels: np.ndarray, coded: np.ndarray, pad_id: int) -> dict[str, torch.Tensor]:
     """TRL's DPO batch of rows ``[B, seq_len]`` each (the three row parts): ``[2B, L]`` tensors, the chosen
     sequences first, cut to the longest sequence of the batch."""
     import torch

@@ -9,7 +9,6 @@ the position the spill recorded.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from ray_jobs.data.fingerprint import Source
 from ray_jobs.data.formats import reader_for
@@ -34,7 +33,7 @@ class ReadProgress:
     def total(self) -> int:
         return self.before[-1]
 
-    def __call__(self, file_index: int, at: Position, counts: dict[str, Any], file_done: bool = False) -> None:
+    def __call__(self, file_index: int, at: Position, counts: dict[str, int], file_done: bool = False) -> None:
         if self.progress is not None:
             done = self.before[min(file_index + 1 if file_done else file_index, len(self.sizes))]
             if not file_done and file_index < len(self.sizes):

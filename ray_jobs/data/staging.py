@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import JsonValue
+
 from ray_jobs.config import DataConfig
 from ray_jobs.contracts.dataset import Counts, DatasetManifest, Shard, StagedSource, TokenizerInfo, read_manifest
 from ray_jobs.data.fingerprint import Source, describe, hash_file, known_hashes, resolve_hashes
@@ -148,13 +150,13 @@ def dataset_id(sources: dict[str, list[Source]], tok_fp: str, data: DataConfig) 
     return "ds-" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def staging_config(data: DataConfig) -> dict[str, Any]:
+def staging_config(data: DataConfig) -> dict[str, JsonValue]:
     """The config fields that change what staging writes (and so the dataset id)."""
     keys = (
         "format", "input_field", "target_field", "text_field", "messages_field", "eval_fraction", "seq_len",
         "max_record_chars", "shard_mb", "min_shards",
     )  # fmt: skip
-    out = {k: getattr(data, k) for k in keys}
+    out: dict[str, JsonValue] = {k: getattr(data, k) for k in keys}
     out["separate_eval"] = data.eval is not None
     if data.format == "text":  # fields only some formats read: the others keep their id when these change
         out["text_overlap_tokens"] = data.text_overlap_tokens

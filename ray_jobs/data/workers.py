@@ -78,7 +78,7 @@ class BatchWork:
         self.doc_dir = doc_dir  # where long documents' pieces go on this machine; None: Ray's object store
         self._render = None
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_render": None}  # a closure over the tokenizer: rebuilt where it runs
 
     def render(self):

@@ -25,7 +25,7 @@ from typing import Any
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
 from ray_jobs.contracts.checkpoint import StateDict
 from ray_jobs.contracts.dataset import DatasetManifest
-from ray_jobs.contracts.heartbeat import Beat, Heal
+from ray_jobs.contracts.heartbeat import Beat, Heal, LiveFields
 from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.reading import Cursor, StepPlan
 from ray_jobs.train import faults, preemption, rowtrace
@@ -69,7 +69,7 @@ class LiveTrainer(Trainer):
     def _writes_heartbeat(self) -> bool:
         return self.leader == self.ray_rank if self.leader is not None else self.fresh
 
-    def live_state(self) -> dict[str, Any]:
+    def live_state(self) -> LiveFields:
         """The heartbeat's live-recovery fields: who took part in the last step, who healed."""
         missing = self.workers - len(self.participants) if self.participants else 0
         last = self.heals[-1] if self.heals else None

@@ -43,7 +43,7 @@ class RowTrace:
     def committed(self, step: int, participants: list[int]) -> None:
         self._write({"step": step, "participants": participants})
 
-    def _write(self, rec: dict[str, Any]) -> None:
+    def _write(self, rec: dict[str, object]) -> None:  # a JSON line
         with self.path.open("a") as f:
             f.write(json.dumps({**self.head, **rec}) + "\n")
 

@@ -32,7 +32,7 @@ import os
 import posixpath
 import re
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ray_jobs.config import MLflowConfig
 from ray_jobs.secrets import CREDENTIALS_ENV, is_masked, mask
@@ -147,7 +147,7 @@ def run_tags(info: RunInfo) -> dict[str, str]:
     return tags
 
 
-def params(flat: dict[str, Any]) -> dict[str, str]:
+def params(flat: dict[str, object]) -> dict[str, str]:
     """The config's pairs as MLflow takes them: strings (JSON for non-strings), cut to its length limit; names it
     would reject left out."""
     out = {}

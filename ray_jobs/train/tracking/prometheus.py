@@ -21,10 +21,13 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_jobs.storage import Layout, read_bytes, write_json_atomic
 from ray_jobs.train.tracking.hub import RunInfo
+
+if TYPE_CHECKING:  # Ray is imported when the gauges are made
+    from ray.util.metrics import Gauge
 
 log = logging.getLogger("unbroken.tracking")
 
@@ -66,7 +69,7 @@ class PrometheusTracker:
         self.values: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._gauges: dict[str, Any] = {}
+        self._gauges: dict[str, Gauge] = {}
         self.links: dict[str, str] = {}  # none to record: the gauges are where Ray serves its metrics
 
     def open(self, info: RunInfo) -> None:
