@@ -20,8 +20,8 @@ from ray_jobs.config import ClusterConfig, Config
 from ray_jobs.secrets import reveal, reveal_tree
 
 __all__ = [
-    "BACKENDS", "Backend", "ClusterError", "ClusterHandle", "ClusterSeen", "StopUnverified", "backend_class", "backend_for",
-    "backend_problems", "handle_from_record", "janitor_backends", "record",
+    "BACKENDS", "Backend", "ClusterError", "ClusterHandle", "ClusterSeen", "StopUnverified", "backend_class",
+    "backend_for", "backend_problems", "handle_from_record", "janitor_backends", "record",
 ]  # fmt: skip
 
 # name -> (module, class), imported when first asked for (kuberay's client, the launcher's SDK are heavy)
