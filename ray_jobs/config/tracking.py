@@ -64,6 +64,6 @@ class TrackingConfig(Section):
 
     @property
     def enabled(self) -> list[str]:
-        """The trackers switched on, by their section's name (ray_jobs.train.tracking.TRACKERS maps each to its
-        tracker)."""
+        """The trackers switched on, by their section's name (each is ``ray_jobs/train/tracking/<name>.py``'s
+        ``TRACKER``)."""
         return [name for name in type(self).model_fields if getattr(self, name) is not None]
