@@ -151,13 +151,23 @@ class Hosts:
         wait_for(f"the head on {h.name}", lambda: reachable(address) is None, timeout_s=90, every_s=0.5)
         return address
 
-    def start_worker(self, h: Host, num_cpus: int = 1) -> None:
+    def start_worker(self, h: Host, num_cpus: int = 1, tries: int = 2) -> None:
+        """A Ray worker node on ``h``, waited for until the head counts it alive. On an overloaded machine the head's
+        shortened health checks (HEALTH_CHECK) can count a node that is still joining dead, and its raylet then exits
+        ("mistakenly been marked as dead by the GCS", seen once in CI with the machine 98 % busy): a node whose
+        ``ray start`` ended before it joined is started again, ``tries`` times in all."""
         assert self.head is not None
         before = self.alive_nodes()
-        self._start(h, [f"--address={self.head.addr}:{self.gcs_port}", f"--num-cpus={num_cpus}"])
-        wait_for(
-            f"worker host {h.name} to join", lambda: h.addr in self.alive_nodes() - before, timeout_s=90, every_s=0.5
-        )
+        for _ in range(tries):
+            self._start(h, [f"--address={self.head.addr}:{self.gcs_port}", f"--num-cpus={num_cpus}"])
+            proc = h.proc
+            assert proc is not None
+            seen = wait_for(f"worker host {h.name} to join (or its ray start to end)",
+                            lambda p=proc: ("joined" if h.addr in self.alive_nodes() - before else None)
+                            or ("ended" if p.poll() is not None else None), timeout_s=120, every_s=0.5)  # fmt: skip
+            if seen == "joined":
+                return
+        raise TimeoutError(f"worker host {h.name} did not join: its ray start ended {tries} times (see {h.name}.log)")
 
     def alive_nodes(self) -> set[str]:
         """Addresses of the nodes the cluster counts alive (asked from the head, as a client)."""
