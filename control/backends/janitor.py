@@ -15,10 +15,7 @@ from control.logs import run_logger
 def is_over(storage: str, run: str) -> bool:
     """A run whose leftovers may go: finished or failed (or its record gone), and not asking to keep its cluster."""
     reg = registry.load(storage, run)
-    if reg is None:
-        return True
-    cluster = reg.config["cluster"]  # the run's config as recorded (a plain JSON tree)
-    return not reg.active and not (isinstance(cluster, dict) and cluster.get("keep_running"))
+    return reg is None or (not reg.active and not registry._pick(reg.config, "cluster.keep_running"))
 
 
 def sweep(backend: type[Backend], storage: str) -> list[str]:
