@@ -32,3 +32,6 @@ class Address(Backend):
 
     def down(self, handle: ClusterHandle, run: str | None = None) -> str:
         return f"left the Ray cluster at {handle.address} running (not unbroken's to stop)"
+
+
+BACKEND = Address

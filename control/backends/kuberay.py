@@ -375,3 +375,6 @@ def _why(e: ApiException) -> str:
         return f"HTTP {e.status}: {json.loads(e.body or '').get('message')}"  # no body: the reason
     except (TypeError, ValueError, AttributeError):
         return f"HTTP {e.status}: {e.reason}"
+
+
+BACKEND = KubeRay

@@ -395,3 +395,6 @@ class LocalHead(Backend):
         if stop_local_head(port):
             return "stopped the local Ray head (its own processes only)"
         return "the local Ray head was already stopped"
+
+
+BACKEND = LocalHead

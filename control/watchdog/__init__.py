@@ -15,7 +15,7 @@ import time
 
 from control import lease as leases
 from control import registry
-from control.backends import backend_class
+from control.backends import recorded_backend
 from control.records.run import Incident
 from control.watchdog import metrics
 from control.watchdog.act import act as carry_out
@@ -55,7 +55,7 @@ def _check(storage: str, run: str, now: float | None) -> Outcome:
     reg = registry.load(storage, run)  # a first look without the lease: is it ours to act on at all?
     if reg is None or not reg.watched:
         return Outcome(run, "inactive", f"state {reg and reg.state}")
-    if reg.cluster is not None and (where := backend_class(reg.cluster.backend or "address").elsewhere(reg.cluster)):
+    if reg.cluster is not None and (where := recorded_backend(reg.cluster).elsewhere(reg.cluster)):
         return left_alone(Outcome(run, "elsewhere", where), "warning")
     lease = leases.acquire(storage, run, ttl_s=LEASE_TTL_S)
     if lease is None:

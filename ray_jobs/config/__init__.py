@@ -12,6 +12,7 @@ sections) and ``loading`` (YAML, overrides, validation, JSON). Import the names 
 from ray_jobs.config.base import ConfigError
 from ray_jobs.config.checkpoint import CheckpointConfig
 from ray_jobs.config.cluster import (
+    BackendName,
     ClusterConfig,
     KubeRayConfig,
     RayUpConfig,
@@ -37,8 +38,8 @@ from ray_jobs.config.train import TrainConfig
 from ray_jobs.config.tune import TuneConfig, fitting_trials, trial_name, trial_values
 
 __all__ = [
-    "ADDED_LATER", "BUILTIN_MODELS", "BUILTIN_PREFIX", "PLACEHOLDERS", "RUN_NAME", "RUN_NAME_RULE", "CheckpointConfig",
-    "ClusterConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "KubeRayConfig", "LoraConfig",
+    "ADDED_LATER", "BUILTIN_MODELS", "BUILTIN_PREFIX", "PLACEHOLDERS", "RUN_NAME", "RUN_NAME_RULE", "BackendName",
+    "CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "KubeRayConfig", "LoraConfig",
     "MLflowConfig", "ModelConfig", "PhaseStallConfig", "RayUpConfig", "SeriesConfig", "TensorBoardConfig",
     "TinyModelConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "WandbConfig",
     "WorkerRange", "absolute_url", "batch_split_problem", "cluster_problems", "fitting_trials", "from_json",

@@ -86,8 +86,14 @@ def _jobs_api_url(v: str) -> str:
     return v.rstrip("/")
 
 
+# The cluster backends, by name: the one place a backend is registered. Each is control/backends/<name>.py (a "-" in
+# the name is a "_" there) and its ``BACKEND`` class; the control plane finds it from this list
+# (control/backends/__init__.py), which the config holds because the config cannot import the control plane.
+BackendName = Literal["local", "address", "ray-up", "kuberay"]
+
+
 class ClusterConfig(Section):
-    backend: Literal["local", "address", "ray-up", "kuberay"] | None = None
+    backend: BackendName | None = None
     """How the run gets its Ray cluster: ``local`` (a head on this machine), ``address`` (an existing cluster at
     ``cluster.address``), ``ray-up`` (the Ray cluster launcher, ``cluster.ray_up``), ``kuberay`` (a RayCluster on
     Kubernetes, ``cluster.kuberay``). Unset: ``address`` when an address is given, else ``local``."""
@@ -173,7 +179,7 @@ class ClusterConfig(Section):
         return self.min_workers != self.max_workers
 
     @property
-    def backend_name(self) -> str:
+    def backend_name(self) -> BackendName:
         return self.backend or ("address" if self.address else "local")
 
     @field_validator("address")

@@ -164,3 +164,33 @@ def test_only_the_formats_package_tells_a_source_file_format_by_its_name() -> No
                 if consts & suffixes:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found
+
+
+# Backend names that appear with another meaning: ``on="local"`` (where staging runs), ``LOCAL`` (fsspec's local
+# protocols), a backend's ``mode`` (a head of this machine, or an existing cluster).
+NOT_A_BACKEND = {("ray_jobs/data/staging.py", "local"), ("control/sources.py", "local"),
+                 ("control/check/__init__.py", "local")}  # fmt: skip
+
+
+def test_a_backend_is_one_module_and_its_name_in_the_config() -> None:
+    """A new cluster backend is control/backends/<name>.py with a ``BACKEND`` class and its name in the typed config's
+    ``BackendName`` (the registration line); the control plane finds it from there, and no other file names a
+    backend (a comparison with a backend's name outside control/backends/ and the config is a second list)."""
+    from typing import get_args
+
+    from ray_jobs.config import BackendName
+
+    names = set(get_args(BackendName))
+    for name in names:  # each name leads to its module, whose class says the same name
+        module = ROOT / "control" / "backends" / f"{name.replace('-', '_')}.py"
+        assert module.is_file(), f"backend {name!r}: no {module.relative_to(ROOT)}"
+        assert "\nBACKEND = " in module.read_text(), f"{module.relative_to(ROOT)}: no BACKEND"
+    found = []
+    for path in MODULES.values():
+        where = str(path.relative_to(ROOT))
+        if where.startswith(("control/backends/", "ray_jobs/config/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names and (where, node.value) not in NOT_A_BACKEND:
+                found.append(f"{where}:{node.lineno} {node.value!r}")
+    assert not found, found

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from control.backends import (
+    BACKENDS,
     Backend,
+    ClusterError,
     StopUnverified,
     backend_class,
     backend_for,
@@ -77,7 +79,7 @@ def test_a_record_from_before_backends_names_only_its_mode() -> None:
 
 
 def test_only_ray_up_asks_for_a_lost_node_back(monkeypatch) -> None:
-    from control.backends.rayup import RayUp
+    from control.backends.ray_up import RayUp
 
     ups = []
     monkeypatch.setattr(RayUp, "up", lambda self, run=None: ups.append(run))
@@ -108,7 +110,7 @@ STOPS = [
 
 @pytest.mark.parametrize("name,view,expected", STOPS)
 def test_what_each_backend_stops_when_its_cluster_stops_answering(monkeypatch, name, view, expected) -> None:
-    from control.backends import localhost, rayup
+    from control.backends import localhost, ray_up
 
     stopped = []
     monkeypatch.setattr(local, "stop_local_head", lambda port: stopped.append(("head", port)))
@@ -118,8 +120,8 @@ def test_what_each_backend_stops_when_its_cluster_stops_answering(monkeypatch, n
     monkeypatch.setattr(local, "terminate", lambda procs, wait_s: stopped.append(("job", procs)))
     monkeypatch.setattr(localhost, "host_identity", lambda: {"hostname": "here", "boot_id": "b", "net_ns": "n",
                                                              "pid_ns": "p"})  # fmt: skip
-    monkeypatch.setattr(rayup.RayUp, "_head_ip", lambda self: view.get("head_ip"))
-    monkeypatch.setattr(rayup, "_accepts", lambda host, port: view.get("gcs", False))
+    monkeypatch.setattr(ray_up.RayUp, "_head_ip", lambda self: view.get("head_ip"))
+    monkeypatch.setattr(ray_up, "_accepts", lambda host, port: view.get("gcs", False))
     monkeypatch.setattr(kuberay.KubeRay, "_get", lambda self: view.get("obj"))
     monkeypatch.setattr(kuberay, "ready", lambda obj: obj["status"]["state"] == "ready")
     for cls in (backend_class("ray-up"), kuberay.KubeRay):
@@ -193,3 +195,12 @@ def test_only_a_local_head_sees_a_job_gone_and_only_when_no_process_of_it_is_lef
         for p in (marked, helper):
             p.kill()
             p.wait()
+
+
+def test_each_registered_backend_is_found_by_its_name() -> None:
+    """``backend_class`` finds a backend from its name in the config's ``BackendName`` alone; an unknown name is a
+    config error listing the names."""
+    for name in BACKENDS:
+        assert backend_class(name).name == name
+    with pytest.raises(ClusterError, match=r"cluster.backend: unknown backend 'slurm' \(one of: local, address, "):
+        backend_class("slurm")

@@ -195,3 +195,6 @@ def _accepts(host: str, port: int, timeout_s: float = 5.0) -> bool:
         return True
     except OSError:
         return False
+
+
+BACKEND = RayUp
