@@ -1,17 +1,22 @@
-"""How an attempt of a run starts, one way for the finetune flow (its record-attempt task) and the watchdog (a
-restart): the attempt recorded under the run's lease (control/registry.begin_attempt: a flow is refused while another
-attempt is in flight) with its job spec, written under that lease once the attempt is known to be the caller's -- a
-refused flow never overwrites the spec of the attempt that won."""
+"""How an attempt of a run starts, and how a succeeded run closes: one way each for the finetune flow (its
+record-attempt and close-run tasks) and the watchdog (a restart; closing a run no flow is left to close).
+
+An attempt is recorded under the run's lease (control/registry.begin_attempt: a flow is refused while another attempt
+is in flight) with its job spec, written under that lease once the attempt is known to be the caller's -- a refused
+flow never overwrites the spec of the attempt that won."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from control import lease as leases
-from control import registry
-from control.backends import ClusterSeen
+from control import registry, series
+from control.backends import ClusterHandle, ClusterSeen
+from control.cluster import release
 from control.jobs import write_job_spec
+from control.logs import run_logger
 from control.records.run import AttemptInputs
+from control.records.series import Verdict
 from ray_jobs.config import Config
 
 
@@ -49,3 +54,24 @@ def start_attempt(
     attempt = registry.begin_attempt(cfg, cluster, dataset_id, resume_from=resume_from, started_by=started_by,
                                      extra=extra, lease=lease, flow_run_id=flow_run_id, job_spec=job_spec)  # fmt: skip
     return attempt, specs[attempt]
+
+
+def close_run(cfg: Config, handle: ClusterHandle | None) -> Verdict | None:
+    """Close a succeeded run, the same whoever closes it -- its flow once the job succeeded, or the watchdog when no
+    flow is left to (or its flow did not within decide.CLOSE_GRACE_S): score it against its series' champion (the
+    verdict, or None), then release its cluster unless ``cluster.keep_running`` (``handle``: the run's cluster; None
+    when there is none to release). Harmless twice: the promotion gate keeps its first verdict, a release of what is
+    gone does nothing -- a closing that raised midway is done again whole. The caller then marks the record closed
+    (the flow: registry.closed; the watchdog: its fenced save)."""
+    verdict = series.finish_run(cfg.storage, cfg.name)
+    if handle is not None:
+        release_unless_kept(cfg, handle)
+    return verdict
+
+
+def release_unless_kept(cfg: Config, handle: ClusterHandle) -> None:
+    """This run is done with its cluster: release it (control/cluster.release), unless ``cluster.keep_running``."""
+    if cfg.cluster.keep_running:
+        run_logger().info("leaving the Ray cluster running (cluster.keep_running): %s", handle.dashboard_url)
+    else:
+        release(cfg, handle, cfg.name)

@@ -111,7 +111,9 @@ async def _finetune(cfg: Config) -> RunSummary | SearchSummary | State:
         if cfg.name != staged_as and handle.local:  # provisioned under the name's template: the run takes the head
             handle = provision_cluster(cfg)
             stop_cluster(cfg, handle, run=staged_as)
-        return await _train(cfg, handle, staged, lineage)
+        summary = await _train(cfg, handle, staged, lineage)
+        handle = None  # closed with the run (record_success): released unless kept
+        return summary
     finally:
         if early is not None:  # the flow ended before it needed the cluster it was bringing up (if it came up)
             with contextlib.suppress(Exception):
@@ -161,7 +163,7 @@ def nothing_new(cfg: Config, done: SeriesRun) -> State:
 
 
 async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage) -> RunSummary | SearchSummary:
-    """One attempt: check the run fits its cluster, then record the attempt and submit, watch, summarize.
+    """One attempt: check the run fits its cluster, then record the attempt and submit, watch, summarize, close.
 
     The attempt is recorded only once the run is known to fit (a watchdog pass meanwhile sees nothing to do),
     under the run's lease, and refused while another attempt of the run is in flight. When the training job fails,
@@ -178,7 +180,7 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
     except BaseException as e:
         record_flow_end.fn(cfg, attempt, e)  # not a task run: a cancelled flow run still records its end
         raise
-    summary["verdict"] = record_success(cfg, attempt, summary["final_model"])
+    summary["verdict"] = record_success(cfg, attempt, summary["final_model"], handle)
     await publish_series(cfg)
     return summary
 

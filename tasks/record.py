@@ -1,5 +1,6 @@
 """The run record's changes a finetune flow makes, as tasks the Prefect UI shows: record an attempt (once the run
-fits its cluster), hand a failed job over to the watchdog, record how the attempt ended. The record and its rules
+fits its cluster), hand a failed job over to the watchdog, record how the attempt ended, close a succeeded run (the
+watchdog's closing too: control/attempt.close_run), release the cluster of a run that ends otherwise. The record and its rules
 are control/registry.py; the watchdog makes its own changes there under the run's lease."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from control import registry, series
-from control.attempt import JobInputs, start_attempt
+from control.attempt import JobInputs, close_run, release_unless_kept, start_attempt
 from control.backends.base import ClusterHandle
 from control.jobs import cancelled, stop_and_wait
 from control.logs import run_logger
@@ -66,10 +67,12 @@ def hand_over(cfg: Config, attempt: int, address: str, failure: Exception) -> No
 
 
 @task(name="record-success", cache_policy=NO_CACHE)
-def record_success(cfg: Config, attempt: int, final_model: str | None) -> VerdictSummary | None:
-    """The attempt succeeded: close the run, and score it against its series' champion (the verdict, or None)."""
+def record_success(cfg: Config, attempt: int, final_model: str | None, handle: ClusterHandle) -> VerdictSummary | None:
+    """The attempt succeeded: record it, close the run -- scored against its series' champion, its cluster released
+    unless kept -- and mark it closed (nothing is left for the watchdog to close). The verdict, or None."""
     registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=final_model)
-    verdict = series.finish_run(cfg.storage, cfg.name)
+    verdict = close_run(cfg, handle)
+    registry.closed(cfg.storage, cfg.name)
     return verdict_summary(verdict) if verdict else None  # plain JSON: it goes into the flow's result
 
 
@@ -88,16 +91,13 @@ def record_flow_end(cfg: Config, attempt: int, e: BaseException) -> None:
 
 @task(name="release-cluster", cache_policy=NO_CACHE)
 def release_cluster(cfg: Config, handle: ClusterHandle) -> None:
-    """Release the run's cluster unless kept, or unless the run still needs it: a job the watchdog now looks after
-    (a failed job it will restart, an adopted one) -- the watchdog releases it when it closes the run."""
-    from control.cluster import release
-
+    """The flow ends without having closed its run (it failed, was cancelled, found nothing new, or its closing
+    raised): release the run's cluster unless kept, or unless the run still needs it -- a job the watchdog now looks
+    after (a failed job it will restart, an adopted one): the watchdog releases it when it closes the run."""
     reg = registry.load(cfg.storage, cfg.name)
-    if cfg.cluster.keep_running:
-        run_logger().info("leaving the Ray cluster running (cluster.keep_running): %s", handle.dashboard_url)
-    elif reg is not None and reg.active:
+    if reg is not None and reg.active and not cfg.cluster.keep_running:
         run_logger().info("leaving the Ray cluster running for the watchdog (run %s is %s)", cfg.name, reg.state)
     else:
-        release(cfg, handle, cfg.name)
+        release_unless_kept(cfg, handle)
     if reg is not None and reg.closing_since is not None and series.scored(cfg.storage, cfg.name):
         registry.closed(cfg.storage, cfg.name)  # scored and released: nothing is left for the watchdog to close

@@ -10,6 +10,7 @@ import contextlib
 
 from control import lease as leases
 from control import registry, series
+from control.attempt import close_run
 from control.backends import backend_for
 from control.backends.base import ClusterError
 from control.cluster import release
@@ -17,8 +18,8 @@ from control.logs import run_logger
 from control.records.run import RunRecord
 from control.tracking import end_tracker_runs
 from control.watchdog.decide import (
+    CloseRun,
     Decision,
-    FinishSeries,
     GiveUp,
     Log,
     Outcome,
@@ -47,8 +48,9 @@ def act(decision: Decision, cfg: Config, lease: leases.Lease) -> Outcome:
         elif isinstance(action, ReleaseCluster):
             with contextlib.suppress(ClusterError):  # release leaves alone a cluster the run did not bring up
                 release(cfg, recorded_handle(reg), run=cfg.name)
-        elif isinstance(action, FinishSeries):
-            series.finish_run(cfg.storage, cfg.name)
+        elif isinstance(action, CloseRun):
+            with contextlib.suppress(ClusterError):  # scored first; a cluster the run did not bring up is left alone
+                close_run(cfg, recorded_handle(reg))
         elif isinstance(action, Resubmit):
             outcome = resubmit(cfg, reg, lease)
     return outcome

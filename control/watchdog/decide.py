@@ -57,8 +57,9 @@ class ReleaseCluster:
 
 
 @dataclass(frozen=True)
-class FinishSeries:
-    """Score the finished run against its series' champion (no flow is left to)."""
+class CloseRun:
+    """Close the succeeded run no flow is left to close: score it in its series, release its cluster unless kept
+    (control/attempt.close_run, the flow's closing too)."""
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ def close(reg: RunRecord, now: float, cfg: Config) -> Decision:
     if "watchdog" not in (attempt.started_by, attempt.adopted_by) and waited < CLOSE_GRACE_S:
         return Decision(reg, [], Outcome(reg.name, "ok", f"succeeded; closing left to its flow ({waited:.0f}s)"))
     reg.unset("closing_since")
-    return Decision(reg, [*_release(cfg), FinishSeries(), Save()],
+    return Decision(reg, [CloseRun(), Save()],
                     Outcome(reg.name, "closed", f"final model: {reg.final_model or '-'}"))  # fmt: skip
 
 

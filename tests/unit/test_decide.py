@@ -14,7 +14,7 @@ from control.backends.health import Health, Node
 from control.jobsapi import JobView
 from control.records.run import Attempt, ClusterRecord, Incident, RunRecord, Suspect
 from control.watchdog.decide import (
-    FinishSeries,
+    CloseRun,
     GiveUp,
     Log,
     ReleaseCluster,
@@ -244,7 +244,7 @@ ROWS = [
         record(),
         ok(JobView("ok", "SUCCEEDED"), beat()),
         "succeeded",
-        [ReleaseCluster, FinishSeries, Save],
+        [CloseRun, Save],
         {"state": "succeeded", "final_model": None},
     ),
     # an open incident (the flow handed the run over, or a backoff is being waited out)
@@ -529,7 +529,7 @@ ROWS = [
         ),  # fmt: skip
         Observations(NOW),
         "closed",
-        [ReleaseCluster, FinishSeries, Save],
+        [CloseRun, Save],
         {"closing_since": None},
     ),
 ]
@@ -596,7 +596,7 @@ RECHECKS = [  # a restart decided, and the look taken right before it: (name, vi
     ("running again, fresh heartbeat: stood down, adopted", JobView("ok", "RUNNING"), beat(), "ok", [Save, Log],
      {"incidents[-1].action": "observed", "state": "running", "current.adopted_by": "watchdog"}),
     ("found succeeded: stood down and finished", JobView("ok", "SUCCEEDED"), beat(phase="done"), "succeeded",
-     [Save, Log, ReleaseCluster, FinishSeries, Save], {"incidents[-1].action": "observed", "state": "succeeded"}),
+     [Save, Log, CloseRun, Save], {"incidents[-1].action": "observed", "state": "succeeded"}),
 ]  # fmt: skip
 
 

@@ -419,3 +419,53 @@ def test_verdict_kinds_have_one_list_and_each_one_group() -> None:
 
     groups = [*DEFINITIVE, *AMBIGUOUS, *FINE]
     assert sorted(groups) == sorted(get_args(VerdictKind)) and len(set(groups)) == len(groups)
+
+
+CLOSINGS = [  # (cluster.keep_running, the release raises) -> what closing released
+    (False, False),
+    (True, False),  # kept: nothing released, the run closed all the same
+    (False, True),  # the release fails after the run was scored
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("keep", "fails"), CLOSINGS)
+def test_a_succeeded_run_is_closed_one_way_by_its_flow_or_by_the_watchdog(tmp_path, monkeypatch, keep, fails) -> None:
+    """The flow's record-success and the watchdog's CloseRun both close through control/attempt.close_run: scored
+    in the series first, then the cluster released unless kept. A release that fails leaves the flow's run to be
+    closed again (by the flow's release-cluster, or the watchdog after its grace); the watchdog logs past it and
+    closes the run, as a release of a cluster the run did not bring up is left alone."""
+    from control import attempt
+    from control.backends import handle_from_record
+    from control.backends.base import ClusterError
+    from control.watchdog.act import act
+    from control.watchdog.decide import CloseRun, Decision, Outcome, Save
+    from tasks.record import record_success
+
+    calls: list[str] = []
+    monkeypatch.setattr(attempt.series, "finish_run", lambda storage, run: calls.append(f"score {run}"))
+
+    def release(cfg, handle, run) -> None:
+        calls.append(f"release {run}")
+        if fails:
+            raise ClusterError("the cluster does not answer")
+
+    monkeypatch.setattr(attempt, "release", release)
+    for who in ("flow", "watchdog"):
+        c = cfg(tmp_path / who, "cluster.address=http://x:8265", f"cluster.keep_running={keep}")
+        calls.clear()
+        registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
+        if who == "flow":
+            handle = handle_from_record(registry.load(c.storage, "r").recorded_cluster)
+            try:
+                record_success.fn(c, 1, "/final", handle)
+            except ClusterError:
+                assert fails
+        else:
+            registry.end_attempt(c, 1, "SUCCEEDED", final_model="/final")
+            reg = registry.load(c.storage, "r")
+            reg.unset("closing_since")
+            act(Decision(reg, [CloseRun(), Save()], Outcome("r", "closed")), c, leases.acquire(c.storage, "r", 60))
+        assert calls == ["score r"] + ([] if keep else ["release r"]), (who, calls)
+        reg = registry.load(c.storage, "r")
+        assert reg.state == "succeeded" and reg.final_model == "/final"
+        assert (reg.closing_since is None) == (who == "watchdog" or not fails), (who, reg.closing_since)
