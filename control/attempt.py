@@ -28,6 +28,7 @@ class JobInputs:
     model_path: str  # the weights to start from: the base model, or a warm start's folder
     score_manifest_url: str | None = None  # the series' pinned eval set the finished model is scored on
     parent: str | None = None  # the series run it warm-starts from
+    samples: bool = False  # the job writes the run's sample generations (the finetune flow's summary publishes them)
 
 
 def start_attempt(
@@ -49,7 +50,7 @@ def start_attempt(
 
     def job_spec(attempt: int) -> None:
         specs[attempt] = write_job_spec(cfg, attempt, job.manifest_url, job.model_path, resume_from,
-                                        job.score_manifest_url, job.parent)  # fmt: skip
+                                        job.score_manifest_url, job.parent, job.samples)  # fmt: skip
 
     attempt = registry.begin_attempt(cfg, cluster, dataset_id, resume_from=resume_from, started_by=started_by,
                                      extra=extra, lease=lease, flow_run_id=flow_run_id, job_spec=job_spec)  # fmt: skip

@@ -88,11 +88,13 @@ def write_job_spec(
     resume_from: str | None,
     score_manifest_url: str | None = None,
     parent: str | None = None,
+    samples: bool = False,
 ) -> str:
     """Everything a job needs, on shared storage where the cluster can read it; returns its URL.
     ``model_path``: the weights to start from (the base model, or a warm start's folder); ``score_manifest_url``:
     the series' pinned eval set the finished model is scored on; ``parent``: the series run it warm-starts from
-    (its trackers tag the run with it)."""
+    (its trackers tag the run with it); ``samples``: the job writes the run's sample generations after its export
+    (the finetune flow publishes them)."""
     url = Layout(cfg.storage).job_spec(cfg.name, attempt)
     spec = JobSpec(
         config=json.loads(cfg.model_dump_json()),
@@ -102,6 +104,7 @@ def write_job_spec(
         attempt=attempt,
         score_manifest_url=score_manifest_url,
         parent=parent,
+        samples=samples,
     )
     write_json_atomic(url, spec.model_dump(mode="json"))  # every field, its schema_version too
     return url

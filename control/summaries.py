@@ -9,7 +9,7 @@ from typing import Literal, NotRequired, TypedDict
 from pydantic import JsonValue
 
 from control.records.series import Verdict
-from ray_jobs.train.samples import Sample
+from ray_jobs.contracts.samples import Sample
 
 TableRow = dict[str, JsonValue]  # a row of a table artifact (the metrics, a search's trials, the watchdog's incidents)
 

@@ -174,7 +174,7 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
     attempt, spec_url = record_attempt(cfg, handle, staged.dataset_id, staged.manifest_url, lineage.start,
                                        lineage.pin, lineage.parent_run)  # fmt: skip
     try:
-        summary = await _run_job(cfg, handle, staged, lineage, attempt, spec_url)
+        summary = await _run_job(cfg, handle, staged, attempt, spec_url)
     except JobFailed:
         raise
     except BaseException as e:
@@ -185,7 +185,7 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
     return summary
 
 
-async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Lineage, attempt: int,
+async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, attempt: int,
                    spec_url: str) -> RunSummary | SearchSummary:  # fmt: skip
     """Submit the attempt's job, watch it to its end, summarize; a failed job is handed over to the watchdog."""
     submission = submit_job(handle, registry.submission_id(cfg.storage, cfg.name, attempt), spec_url, cfg)
@@ -200,4 +200,4 @@ async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: 
         raise
     if cfg.tune is not None:
         return summarize_search(cfg, staged.dataset_id)
-    return summarize(cfg, staged.dataset_id, lineage.start)
+    return summarize(cfg, staged.dataset_id)

@@ -330,6 +330,10 @@ class Layout:
         """The final model's loss on its series' pinned eval set (the promotion gate reads it)."""
         return join(self.run_dir(run), "score.json")
 
+    def samples(self, run: str) -> str:
+        """Held-out prompts answered by the base and the final model (the job writes it, the flow publishes it)."""
+        return join(self.run_dir(run), "samples.json")
+
     # series/<series>/... : the lineage of runs, its lease and the champion pointer
     def series_dir(self, series: str) -> str:
         return join(self.root, "series", series)

@@ -42,7 +42,7 @@ def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest
         trials = series.record_trials(cfg, dataset_id, extra)
         extra |= {"kind": "search", "trials": [t.name for t in trials]}
     run_id = str(flow_run.id) if flow_run.id else None
-    job = JobInputs(manifest_url, start, pin.manifest_url, parent)
+    job = JobInputs(manifest_url, start, pin.manifest_url, parent, samples=True)  # summarize publishes them
     attempt, spec_url = start_attempt(cfg, handle.to_dict(), dataset_id, job, extra, flow_run_id=run_id)
     series.begin_run(cfg, dataset_id, pin, parent, flow_run.id)
     return attempt, spec_url

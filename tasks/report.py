@@ -1,5 +1,5 @@
 """Summarize a finished run: metrics into Prefect artifacts, eval loss first vs last, the sample generations
-(made by ray_jobs/train/samples.py) published."""
+published (the training job wrote them: ray_jobs/train/samples.py; nothing here loads a model)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from control.summaries import RunSummary, TableRow
 from ray_jobs.config import Config
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.contracts.metrics import MetricsRow
+from ray_jobs.contracts.samples import Sample, Samples
 from ray_jobs.contracts.tracking import TrackingLinks
 from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import Layout
-from ray_jobs.train.samples import generate_samples
 
 if TYPE_CHECKING:
     from control.series import SeriesRow
@@ -147,14 +147,28 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ").strip()
 
 
+def read_samples(cfg: Config) -> list[Sample]:
+    """The sample generations the run's job wrote after its export; none (said in the log) when it wrote none."""
+    url = Layout(cfg.storage).samples(cfg.name)
+    try:
+        found = Samples.read(url)
+    except RecordError as e:
+        run_logger().warning("sample generations not shown: %s", e)
+        return []
+    if found is None:
+        run_logger().warning("no sample generations: the job wrote no %s", url)
+        return []
+    return found.samples
+
+
 @task(name="summarize", cache_policy=NO_CACHE)
-def summarize(cfg: Config, dataset_id: str, base_model: str) -> RunSummary:
+def summarize(cfg: Config, dataset_id: str) -> RunSummary:
     """Metrics table, summary and final-model link as artifacts; returns the numbers the CLI prints."""
     rows = read_metrics(cfg)
     evals = [r for r in rows if "eval_loss" in r]
     losses = [r for r in rows if "loss" in r]
     final = Layout(cfg.storage).final_model(cfg.name)
-    samples = generate_samples(base_model, final, cfg)
+    samples = read_samples(cfg)
     s: RunSummary = {
         "run": cfg.name,
         "dataset_id": dataset_id,

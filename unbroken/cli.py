@@ -146,6 +146,10 @@ def _gb(text: str) -> float:
 def _quiet_defaults() -> None:
     # The ephemeral Prefect server's telemetry write races its own startup (sqlite "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect gives its temporary server 20 s to answer; a local head starting beside it (``_with_early_cluster``)
+    # takes both of a 2-core machine's cores for ~17 s, and `make demo` failed there on 2026-11-28 ("Timed out while
+    # attempting to connect to ephemeral Prefect API server" after 21 s). The tests' conftest waits as long.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def _with_early_cluster(args: argparse.Namespace, run_flow: Callable[[], Coroutine[Any, Any, object]]) -> object:
@@ -346,6 +350,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     debug = errors.debugging(args.debug)
+    _quiet_defaults()  # before anything imports Prefect: its settings are read once, at its import
     mask_logs()  # what this process logs (and Prefect stores of its flow runs) never shows a credential
     if getattr(args, "overrides", None):  # a flow run's parameters are stored and shown: masked, the real URIs kept
         args.overrides = export_credentials(args.overrides)  # in this process's UNBROKEN_CREDENTIALS (revealed on load)
@@ -374,7 +379,6 @@ def _dispatch(args: argparse.Namespace, debug: bool) -> int:
 
             for w in refuse_early(cfg, with_cluster=args.command != "stage"):  # `check`'s checks, before Prefect
                 print(mask(f"warning: {w.area}: {w.text}"), file=sys.stderr)
-    _quiet_defaults()
     if not debug and args.command in ("run", "tune", "stage", "watchdog", "serve"):
         errors.hide_user_errors()
     return COMMANDS[args.command](args)

@@ -35,8 +35,9 @@ class TrainConfig(Section):
     log_every_steps: int = Field(10, ge=1)
     """Write a metrics.jsonl line every N steps."""
     sample_generations: int = Field(64, ge=0)
-    """Held-out prompts the run's summary answers greedily with the base model and the fine-tuned one (on the
-    flow's machine, CPU is fine for small models); 0 = none (set 0 for models too big to load there)."""
+    """Held-out prompts the run's summary shows answered greedily by the base model and the fine-tuned one: rank 0 of
+    the training job generates them after its export (fp32 on the worker's CPU: fine for small models); 0 = none
+    (set 0 for a model too big to load twice more on one worker)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision: ``auto`` = bf16 autocast on GPU, fp32 on CPU. Weights and optimizer moments are always fp32
     (the base model is loaded in fp32 whatever dtype it was saved in)."""

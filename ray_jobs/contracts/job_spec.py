@@ -31,6 +31,7 @@ class JobSpec(Spec):
     attempt: int = 0
     score_manifest_url: str | None = None
     parent: str | None = None
+    samples: bool = False  # write runs/<run>/samples.json after the export (the finetune flow's attempts publish it)
 
 
 class StageSpec(Spec):
@@ -55,4 +56,5 @@ class WorkerSpec(Part):
     attempt: int = 0
     score_manifest: DatasetManifest | None = None  # the series' pinned eval set the final model is scored on
     parent: str | None = None
+    samples: bool = False  # rank 0 writes the sample generations after the export (JobSpec.samples)
     group: int = 0  # the job's row-trace group (tests): a live replica replaced mid-job trains in its peers' group

@@ -337,8 +337,8 @@ class LiveTrainer(Trainer):
     def score(self, manifest: DatasetManifest | None) -> float | None:
         return super().score(manifest) if self.leads() else None
 
-    def export_final(self) -> str | None:
-        return super().export_final() if self.leads() else None
+    def export_final(self, samples: bool = False) -> str | None:
+        return super().export_final(samples) if self.leads() else None
 
     def close(self) -> None:
         if self.replica is not None:

@@ -1,25 +1,22 @@
 """Sample generations of a finished run: held-out prompts answered greedily by the base model and by the fine-tuned
-one, read from the eval split as staging read it (the resolved format, the same chat renderer). The summarize task
-publishes what this makes; it runs where that task runs (the flow's process, plain transformers on CPU)."""
+one, read from the eval split as staging read it (the resolved format, the same chat renderer). Rank 0 of a training
+job makes them once it exported the final model, when its job spec asks (the finetune flow's attempts do), and writes
+``runs/<run>/samples.json`` (ray_jobs/contracts/samples.py) for the flow's summarize task to publish."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+import logging
+from typing import TYPE_CHECKING
 
 from ray_jobs.config import Config, DataConfig
+from ray_jobs.contracts.samples import Sample, Samples
+from ray_jobs.storage import Layout, write_json_atomic
 
 if TYPE_CHECKING:
     from ray_jobs.data.records import Renderer
 
 
-class Sample(TypedDict):
-    """A held-out prompt answered by the base model and the fine-tuned one."""
-
-    prompt: str  # as a person reads it (the question, not the rendered template)
-    target: str
-    before: str  # the base model's answer
-    output: str  # the fine-tuned model's
-    exact: bool  # output == target up to surrounding whitespace
+log = logging.getLogger("unbroken.samples")
 
 
 def eval_examples(cfg: Config, limit: int, model_path: str) -> list[tuple[str, str, str, bool]]:
@@ -97,6 +94,17 @@ def generate_samples(base_path: str, final_url: str, cfg: Config) -> list[Sample
         {"prompt": shown, "target": target, "before": b, "output": a, "exact": _same(a, target)}
         for (shown, _, target, _), b, a in zip(examples, before, after, strict=True)
     ]
+
+
+def write_samples(cfg: Config, base_path: str, final_url: str) -> str:
+    """Generate the run's samples (:func:`generate_samples`) and write them to ``runs/<run>/samples.json``; its URL."""
+    samples = generate_samples(base_path, final_url, cfg)
+    url = Layout(cfg.storage).samples(cfg.name)
+    write_json_atomic(url, Samples(base_model=base_path, final_model=final_url, samples=samples).dump())
+    log.info(
+        "%d sample generations written to %s (exact match %d)", len(samples), url, sum(x["exact"] for x in samples)
+    )
+    return url
 
 
 def _same(output: str, target: str) -> bool:

@@ -1,14 +1,12 @@
 """The per-worker training loop: resume or start, then train steps, eval, log, checkpoint; rank 0 exports.
 
-``worker.train_loop_per_worker`` is what Ray Train runs on each worker; :class:`Trainer` holds everything and talks
-to the cluster only through a :class:`~ray_jobs.train.runtime.Runtime`, so tests run the same loop in-process.
-When and how checkpoints are taken and committed is the :class:`~ray_jobs.checkpoint.checkpointer.Checkpointer`'s;
-choosing and loading one is :mod:`.resume`'s; eval, export and preemption have their own modules beside this one.
+``worker.train_loop_per_worker`` is what Ray Train runs on each worker; :class:`Trainer` talks to the cluster only
+through a :class:`~ray_jobs.train.runtime.Runtime` (tests run the same loop in-process). Checkpoints are the
+:class:`~ray_jobs.checkpoint.checkpointer.Checkpointer`'s and :mod:`.resume`'s; eval, export, samples: modules beside.
 
 Ranks must take the same decisions at the same step (checkpoint now, report a finished write, stop for a
 preemption), or their collectives would deadlock. Each step therefore ends with one small all-reduce of the loss,
-the token count and three flags; every decision is taken from that agreed vector only.
-"""
+the token count and three flags; every decision is taken from that agreed vector only."""
 
 from __future__ import annotations
 
@@ -38,6 +36,7 @@ from ray_jobs.train.metrics import MetricsLog, Throughput
 from ray_jobs.train.model import autocast_for, build_model, build_optimizer, clip_grads, grad_sync, to_device
 from ray_jobs.train.resume import load_checkpoint, resume_agreed
 from ray_jobs.train.runtime import DrainNotice, Runtime
+from ray_jobs.train.samples import write_samples
 from ray_jobs.train.tracking import open_trackers
 
 log = logging.getLogger("unbroken.train")
@@ -389,10 +388,13 @@ class Trainer:
             write_score(self.layout.score(self.cfg.name), manifest.dataset_id, loss, self.loop.step)
         return loss
 
-    def export_final(self) -> str | None:
-        """The final HF folder at ``runs/<run>/final`` (see :func:`~ray_jobs.train.export.write_final`)."""
+    def export_final(self, samples: bool = False) -> str | None:
+        """The final HF folder at ``runs/<run>/final`` (:func:`~ray_jobs.train.export.write_final`); with ``samples``,
+        then the run's sample generations, still in phase ``exporting`` (a job killed meanwhile is not taken as done)."""
         self._phase("exporting")
         url = write_final(self.cfg, self.rt, self.model, self.model_path, self.manifest, self.loop, self.metrics)
         if url is not None:
+            if samples:
+                write_samples(self.cfg, self.model_path, url)
             self._phase("done")
         return url

@@ -43,7 +43,7 @@ def run_worker(spec: WorkerSpec, rt: Runtime) -> Trainer:
         trainer.resume_or_start(spec.resume_from)
         trainer.fit()
         trainer.score(spec.score_manifest)
-        final = trainer.export_final()
+        final = trainer.export_final(spec.samples)
         _end_tracking(trainer, "FINISHED", final)
     except BaseException:
         _end_tracking(trainer, "FAILED", None)  # a restart of the worker group reopens the same tracker runs

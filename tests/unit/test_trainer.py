@@ -176,14 +176,23 @@ def _load_and_generate(final: Path) -> str:
     return tok.decode(out[0])
 
 
-def test_full_run_exports_a_folder_that_loads_and_generates(setup) -> None:
+def test_full_run_exports_a_folder_that_loads_and_generates_and_writes_its_samples(setup) -> None:
+    """The export, then (the finetune flow's attempts ask for it) the held-out samples the summarize task publishes:
+    written by the job, so the flow loads no model."""
+    from tasks.report import read_samples
+
     cfg, manifest, model = setup
-    t = train(named(cfg, "export-full"), manifest, model)
-    final = Path(t.export_final())
+    c = named(cfg, "export-full", train__sample_generations=4)
+    t = train(c, manifest, model)
+    final = Path(t.export_final(samples=True))
     assert _load_and_generate(final).startswith("<s>12+3=")
     card = (final / "README.md").read_text()
     assert manifest.dataset_id in card and "eval loss at step 0" in card and "full fine-tune" in card
     assert json.loads((final / "config.json").read_text())["model_type"] == "llama"
+    samples = read_samples(c)
+    assert len(samples) == 4 and all(x["prompt"] and x["target"] for x in samples)
+    assert [x["exact"] for x in samples] == [x["output"].strip() == x["target"].strip() for x in samples]
+    assert json.loads(Path(Layout(c.storage).samples(c.name)).read_text())["final_model"] == str(final)
 
 
 def test_lora_run_trains_adapters_only_resumes_exactly_and_exports_merged(setup) -> None:
