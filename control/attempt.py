@@ -1,5 +1,5 @@
 """How an attempt of a run starts, and how a succeeded run closes: one way each for the finetune flow (its
-record-attempt and close-run tasks) and the watchdog (a restart; closing a run no flow is left to close).
+record-attempt and record-success tasks) and the watchdog (a restart; closing a run no flow is left to close).
 
 An attempt is recorded under the run's lease (control/registry.begin_attempt: a flow is refused while another attempt
 is in flight) with its job spec, written under that lease once the attempt is known to be the caller's -- a refused

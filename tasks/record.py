@@ -1,7 +1,7 @@
 """The run record's changes a finetune flow makes, as tasks the Prefect UI shows: record an attempt (once the run
 fits its cluster), hand a failed job over to the watchdog, record how the attempt ended, close a succeeded run (the
-watchdog's closing too: control/attempt.close_run), release the cluster of a run that ends otherwise. The record and its rules
-are control/registry.py; the watchdog makes its own changes there under the run's lease."""
+watchdog's closing too: control/attempt.close_run), release the cluster of a run that ends otherwise. The record and
+its rules are control/registry.py; the watchdog makes its own changes there under the run's lease."""
 
 from __future__ import annotations
 
@@ -69,8 +69,12 @@ def hand_over(cfg: Config, attempt: int, address: str, failure: Exception) -> No
 @task(name="record-success", cache_policy=NO_CACHE)
 def record_success(cfg: Config, attempt: int, final_model: str | None, handle: ClusterHandle) -> VerdictSummary | None:
     """The attempt succeeded: record it, close the run -- scored against its series' champion, its cluster released
-    unless kept -- and mark it closed (nothing is left for the watchdog to close). The verdict, or None."""
-    registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=final_model)
+    unless kept -- and mark it closed (nothing is left for the watchdog to close). The verdict, or None; None too
+    when the watchdog had already dealt with the attempt (recorded it failed, restarted the run): the run, and the
+    cluster its new attempt may run on, are the watchdog's to close."""
+    if registry.end_attempt(cfg, attempt, "SUCCEEDED", final_model=final_model) is None:
+        run_logger().warning("run %s: the watchdog already dealt with attempt %d; it closes the run", cfg.name, attempt)
+        return None
     verdict = close_run(cfg, handle)
     registry.closed(cfg.storage, cfg.name)
     return verdict_summary(verdict) if verdict else None  # plain JSON: it goes into the flow's result

@@ -39,7 +39,8 @@ from ray_jobs.config.tune import TuneConfig, fitting_trials, trial_name, trial_v
 
 __all__ = [
     "ADDED_LATER", "BUILTIN_MODELS", "BUILTIN_PREFIX", "PLACEHOLDERS", "RUN_NAME", "RUN_NAME_RULE", "BackendName",
-    "CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "KubeRayConfig", "LoraConfig",
+    "CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "KubeRayConfig",
+    "LoraConfig",
     "MLflowConfig", "ModelConfig", "PhaseStallConfig", "RayUpConfig", "SeriesConfig", "TensorBoardConfig",
     "TinyModelConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "WandbConfig",
     "WorkerRange", "absolute_url", "batch_split_problem", "cluster_problems", "fitting_trials", "from_json",

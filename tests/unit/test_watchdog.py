@@ -469,3 +469,26 @@ def test_a_succeeded_run_is_closed_one_way_by_its_flow_or_by_the_watchdog(tmp_pa
         reg = registry.load(c.storage, "r")
         assert reg.state == "succeeded" and reg.final_model == "/final"
         assert (reg.closing_since is None) == (who == "watchdog" or not fails), (who, reg.closing_since)
+
+
+def test_a_flow_whose_attempt_the_watchdog_dealt_with_leaves_the_closing_to_it(tmp_path, monkeypatch) -> None:
+    """The flow's job succeeded after the watchdog had recorded its attempt failed and restarted the run: the flow
+    scores nothing and releases nothing -- the new attempt may be training on that cluster."""
+    from control import attempt
+    from control.backends import handle_from_record
+    from tasks.record import record_success
+
+    calls: list[str] = []
+    monkeypatch.setattr(attempt.series, "finish_run", lambda storage, run: calls.append("score"))
+    monkeypatch.setattr(attempt, "release", lambda cfg, handle, run: calls.append("release"))
+    c = cfg(tmp_path, "cluster.address=http://x:8265")
+    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
+    reg = registry.load(c.storage, "r")
+    reg.attempts[0].status = "FAILED"
+    reg.incidents.append(incident(None, action="restarted", new_attempt=2))
+    registry.save(c.storage, "r", reg)
+    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", started_by="watchdog")
+    handle = handle_from_record(registry.load(c.storage, "r").recorded_cluster)
+    assert record_success.fn(c, 1, "/final", handle) is None
+    reg = registry.load(c.storage, "r")
+    assert calls == [] and reg.state == "submitted" and reg.current.status != "SUCCEEDED"
