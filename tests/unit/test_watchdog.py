@@ -124,15 +124,19 @@ def test_the_same_step_failing_twice_is_deterministic(tmp_path: Path) -> None:
 
 
 # -- who writes the registry ---------------------------------------------------------------------------------
-def test_the_flow_does_not_overwrite_an_attempt_the_watchdog_already_dealt_with(tmp_path: Path) -> None:
-    c = cfg(tmp_path)
+def restarted_by_the_watchdog(c) -> None:
+    """Run ``r``'s attempt 1, whose failure the watchdog saw first: recorded failed, the run restarted as attempt 2."""
     registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
-    # The watchdog saw the failure first and restarted the run as attempt 2.
     reg = registry.load(c.storage, "r")
     reg.attempts[0].status = "FAILED"
     reg.incidents.append(incident(None, action="restarted", new_attempt=2))
     registry.save(c.storage, "r", reg)
     registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", started_by="watchdog")
+
+
+def test_the_flow_does_not_overwrite_an_attempt_the_watchdog_already_dealt_with(tmp_path: Path) -> None:
+    c = cfg(tmp_path)
+    restarted_by_the_watchdog(c)
     # The flow's watch reports the same failure a moment later: nothing changes.
     assert registry.hand_over(c, 1, "ended FAILED", incident(None, detected_by="finetune-flow")) is None
     reg = registry.load(c.storage, "r")
@@ -482,12 +486,7 @@ def test_a_flow_whose_attempt_the_watchdog_dealt_with_leaves_the_closing_to_it(t
     monkeypatch.setattr(attempt.series, "finish_run", lambda storage, run: calls.append("score"))
     monkeypatch.setattr(attempt, "release", lambda cfg, handle, run: calls.append("release"))
     c = cfg(tmp_path, "cluster.address=http://x:8265")
-    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1")
-    reg = registry.load(c.storage, "r")
-    reg.attempts[0].status = "FAILED"
-    reg.incidents.append(incident(None, action="restarted", new_attempt=2))
-    registry.save(c.storage, "r", reg)
-    registry.begin_attempt(c, {"address": "http://x:8265"}, "ds-1", started_by="watchdog")
+    restarted_by_the_watchdog(c)
     handle = handle_from_record(registry.load(c.storage, "r").recorded_cluster)
     assert record_success.fn(c, 1, "/final", handle) is None
     reg = registry.load(c.storage, "r")
