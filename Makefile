@@ -50,7 +50,8 @@ serve: setup
 
 # Every tier, as two pytest sessions at once (tests/lanes.py: one alone leaves half the machine idle, waiting on real
 # processes). Each times itself (tests/suite_report.py): a table per tier and the slowest tests, and tiers.json,
-# tests.tsv, cpu.tsv and junit.xml under $(REPORT)/lane-<n>/. One tier alone: the targets below.
+# tests.tsv, cpu.tsv and junit.xml under $(REPORT)/lane-<n>/; both lanes' CPU by process in $(REPORT)/processes.tsv
+# (tests/cpu_by_process.py). One tier alone: the targets below.
 REPORT ?= .unbroken/test-report
 test: setup
 	$(PY) -m tests.lanes --report $(REPORT)

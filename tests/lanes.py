@@ -8,7 +8,8 @@ that looks for processes looks only under its own head (tests/procs.py); the rea
 lock (configs/models/smollm2.py).
 
 Each lane's output goes to ``<report>/lane-<n>/output.log`` while it runs and is printed whole when it ends; then the
-tier table of both (tests/suite_report.py) and one closing line with every lane's counts. Exit status: the first
+tier table of both (tests/suite_report.py), where both lanes' CPU went by process (tests/cpu_by_process.py:
+``<report>/processes.tsv``), and one closing line with every lane's counts. Exit status: the first
 failing lane's.
 
     python -m tests.lanes [--report .unbroken/test-report] [PYTEST_ARGS...]
@@ -24,6 +25,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.cpu_by_process import Sampler
+from tests.cpu_by_process import report as cpu_report
 
 ROOT = Path(__file__).resolve().parents[1]
 # The heavy, mostly-waiting tiers (chaos, multinode hosts, ray up over SSH) beside the CPU-bound ones. A
@@ -42,7 +46,7 @@ COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|desel
 
 
 def run_lanes(report: Path, extra: list[str]) -> int:
-    procs = []
+    procs, cpu = [], Sampler().start()  # where both lanes' CPU goes (tests/cpu_by_process.py)
     for n, paths in enumerate(LANES, 1):
         out = report / f"lane-{n}"
         out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +66,9 @@ def run_lanes(report: Path, extra: list[str]) -> int:
         for count, what in COUNTS.findall(_closing_line(text)):
             key = "errors" if what.startswith("error") else what
             totals[key] = totals.get(key, 0) + int(count)
+    cpu.stop()
     _tier_table(report, time.time() - started)
+    cpu_report(cpu, report / "processes.tsv")
     failed = totals.get("failed", 0) + totals.get("errors", 0) + sum(1 for c in codes if c and not _closing_ok(c))
     skipped = f", {totals['skipped']} skipped" if totals.get("skipped") else ""
     print(f"{totals.get('passed', 0)} passed, {failed} failed{skipped}")  # the suite's closing line, both lanes
