@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 
 SAMPLE_S = 1.0
-_IDLE = {"ray::IDLE", "default_worker.py"}  # a Ray worker before an actor or task takes it: classified again later
+_IDLE = {"ray::IDLE", "default_worker.py", "setup_worker.py"}  # a Ray worker before an actor takes it (setup_worker.py:
+# one with a runtime env, before it execs the worker): classified again later
 _SUBCOMMANDS = {"prefect", "unbroken", "ray", "torchrun"}  # console scripts named with their first argument
 
 

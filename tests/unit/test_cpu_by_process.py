@@ -27,6 +27,7 @@ PY = "/work/.venv/bin/python3.11"
         ([PY, "/x/.venv/bin/unbroken", "watchdog", "--storage", "s"], "unbroken", "unbroken watchdog"),
         ([PY, "/x/ray/_private/workers/default_worker.py", "--node-ip-address=1"], "python", "default_worker.py"),
         ([PY, "/x/ray/dashboard/dashboard.py", "--host=1"], "python", "dashboard.py"),
+        ([PY, "/x/ray/_private/workers/setup_worker.py", "--a"], "python", "setup_worker.py"),  # (then its actor's)
         ([PY, "-B", "-c", "from multiprocessing.forkserver import main"], "python", "python -c"),
         (["/x/ray/core/src/ray/raylet/raylet", "--node_ip_address=1"], "raylet", "raylet"),
         ([], "kworker/0:1", "kworker/0:1"),
