@@ -148,6 +148,22 @@ def _sync_dir(path: str) -> None:
             os.close(fd)
 
 
+def remove_temporaries(folder_url: str) -> list[str]:
+    """Remove what a writer killed between creating a temporary sibling and renaming it into place left in a local
+    folder (``<name>.tmp-<id>``: :func:`write_bytes_atomic`, :func:`upload_file`); the names removed. An object
+    store has no temporaries (a PUT is atomic), nor does a folder that does not exist. The caller must be the
+    folder's one writer at this moment (staging holds its dataset's lock): a live writer's temporary is not told
+    apart from a dead one's."""
+    if not is_local(folder_url):
+        return []
+    folder = Path(fs_and_path(folder_url)[1])
+    removed = sorted(p.name for p in folder.glob("*.tmp-*") if p.is_file())
+    for name in removed:
+        with contextlib.suppress(FileNotFoundError):
+            (folder / name).unlink()
+    return removed
+
+
 def write_bytes_atomic(url: str, data: bytes, durable: bool = False) -> None:
     """Write to a temporary sibling, then move it into place: readers never see half a file.
 

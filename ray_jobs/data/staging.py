@@ -49,7 +49,7 @@ from ray_jobs.data.sources import (
 from ray_jobs.data.spill import SPLITS, Spill
 from ray_jobs.data.tokenize import IGNORE_INDEX, chat_renderer, tokenizer_fingerprint
 from ray_jobs.data.workers import BatchWork, cluster_size, pool_size, ray_get, ray_results, results
-from ray_jobs.storage import Layout, exclusive_lock, exists, join, upload_file, write_json_atomic
+from ray_jobs.storage import Layout, exclusive_lock, exists, join, remove_temporaries, upload_file, write_json_atomic
 
 # What other modules import from here (the stages' own modules are the homes).
 __all__ = [
@@ -187,6 +187,7 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     except StagingError:
         spill.remove()  # bad data: the next staging is of fixed data, or under another policy; either reads afresh
         raise
+    _remove_unfinished(out_dir)
     shards = _write_shards(spill, data, out_dir, writing)
     upload_file(spill.rejects_file(), join(out_dir, "rejects.jsonl"))
     tok = TokenizerInfo(name_or_path=tokenizer_name, fingerprint=tok_fp, vocab_size=len(tokenizer), pad_token_id=pad,
@@ -195,6 +196,15 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     spill.remove()
     logging.getLogger("unbroken.staging").info("staged %s: %s", ds_id, summary(manifest))
     return manifest
+
+
+def _remove_unfinished(out_dir: str) -> None:
+    """A staging killed between creating a shard's temporary file and renaming it left that file in the dataset's
+    folder; this staging, holding the dataset's lock, writes that shard again from its spill, so the file goes."""
+    orphans = remove_temporaries(out_dir)
+    if orphans:
+        log = logging.getLogger("unbroken.staging")
+        log.info("removed %d unfinished file(s) a killed staging left in %s: %s", len(orphans), out_dir, orphans)
 
 
 def _manifest(ds_id: str, data: DataConfig, sources: dict[str, list[Source]], tok: TokenizerInfo, counts: Counts,

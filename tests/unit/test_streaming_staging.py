@@ -126,6 +126,39 @@ def test_staging_killed_mid_way_resumes_and_ends_identical(tmp_path: Path, phase
     assert _staged(killed) == _staged(whole)
 
 
+KILLED_BEFORE_RENAME = """
+import os, signal, sys
+import ray_jobs.storage as storage
+from ray_jobs.config import DataConfig
+from ray_jobs.data.staging import stage
+from ray_jobs.model.builtin import train_char_tokenizer
+real = os.replace
+def replace(src, dst, _real=real):  # the third shard's file is created, then the process dies before its rename
+    if ".parquet.tmp-" in str(src) and str(dst).endswith(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _real(src, dst)
+storage.os.replace = replace
+data = DataConfig(train=sys.argv[1], seq_len=64, shard_mb=0.01, min_shards=2, work_dir=sys.argv[2] + "/work")
+stage(data, train_char_tokenizer(), "builtin", sys.argv[2])
+"""
+
+
+def test_a_staging_killed_between_a_shards_create_and_its_rename_leaves_no_orphan(tmp_path: Path) -> None:
+    """kill -9 lands after a shard's temporary file was written and before it was renamed into place: the resumed
+    staging removes that file, and the dataset's folder is byte for byte an uninterrupted staging's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    cmd = [sys.executable, "-c", KILLED_BEFORE_RENAME, str(SAMPLE_DATA)]
+    subprocess.run([*cmd, str(whole), "never"], env=env, check=True)
+    died = subprocess.run([*cmd, str(killed), "train-00002.parquet"], env=env)
+    assert died.returncode == -signal.SIGKILL
+    (ds,) = killed.glob("datasets/ds-*")
+    assert [p.name for p in ds.glob("*.tmp-*")] and not (ds / "manifest.json").exists(), sorted(ds.iterdir())
+    subprocess.run([*cmd, str(killed), "never"], env=env, check=True)
+    assert not list(ds.glob("*.tmp-*"))
+    assert _staged(killed) == _staged(whole)
+
+
 def test_staging_of_long_documents_killed_mid_document_resumes_and_ends_identical(tmp_path: Path) -> None:
     """Documents of 20-40k characters, encoded in 5k windows, pieces spilled beside the staging: a kill leaves
     some of a document's pieces on disk, and the resumed staging reads that document again from its start."""
