@@ -53,9 +53,9 @@ def build_trainer(cfg: Config, loop: WorkerSpec, callbacks: list | None = None) 
     Train callbacks (a search's trial passes Tune's, which forwards rank 0's reports to the scheduler)."""
     # Ray Train V2's own classes (what ``ray.train`` re-exports while V2 is on, Ray's default; ``ray.train.torch``'s
     # TorchTrainer is V2's and takes only these): ``max_preemption_failures`` is V2's alone
-    from ray.train.torch import TorchTrainer
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig
 
+    from ray_jobs.ray_private import torch_trainer
     from ray_jobs.train.heartbeat import group_restarts
     from ray_jobs.train.preemption import torch_config
     from ray_jobs.train.worker import train_loop_per_worker
@@ -63,7 +63,7 @@ def build_trainer(cfg: Config, loop: WorkerSpec, callbacks: list | None = None) 
     storage = Layout(cfg.storage).ray_storage()
     set_aside_torn_snapshot(join(storage, cfg.name))
     fs = pyarrow_filesystem(storage)
-    return TorchTrainer(
+    return torch_trainer()(
         train_loop_per_worker,
         # Ray Train keeps the loop config in its run's state (the dashboard's Train page shows it): the config masked,
         # revealed by each worker from the job's environment (``train.worker.run_worker``: ``from_json``)

@@ -15,9 +15,12 @@ SYMBOLS = (
     ("ray.train.torch.config", "_TorchBackend"),
     ("ray.train.v2.torch.torchft_config", "_TorchftBackend"),
     ("ray._raylet", "Config"),
+    ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
 )
 # Private attributes read (not imported): (class, attribute path) for the same test.
 ATTRIBUTES = (("ray.tune.schedulers.async_hyperband.AsyncHyperBandScheduler", "_brackets[0]._rungs"),)
+# Private methods overridden: (class, method) for the same test.
+OVERRIDDEN = (("ray.train.v2.api.data_parallel_trainer.DataParallelTrainer", "_create_default_callbacks"),)
 
 
 def auth_headers() -> dict[str, str]:
@@ -57,3 +60,23 @@ def asha_rungs(scheduler: Any) -> list[tuple[float, dict[str, float]]]:
     """ASHA's rungs, ``(milestone, {trial id: value})`` (its one bracket's): Tune neither saves nor exposes them,
     and a restored search must decide as the uninterrupted one (ray_jobs/search/scheduler.py)."""
     return scheduler._brackets[0]._rungs
+
+
+def torch_trainer() -> type[Any]:
+    """Ray Train's ``TorchTrainer`` without the actor it starts for Ray Datasets when it is given none: its
+    ``DatasetsCallback`` starts a dataset manager (a process importing Ray Data, ~3 CPU-s on a 2-core machine) for
+    every worker group -- each in-job restart too -- and unbroken's workers read their shards themselves
+    (ray_jobs/data/reading.py). Given datasets, it is Ray's own. Ray has no option for it: the trainer's private
+    ``_create_default_callbacks`` builds the list."""
+    # V2's TorchTrainer: what ray.train.torch gives while V2 is on (Ray's default)
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return Trainer

@@ -61,3 +61,29 @@ def test_asha_still_keeps_its_rungs_where_a_restored_search_reads_them() -> None
     rungs = ray_private.asha_rungs(asha)
     assert [m for m, _ in rungs] == [400, 200, 100], f"Ray {ray.__version__}: ASHA's rungs moved ({rungs!r})"
     assert all(isinstance(recorded, dict) for _, recorded in rungs)
+
+
+@pytest.mark.parametrize(("cls", "method"), ray_private.OVERRIDDEN, ids=lambda v: v)
+def test_each_private_method_overridden_is_still_there(cls: str, method: str) -> None:
+    module, name = cls.rsplit(".", 1)
+    found = getattr(getattr(importlib.import_module(module), name), method, None)
+    assert callable(found), f"Ray {ray.__version__}: {cls} has no {method} (overridden in ray_jobs.ray_private)"
+
+
+def test_the_trainer_starts_no_dataset_manager_without_datasets_and_ray_s_own_with_them() -> None:
+    """Ray Train's callbacks for a trainer given no Ray Dataset (unbroken's): everything Ray's TorchTrainer would
+    start but its ``DatasetsCallback`` (the dataset manager per worker group); given one, the same list as Ray's."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    def kinds(trainer) -> list[str]:
+        return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+    ours, rays = ray_private.torch_trainer()(lambda: None), TorchTrainer(lambda: None)
+    assert issubclass(ray_private.torch_trainer(), TorchTrainer)
+    assert kinds(rays).count(DatasetsCallback.__name__) == 1, f"Ray {ray.__version__} starts Datasets elsewhere"
+    assert kinds(ours) == [k for k in kinds(rays) if k != DatasetsCallback.__name__]
+    with_data = {"train": ray.data.range(4)}
+    assert kinds(ray_private.torch_trainer()(lambda: None, datasets=with_data)) == kinds(
+        TorchTrainer(lambda: None, datasets=with_data)
+    )
