@@ -4,13 +4,10 @@ shared by the runs that use it and stopped by the last of them -- by its own pro
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +24,7 @@ from control.backends.base import (
     reachable,
     redact,
 )
+from control.backends.head_users import add_user, forget_users, head_users, kept, user_file
 from control.backends.localhost import (
     check_identity,
     elsewhere,
@@ -56,9 +54,7 @@ BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR
             "SHELL", "TERM", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "XDG_CACHE_HOME",
             "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")  # fmt: skip
 BASE_PREFIXES = ("RAY_", "LC_", "NCCL_")
-KEPT = "kept"  # marker file: a run asked for cluster.keep_running
 METRICS_PORT = "metrics-port"  # the head's Prometheus port, as it was started (cluster.metrics_port, or a free one)
-USER_FRESH_S = 600.0  # a user file this young counts as live (its run may still be staging)
 DAEMON_LOG_LEVEL = (
     "RAY_LOGGER_LEVEL"  # the level of Ray's Python daemons (dashboard, agents) and a driver's "ray" logger
 )
@@ -130,22 +126,21 @@ def start_local_head(cfg: Config, wait_s: float = 90.0, run: str | None = None) 
     with _head_lock(port):
         if reachable(address) is None:  # already up (kept from an earlier run, or another run's): ours to share?
             check_identity(cfg, session_name(address))
-            _add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
+            add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
             handle.metrics_url = metrics_url(port)
             return handle
         env = _head_env(cfg)
         if env[AUTH_MODE_ENV] == "token":
             _run([ray_cli(), "get-auth-token", "--generate"], env, "generate the Ray auth token")
         temp_dir = head_dir(port)
-        shutil.rmtree(temp_dir / "users", ignore_errors=True)  # users of an earlier head on this port are gone
-        for stale in (KEPT, "identity.json"):
-            with contextlib.suppress(OSError):
-                (temp_dir / stale).unlink()
+        forget_users(port)  # users of an earlier head on this port are gone
+        with contextlib.suppress(OSError):
+            (temp_dir / "identity.json").unlink()
         metrics_port = cfg.cluster.metrics_port or _free_port()
         _run(_head_command(cfg, temp_dir, metrics_port), env, "start a local Ray head")
         (temp_dir / METRICS_PORT).write_text(str(metrics_port))
         handle.metrics_url = metrics_url(port)
-        _add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
+        add_user(port, run or cfg.name, cfg.storage, cfg.cluster.keep_running)
         handle.started_here = True
         if not poll_until(lambda: reachable(address) is None, wait_s):
             why = reachable(address)
@@ -187,38 +182,6 @@ def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
         raise ClusterError(redact(f"could not {what} (exit {proc.returncode}): {' '.join(cmd)}\n{tail}"))
 
 
-# -- its users ------------------------------------------------------------------------------------------------
-def _add_user(port: int, run: str, storage: str, keep: bool = False) -> None:
-    if keep:  # cluster.keep_running: no run stops this head; a person (or stop_local_head) does
-        (head_dir(port) / KEPT).touch()
-    users = head_dir(port) / "users"
-    users.mkdir(parents=True, exist_ok=True)
-    body = {"run": run, "storage": storage, "pid": os.getpid(), "host": socket.gethostname(), "at": time.time()}
-    (users / f"{run}.json").write_text(json.dumps(body))
-
-
-def head_users(port: int, ignore: str | None = None) -> list[str]:
-    """Runs that still use the local head on ``port``: their process lives, they registered lately, or their run
-    is active (a job the watchdog looks after)."""
-    from control import registry
-
-    live = []
-    for f in sorted((head_dir(port) / "users").glob("*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            user = json.loads(f.read_text())
-            if user["run"] == ignore:
-                continue
-            fresh = time.time() - user["at"] < USER_FRESH_S or _alive(user["pid"])
-            reg = None if fresh else registry.load(user["storage"], user["run"])
-            if fresh or (reg is not None and reg.active):
-                live.append(user["run"])
-    return live
-
-
-def _alive(pid: int) -> bool:
-    return pid != os.getpid() and psutil.pid_exists(pid)
-
-
 # -- stopping it ----------------------------------------------------------------------------------------------
 # Detached actors Ray Train starts from a job's driver (so they carry its environment) and keeps for the cluster
 # after the job ends: Ray Data's autoscaling coordinator (seen here alive 20 s after its job's driver was killed).
@@ -250,10 +213,7 @@ def stop_local_head(handle_or_port: ClusterHandle | int, grace_s: float = 10.0) 
     procs = head_processes(port)
     terminate([p for p in procs if _is_raylet(p)], grace_s)
     terminate(procs, 0.0)
-    with contextlib.suppress(OSError):
-        shutil.rmtree(head_dir(port) / "users")
-    with contextlib.suppress(OSError):
-        (head_dir(port) / KEPT).unlink()
+    forget_users(port)
     return [p.pid for p in procs]
 
 
@@ -324,7 +284,7 @@ class LocalHead(Backend):
             future, started_for = early
             handle = future.result()
             if (run or self.cfg.name) != started_for:
-                _add_user(_port_of(handle.address), run or self.cfg.name, self.cfg.storage,
+                add_user(_port_of(handle.address), run or self.cfg.name, self.cfg.storage,
                           self.cfg.cluster.keep_running)  # fmt: skip
         else:
             handle = start_local_head(self.cfg, run=run)
@@ -349,8 +309,8 @@ class LocalHead(Backend):
         port = _port_of(handle.address)
         if not head_processes(port):
             return "the local Ray head is gone: none of its processes is left on this host"
-        others = head_users(port, ignore=run)
-        if not others and not (head_dir(port) / KEPT).exists():
+        others = head_users(port, ignore=(run, self.cfg.storage))
+        if not others and not kept(port):
             stop_local_head(port)
             return "stopped the local Ray head's processes (no other run uses it)"
         procs = job_processes(submission_id)
@@ -384,12 +344,13 @@ class LocalHead(Backend):
         """This run no longer uses the head; it stops when no other run does (and none asked to keep it). Returns
         what happened, for the log."""
         port = _port_of(handle.address)
-        if run is not None:
+        mine = None if run is None else (run, self.cfg.storage)
+        if mine is not None:
             with contextlib.suppress(OSError):
-                (head_dir(port) / "users" / f"{run}.json").unlink()
-        if (head_dir(port) / KEPT).exists():
+                user_file(port, *mine).unlink()
+        if kept(port):
             return "leaving the local Ray head up (a run asked for cluster.keep_running)"
-        others = head_users(port, ignore=run)
+        others = head_users(port, ignore=mine)
         if others:
             return f"leaving the local Ray head up: still used by {', '.join(others)}"
         if stop_local_head(port):

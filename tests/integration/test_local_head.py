@@ -3,6 +3,7 @@ shared heads stopped by their last user, an allow-listed environment, every port
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -174,7 +175,7 @@ def test_a_shared_head_is_stopped_by_its_last_user(tmp_path) -> None:
         assert reachable(h1.address) is None, "the second run still uses it"
         # A user whose process is gone and whose run is not active no longer holds the head up.
         users = Path(f"/tmp/unbroken-ray/{ports['cluster.dashboard_port']}/users")
-        assert [p.stem for p in users.glob("*.json")] == ["second"]
+        assert [json.loads(p.read_text())["run"] for p in users.glob("*.json")] == ["second"]
         stop_cluster.fn(second, h2, run="second")
         wait_for("the head to stop", lambda: reachable(h1.address) is not None, timeout_s=30)
     finally:

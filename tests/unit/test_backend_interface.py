@@ -152,6 +152,23 @@ def test_a_local_head_decides_by_its_own_users() -> None:
     assert backend_class("local").leave_up(cfg("local", "cluster.keep_running=true"), head) is None
 
 
+def test_two_runs_of_one_name_in_two_storages_are_two_users_of_a_local_head(tmp_path: Path, monkeypatch) -> None:
+    """Two projects on one machine both call their run ``twin``: the first to end leaves the head up for the other
+    (it once counted the other's registration as its own, and stopped the head under it), the last stops it."""
+    from control.backends import head_users, localhost
+
+    monkeypatch.setattr(localhost, "HEADS_DIR", tmp_path / "heads")
+    stopped = []
+    monkeypatch.setattr(local, "stop_local_head", lambda port: stopped.append(port) or True)
+    a, b = (backend_for(cfg("local", "name=twin", f"storage={tmp_path / p}")) for p in ("project-a", "project-b"))
+    for backend in (a, b):
+        head_users.add_user(8265, "twin", backend.cfg.storage)
+    head = ClusterHandle("http://127.0.0.1:8265", "http://127.0.0.1:8265", True, "python", local=True)
+    assert head_users.head_users(8265) == ["twin", "twin"]
+    assert a.down(head, "twin") == "leaving the local Ray head up: still used by twin" and stopped == []
+    assert b.down(head, "twin") == "stopped the local Ray head (its own processes only)" and stopped == [8265]
+
+
 def test_only_kuberay_leaves_clusters_for_the_janitor(tmp_path: Path) -> None:
     assert janitor_backends() == [kuberay.KubeRay]
     assert kuberay.KubeRay.janitor_index(str(tmp_path)) == Layout(str(tmp_path)).janitor_index("kuberay")
