@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: docs setup demo smollm2 gpu-wheels gpu-stash gpu-site gpu-check gpu-ray test test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
+.PHONY: docs setup demo smollm2 gpu-wheels gpu-stash gpu-site gpu-check gpu-ray test test-full test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
 
 setup: $(STAMP)
 
@@ -48,13 +48,20 @@ ui: setup
 serve: setup
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(VENV)/bin/unbroken serve
 
-# Every tier, as two pytest sessions at once (tests/lanes.py: one alone leaves half the machine idle, waiting on real
+# make test: every unit test and decision table, and every fault class proven once on real processes (tests/tiers.py:
+# the tier "ci"), plus one rotating shard of the tests only make test-full runs (SHARD=auto: the checked-out
+# commit's third of them; SHARD=K/N one of your choice, SHARD=none no shard). make test-full: every test.
+# Both as two pytest sessions at once (tests/lanes.py: one alone leaves half the machine idle, waiting on real
 # processes). Each times itself (tests/suite_report.py): a table per tier and the slowest tests, and tiers.json,
 # tests.tsv, cpu.tsv and junit.xml under $(REPORT)/lane-<n>/; both lanes' CPU by process in $(REPORT)/processes.tsv
-# (tests/cpu_by_process.py). One tier alone: the targets below.
+# (tests/cpu_by_process.py). One folder alone: the targets below (every test of it, as make test-full would).
 REPORT ?= .unbroken/test-report
+SHARD ?= auto
 test: setup
-	$(PY) -m tests.lanes --report $(REPORT)
+	$(PY) -m tests.lanes --report $(REPORT) --tier ci --shard $(SHARD)
+
+test-full: setup
+	$(PY) -m tests.lanes --report $(REPORT) --tier full
 
 test-unit: setup
 	$(VENV)/bin/pytest tests/unit

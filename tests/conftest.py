@@ -11,7 +11,8 @@ import pytest
 
 from tests.prefect_server import IDLE_SERVICES
 
-pytest_plugins = ["tests.suite_report"]  # per-tier wall time, CPU use and the slowest tests, printed and written
+# per-tier wall time, CPU use and the slowest tests, printed and written; make test's and make test-full's tests
+pytest_plugins = ["tests.suite_report", "tests.tiers"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = ROOT / "configs" / "data" / "addition.jsonl"

@@ -12,7 +12,7 @@ tier table of both (tests/suite_report.py), where both lanes' CPU went by proces
 ``<report>/processes.tsv``), and one closing line with every lane's counts. Exit status: the first
 failing lane's.
 
-    python -m tests.lanes [--report .unbroken/test-report] [PYTEST_ARGS...]
+    python -m tests.lanes [--report .unbroken/test-report] [--tier ci --shard auto] [PYTEST_ARGS...]
 """
 
 from __future__ import annotations
@@ -45,7 +45,23 @@ LANES = [
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
+def say_tier(extra: list[str]) -> None:
+    """Which tier runs (tests/tiers.py), and for make test which shard of the full tier's own tests."""
+    from tests.tiers import SHARDS, commit_shard
+
+    args = dict(zip(extra, extra[1:], strict=False))
+    tier, shard = args.get("--tier", "full"), args.get("--shard")
+    if tier == "full":
+        print("tier full: every test (make test-full)", flush=True)
+        return
+    if shard == "auto":
+        k, commit = commit_shard()
+        shard = f"{k}/{SHARDS} (commit {commit[:12]})"
+    print(f"tier ci: make test's own tests, and the full tier's shard {shard or 'none'}", flush=True)
+
+
 def run_lanes(report: Path, extra: list[str]) -> int:
+    say_tier(extra)
     procs, cpu = [], Sampler().start()  # where both lanes' CPU goes (tests/cpu_by_process.py)
     for n, paths in enumerate(LANES, 1):
         out = report / f"lane-{n}"

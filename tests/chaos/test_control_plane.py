@@ -106,6 +106,7 @@ def test_a_jobs_api_failing_for_six_confirmation_windows_and_phases_longer_than_
                    "detection_s": silence.detected_at - fault_at, "recovery_s": 0.0, "lost_steps": 0})  # fmt: skip
 
 
+@pytest.mark.full(shard=2)  # worker kills again, in a watchdog's attempt
 def test_in_job_restarts_of_a_watchdog_attempt_resume_from_the_newest_checkpoint(
     ray_cluster, baseline, tmp_path, tmp_path_factory
 ) -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 
 from control.backends.base import jobs_client
@@ -22,6 +23,9 @@ from ray_jobs.storage import Layout
 from tests.chaos.harness import chaos_config, final_weights_hash, start_run, wait_job
 from tests.conftest import ROOT
 from tests.procs import wait_for
+
+# The kill and the stop again, across the two runtimes (their one checkpoint format: tests/unit/test_local_mode.py)
+pytestmark = [pytest.mark.chaos, pytest.mark.full(shard=1)]
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 SLOW = {"UNBROKEN_INJECT_DELAY": "step:0.1"}  # ~24 s for the run's 240 steps: time to kill it after a checkpoint

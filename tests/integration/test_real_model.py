@@ -34,7 +34,7 @@ from tests.chaos.harness import (
 from tests.conftest import ROOT
 from tests.integration.conftest import read_metrics, read_registry, run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.full(shard=0)]  # the real-model runs: make test-full
 RECIPE = ROOT / "configs" / "smollm2-chat-lora.yaml"
 DASHBOARD_PORT, HEAD_PORT = 8295, 6409  # this module's own head, apart from the other suites'
 
@@ -134,6 +134,7 @@ def real_documents(path: Path) -> Path:
     return path
 
 
+@pytest.mark.full(shard=1)  # apart from the LoRA runs: the shards cost each lane about the same
 def test_full_finetune_with_the_hf_engine_on_long_real_documents_end_to_end(cluster, smollm2, tmp_path) -> None:
     """Continued pre-training of the chat model on real documents longer than ``seq_len``, as a full fine-tune whose
     steps Hugging Face's ``Trainer`` computes (``train.engine: hf``): the documents are cut into pieces, none

@@ -192,6 +192,7 @@ def _triggered_run(before: set, uri: str):
     return new[0]
 
 
+@pytest.mark.full(shard=2)  # a long end-to-end variant: three more served runs
 def test_new_data_is_a_warm_started_run_of_the_series_and_the_same_data_again_trains_nothing(
     served, tmp_path_factory
 ) -> None:
@@ -421,6 +422,7 @@ def _weights(storage: Path, run: str) -> str:
     return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
 
 
+@pytest.mark.full(shard=2)  # cancelling again, a search's (a finetune run's: make test)
 def test_cancelling_a_search_stops_its_job_and_every_trial(served) -> None:
     """The tune deployment's flow run cancelled mid-trial: the search's job is stopped, no trial's worker or
     driver outlives it, and no trial record says ``running`` afterwards."""

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.integration.conftest import run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.full(shard=0)]  # a long variant (100 MB): make test-full
 DEMO = str(ROOT / "configs" / "demo.yaml")
 PROGRESS = re.compile(r"(\d\d:\d\d:\d\d\.\d+) \| INFO .* - staging: (\d+)% \(")
 STAGED = re.compile(r"(\d\d:\d\d:\d\d\.\d+) \| INFO .* - staged dataset ")

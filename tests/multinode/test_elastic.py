@@ -16,7 +16,7 @@ from tests.chaos.harness import REPORT, chaos_config, heartbeat, heartbeat_step,
 from tests.hosts import wait_gone
 from tests.procs import wait_for
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.full(shard=0)]  # a host lost: proven in make test by test_node_loss
 
 
 def test_an_elastic_run_shrinks_to_one_worker_grows_back_and_trains_every_row_exactly_once(

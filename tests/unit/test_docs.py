@@ -137,3 +137,42 @@ def test_the_architecture_pages_storage_layout_is_layouts() -> None:
         if not any(re.match(rf"{wanted}(/|\.|,|$)", ln) for ln in lines):
             missing.append(f"{name}: {path}")
     assert not missing, f"Layout's paths docs/architecture.md's storage layout lacks: {missing}"
+
+
+def tiers_of_every_test() -> dict[str, tuple[str, str]]:
+    """Each test's tier (``ci``, ``full``) and its shard (``-`` for make test's own), as tests/tiers.py sees them."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "--list-tiers", "tests"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    rows = [ln.split("\t") for ln in out.stdout.splitlines() if ln.startswith("TIER\t")]
+    assert rows, out.stdout[-2000:] + out.stderr[-2000:]
+    return {nodeid: (tier, shard) for _, tier, shard, nodeid in rows}
+
+
+def test_the_tier_table_names_a_proof_in_make_test_for_every_fault_class_and_every_full_only_test() -> None:
+    """docs/development.md's tables (tests/tiers.py): each fault class proven by a test make test runs; each test named
+    for the full tier is one only it runs, in the shard said; every test only the full tier runs is named there."""
+    tiers = tiers_of_every_test()
+
+    def collected(name: str) -> list[tuple[str, str]]:  # a test's tier and shard, each parameter's
+        found = [tiers[n] for n in tiers if n == f"tests/{name}" or n.startswith(f"tests/{name}[")]
+        assert found, f"docs/development.md names {name}, which is not a test"
+        return found
+
+    test_id = re.compile(r"`([^`]+::[^`]+)`")
+    section = (ROOT / "docs" / "development.md").read_text().split("### Two tiers", 1)[1]
+    table, others = section.split("**The suite times itself.**", 1)[0].split("The full tier's other tests", 1)
+    lines = [ln for ln in table.splitlines() if ln.startswith("|")][2:]  # past the header and its rule
+    rows = [[cell.strip() for cell in ln.strip().strip("|").split("|")] for ln in lines]
+    assert len(rows) >= 18, rows
+    for fault, proofs, _ in rows:
+        assert test_id.findall(proofs), f"{fault}: no proof in make test"
+        for name in test_id.findall(proofs):
+            assert {tier for tier, _ in collected(name)} == {"ci"}, f"{fault}: {name} is not in make test"
+    named = re.findall(r"`([^`]+::[^`]+)`\s*\(shard (\d)", " ".join(r[2] for r in rows) + others)
+    for name, shard in named:
+        assert collected(name) == [("full", shard)], f"{name}: not the full tier's own, or not in shard {shard}"
+    unnamed = {n for n, (tier, _) in tiers.items() if tier == "full"} - {f"tests/{name}" for name, _ in named}
+    assert not unnamed, f"tests only make test-full runs, missing from docs/development.md: {sorted(unnamed)}"

@@ -41,6 +41,7 @@ def lora_run(real, name: str, **lora: object):
 
 
 # -- LoRA on the tied-embedding SmolLM2 -----------------------------------------------------------------------
+@pytest.mark.full(shard=1)  # a real-model run
 def test_default_lora_on_tied_smollm2_resumes_exactly_and_exports_it_still_tied(real, smollm2) -> None:
     cfg, straight, resumed = lora_run(real, "lora-default")
     assert weights_hash(resumed) == weights_hash(straight)
@@ -79,6 +80,7 @@ def _adapter_export(trainer, smollm2):
     return load_model_fp32(str(final)).eval()
 
 
+@pytest.mark.full(shard=1)  # a real-model run
 def test_modules_to_save_lm_head_on_a_tied_model_trains_the_one_shared_matrix(real, smollm2) -> None:
     cfg, straight, resumed = lora_run(real, "lora-head", modules_to_save="[lm_head]")
     assert cfg.model.lora.modules_to_save == ["lm_head"], "peft edits the list it is given; the config must not change"

@@ -31,6 +31,7 @@ def runs(tmp_path_factory):
     return cut, straight, resumed
 
 
+@pytest.mark.full(shard=2)  # a real-model run
 def test_a_bf16_checkpoint_trains_fp32_master_weights(runs) -> None:
     _, straight, resumed = runs
     for t in (straight, resumed):
