@@ -3,12 +3,15 @@ every broken run against, and a table of what each fault cost (printed at the en
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 
 from control.backends.base import ClusterHandle
 from control.backends.local import start_local_head, stop_local_head
-from ray_jobs.config import load_config
-from tests.chaos.harness import CHAOS_GCS_PORT, CHAOS_PORT, DEMO, REPORT
+from ray_jobs.train.faults import FILE_ENV
+from tests.chaos.harness import DELAY_FILE, REPORT, chaos_config
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -18,14 +21,17 @@ def _prefect(shared_prefect):
 
 
 @pytest.fixture(scope="package")  # stopped before other packages start their own heads (one per machine)
-def ray_cluster(tmp_path_factory) -> ClusterHandle:
-    storage = tmp_path_factory.mktemp("chaos-cluster")
-    cfg = load_config(DEMO, [f"storage={storage}", f"cluster.dashboard_port={CHAOS_PORT}",
-                             f"cluster.head_port={CHAOS_GCS_PORT}"])  # fmt: skip
+def ray_cluster(tmp_path_factory) -> Iterator[ClusterHandle]:
+    """The package's one head. Its environment names the step-delay file (harness.slow_steps), and so does every
+    process that may start it again: a watchdog's, this one's."""
+    os.environ[FILE_ENV] = str(DELAY_FILE)
+    cfg = chaos_config(tmp_path_factory.mktemp("chaos-cluster"), "chaos-head")
     handle = start_local_head(cfg)
     assert handle.started_here, "another Ray cluster is already running on this machine"
     yield handle
     stop_local_head(handle)
+    os.environ.pop(FILE_ENV, None)
+    DELAY_FILE.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="package")

@@ -8,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from control import registry
@@ -19,9 +21,10 @@ from control.jobs import submit, write_job_spec
 from control.records.describe import describe
 from control.registry import submission_id
 from control.watchdog import check_run
-from ray_jobs.config import Config, load_config
+from ray_jobs.config import ClusterConfig, Config, load_config
 from ray_jobs.storage import Layout, join, read_bytes
 from ray_jobs.train import rowtrace
+from ray_jobs.train.faults import FILE_ENV
 from tasks.model import prepare_base_model
 from tasks.stage import stage_dataset
 from tests.conftest import ROOT, tiny_overrides
@@ -31,6 +34,11 @@ from tests.trackers import TRACKING
 DEMO = ROOT / "configs" / "demo.yaml"
 CHAOS_PORT, CHAOS_GCS_PORT = 8285, 6399  # the chaos suite's head (conftest): its dashboard and GCS ports
 REPORT: list[dict] = []  # one row per fault: what it cost (printed by conftest at the end of the session)
+# Every job on the chaos suite's head -- each attempt a watchdog restarts too, and each on a head it starts again --
+# reads its step delay from this file (ray_jobs/train/faults.py): the head's environment passes the variable to all
+# of them (cluster.env_passthrough), so a test slows a run of several faults down for as long as it injects them.
+DELAY_FILE = Path(tempfile.gettempdir()) / f"unbroken-chaos-delay-{os.getpid()}"
+PASSTHROUGH = [*ClusterConfig().env_passthrough, FILE_ENV]
 
 
 def chaos_config(root: Path, name: str, **extra: object) -> Config:
@@ -48,8 +56,20 @@ def chaos_config(root: Path, name: str, **extra: object) -> Config:
         "cluster.dashboard_port": CHAOS_PORT,  # the chaos suite's head (conftest), where a watchdog re-provisions it
         "cluster.head_port": CHAOS_GCS_PORT,
         "cluster.keep_running": True,
+        "cluster.env_passthrough": PASSTHROUGH,  # the head's (conftest): a run passing another set is refused it
     }
     return load_config(DEMO, tiny_overrides(root, **(base | extra)))
+
+
+@contextmanager
+def slow_steps(seconds: float) -> Iterator[None]:
+    """Every training step of every job on the chaos suite's head takes ``seconds`` longer while inside (a sleep:
+    the weights stay bit-identical); at full speed again after."""
+    DELAY_FILE.write_text(f"step:{seconds}")
+    try:
+        yield
+    finally:
+        DELAY_FILE.unlink(missing_ok=True)
 
 
 def start_training(
@@ -231,6 +251,18 @@ def ray_train_jobs(handle: ClusterHandle, cfg: Config) -> list[str]:
         for j in jobs_client(handle.address).list_jobs()
         if (j.submission_id or "").startswith(f"unbroken-{cfg.name}-{registry.storage_tag(cfg.storage)}-train-")
     )
+
+
+def actor_classes(handle: ClusterHandle) -> dict[str, int]:
+    """How many actors of each class the cluster has started, dead ones included (Ray's state API)."""
+    from control import rayapi
+
+    r, why = rayapi.get(handle.address, "/api/v0/actors?limit=10000&detail=false", 30.0)
+    assert r is not None and r.status_code == 200, why or r.text[:500]
+    counts: dict[str, int] = {}
+    for actor in r.json()["data"]["result"]["result"]:
+        counts[actor["class_name"]] = counts.get(actor["class_name"], 0) + 1
+    return counts
 
 
 def check_one_attempt(reg: dict, cfg: Config, baseline: str, handle: ClusterHandle) -> list[dict]:

@@ -19,6 +19,7 @@ from ray_jobs.storage import Layout
 from tests.chaos.harness import (
     CHAOS_PORT,
     REPORT,
+    actor_classes,
     baseline_metrics,
     chaos_config,
     final_weights_hash,
@@ -95,8 +96,15 @@ def test_kill_9_after_the_first_checkpoint_then_sigterm_mid_interval_ends_bit_id
     assert sorted(restarted) == ["0", "1"] and sorted(r for r, _ in counters) == ["0", "1"], logs[-3000:]
     for c in [*restarted.values(), *(c for _, c in counters)]:
         assert "'bytes_from_storage': 0" in c and "'misses': 0" in c, (restarted, counters)
+    # Three worker groups, and not one of Ray Train's dataset managers (unbroken passes no Ray Dataset:
+    # ray_jobs/ray_private.torch_trainer); its synchronization actors, one a group, for comparison.
+    started = actor_classes(ray_cluster)
+    assert started.get("DatasetManager", 0) == 0 and started.get("SynchronizationActor", 0) >= 3, started
 
 
+@pytest.mark.full(
+    shard=2
+)  # a worker kill again, under FSDP (tests/unit/test_sharded_checkpoints.py: its resume, in-process)
 def test_fsdp_run_killed_mid_run_ends_bit_identical_and_exports(ray_cluster, tmp_path) -> None:
     """FSDP killed after a checkpoint ends bit-identical to FSDP uninterrupted -- trained under ``torchrun`` (the
     loop Ray Train runs, without Ray: cheaper, and it trains while the killed run waits on its restart)."""

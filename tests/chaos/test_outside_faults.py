@@ -1,7 +1,7 @@
-"""The faults users meet first, outside anything unbroken scripts: a cluster gone for good, two projects naming their
-runs alike on one head, a head someone else started on the run's ports, a full disk under the lease. Each on the
-chaos suite's real head with real jobs: nothing is torn down, doubled, locked or abandoned, and what cannot be done
-ends in a clear refusal or a give-up that says why."""
+"""The faults users meet first, outside anything unbroken scripts: a cluster gone for good, a head someone else
+started on the run's ports, a full disk under the lease (two projects naming their runs alike on one head:
+tests/integration/test_two_runs.py). Each on the chaos suite's real head with real jobs: nothing is torn down,
+doubled, locked or abandoned, and what cannot be done ends in a clear refusal or a give-up that says why."""
 
 from __future__ import annotations
 
@@ -22,9 +22,7 @@ from tests.chaos.harness import (
     WatchdogLoop,
     chaos_config,
     check_one_attempt,
-    final_weights_hash,
     heartbeat_step,
-    job_logs,
     start_run,
     until_finished,
     wait_for,
@@ -39,6 +37,7 @@ SLOW_STEPS = {"UNBROKEN_INJECT_DELAY": "step:0.12"}  # a fault lands mid-trainin
 QUICK = {"fault_tolerance.max_failures": 0, "fault_tolerance.restart_backoff_s": 1, "fault_tolerance.confirm_s": 3}
 
 
+@pytest.mark.full(shard=1)  # a head lost again, for good (its give-up: tests/unit/test_decide.py)
 def test_an_address_cluster_gone_for_good_ends_in_a_give_up_with_its_reason_and_an_event(
     ray_cluster, tmp_path, asserting_events
 ) -> None:
@@ -76,24 +75,6 @@ def test_an_address_cluster_gone_for_good_ends_in_a_give_up_with_its_reason_and_
     REPORT.append({"scenario": "address cluster gone for good", "detected_by": "watchdog (gave up, event)",
                    "detection_s": reg.incidents[-1].detected_at - gone_at, "recovery_s": 0.0,
                    "lost_steps": 0})  # fmt: skip
-
-
-def test_two_runs_of_one_name_in_two_storages_on_one_head_each_train_their_own_job(ray_cluster, tmp_path) -> None:
-    """Two projects on one laptop's head both call their run ``twin``: each run's job is its own (the submission id
-    names the storage too), both train at once, and each ends with its own final model -- neither watches, adopts or
-    stops the other's job."""
-    small = {"train.max_steps": 20, "checkpoint.every_steps": 10, "train.eval_every_steps": 10,
-             "cluster.num_workers": 1}  # fmt: skip
-    cfgs = [chaos_config(tmp_path / project / "storage", "twin", **small) for project in ("project-a", "project-b")]
-    sids = [start_run(ray_cluster, cfg) for cfg in cfgs]
-    assert sids[0] != sids[1], sids
-    for cfg, sid in zip(cfgs, sids, strict=True):
-        assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-3000:]
-        entrypoint = jobs_client(ray_cluster.address).get_job_info(sid).entrypoint
-        assert f"{cfg.storage}/runs/twin/job-spec-001.json" in entrypoint, "its own job spec"
-        assert Path(Layout(cfg.storage).final_model("twin"), "model.safetensors").exists()
-        assert registry.load(cfg.storage, "twin").current.submission_id == sid
-    assert final_weights_hash(cfgs[0]) == final_weights_hash(cfgs[1]), "the same training, each its own"
 
 
 def test_a_head_started_with_another_environment_on_the_runs_ports_is_refused_in_one_line(ray_cluster, tmp_path):

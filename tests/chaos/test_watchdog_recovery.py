@@ -37,6 +37,7 @@ from tests.chaos.harness import (
     heartbeat,
     heartbeat_step,
     rank0_pid,
+    slow_steps,
     start_run,
     start_uninterrupted,
     train_worker_pids,
@@ -75,15 +76,17 @@ def watched(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def watchdogs(ray_cluster, watched, tmp_path_factory):
-    """Two independent watchdog loops on the same storage (separate Prefect homes: separate servers), each serving
-    its counters (``METRICS``: their URLs). A pass every 4 s: each pass is a flow run, and a watchdog with its server
-    takes ~14 % of a core at one every two seconds, ~8 % at one every four (the suite shares two cores; the faults
-    here are noticed a pass or two later, but the two watchdogs cost ~90 CPU-s less over the module)."""
+    """Two independent watchdog loops on the same storage (separate Prefect homes: separate servers, as two teams'
+    would have), each serving its counters (``METRICS``: their URLs). Not the session's one server: two watchdogs
+    writing a flow run every few seconds into one SQLite database lock each other out ("database is locked", seen
+    here: both passes stalled 60 s, a driver kill went unnoticed as long). A pass every 4 s: each pass is a flow run,
+    and a watchdog with its server takes ~14 % of a core at one every two seconds, ~8 % at one every four (the suite
+    shares two cores; the faults here are noticed a pass or two later)."""
     procs = []
     for i in range(2):
         home = tmp_path_factory.mktemp(f"watchdog-{i}")
         env = dict(os.environ, PREFECT_HOME=str(home / "prefect"), PYTHONUNBUFFERED="1")
-        env.pop("PREFECT_API_URL", None)  # not the session's shared server: each boots its own, as two teams' would
+        env.pop("PREFECT_API_URL", None)  # not the session's shared server: each boots its own
         log = open(home / "watchdog.log", "w")  # noqa: SIM115 (closed with the process)
         cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(watched), "--interval", "4",
                "--metrics-port", "0"]  # fmt: skip
@@ -155,71 +158,6 @@ def _ended(cfg: Config) -> bool:
     return reg is not None and reg.state in ("failed", "succeeded", "stopped-early")
 
 
-def test_a_worker_killed_mid_checkpoint_write_then_the_driver_killed_each_resume_from_the_newest_valid_one(
-    ray_cluster, baseline, uninterrupted, watched, watchdogs
-) -> None:
-    """Two faults of one run, each a job the watchdog must restart (one run for both: the suite shares two cores):
-    kill -9 of rank 0 while it writes a checkpoint -- the half-written one is skipped, the run resumes from the one
-    before; then kill -9 of the restarted job's driver -- resumed from the newest checkpoint. Beside it a run record
-    from a newer release is marked active (written by a newer unbroken on the same storage): both watchdogs name
-    it, count it, skip it, and still recover this run. It ends bit-identical, each step once in the trackers."""
-    cfg = watched_config(watched, "ckpt-then-driver-kill", **TRACKING)
-    newer = Path(Layout(str(watched)).run_registry("from-a-newer-release"))
-    newer.parent.mkdir(parents=True, exist_ok=True)
-    newer.write_text(json.dumps({"schema_version": 99, "name": "from-a-newer-release", "state": "running"}))
-    Path(Layout(str(watched)).active_index(), "from-a-newer-release").touch()
-    ckpts = Path(Layout(cfg.storage).checkpoints_dir(cfg.name))
-    start_run(ray_cluster, cfg)
-    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(str(ckpts)), timeout_s=180)
-    victim = rank0_pid(cfg)  # rank 0 writes the checkpoints
-
-    def writing():  # a checkpoint folder after the first whose manifest (written last) is not there yet
-        for d in ckpts.glob("checkpoint-step-*"):
-            if ckpt.checkpoint_step(d.name) > cfg.checkpoint.every_steps and not (d / "manifest.json").exists():
-                return d
-        return None
-
-    partial = wait_for("a checkpoint write in progress", writing, timeout_s=120, every_s=0)
-    write_killed_at = time.time()
-    os.kill(victim, signal.SIGKILL)
-    caught_mid_write = not (partial / "manifest.json").exists()
-    assert caught_mid_write, f"the kill landed after {partial.name} was complete; nothing partial was tested"
-
-    # Attempt 2 (the watchdog's) trains past a checkpoint of its own at or after the torn one; then its driver dies.
-    def attempt_2_past_a_checkpoint() -> bool:
-        latest = ckpt.find_latest_valid(str(ckpts))
-        return (
-            len(registry.load(cfg.storage, cfg.name).attempts) == 2
-            and heartbeat(cfg).get("pid") not in (None, victim)
-            and heartbeat_step(cfg) > ckpt.checkpoint_step(partial.name) + 5
-            and latest is not None
-            and ckpt.checkpoint_step(latest[0]) >= ckpt.checkpoint_step(partial.name)
-        )
-
-    wait_for("attempt 2 past a checkpoint of its own", attempt_2_past_a_checkpoint, timeout_s=180)
-    pid = wait_for("attempt 2's job driver", lambda: driver_pid(cfg))
-    driver_killed_at = time.time()
-    os.kill(pid, signal.SIGKILL)
-
-    reg = until_finished(cfg, watchdogs)
-    write_kill, driver_kill = check_restarts(cfg, reg, baseline, [
-        ("job-failed", write_killed_at, "kill -9 during a checkpoint write"),
-        ("job-failed", driver_killed_at, "kill -9 the job driver"),
-    ])  # fmt: skip
-    assert write_kill.resumed_step < ckpt.checkpoint_step(partial.name), "a half-written checkpoint was loaded"
-    # Ray SIGTERMs the orphaned workers: they save a just-in-time checkpoint, so little or nothing is lost.
-    assert driver_kill.resumed_step >= driver_kill.failed_step - cfg.checkpoint.every_steps
-    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))  # resumed further back
-    # What the watchdogs' endpoints say of it: one incident and one restart a fault, whichever watchdog did it.
-    assert counted("unbroken_watchdog_restarts_total", run=cfg.name) == 2
-    assert counted("unbroken_watchdog_incidents_total", run=cfg.name, kind="job-failed") == 2
-    assert counted("unbroken_watchdog_passes_total") > 0
-    assert counted("unbroken_watchdog_left_alone_total", run="from-a-newer-release", reason="unreadable") >= 2
-    for log in watchdogs:  # named by each (its log and its printed outcome) -- once, not once a pass
-        said = log.read_text().count("from-a-newer-release/run.json: schema_version 99 is newer than this unbroken")
-        assert 1 <= said <= 2, said
-
-
 # The hf engine's two trainers: HF's Trainer on the demo rows (SFT), TRL's DPOTrainer on the demo preference pairs.
 HF_RECIPES = {
     "sft": {},
@@ -260,49 +198,121 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
     check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(baseline))
 
 
-def test_a_hung_worker_then_the_whole_cluster_stopped_each_restart_the_run_bit_identical(
+def test_a_torn_checkpoint_write_a_killed_driver_a_hang_and_a_lost_head_each_restart_the_run_bit_identical(
     ray_cluster, baseline, uninterrupted, watched, watchdogs
 ) -> None:
-    """Two faults of one run, each a restart by the watchdog (one run for both: the suite shares two cores): a train
-    worker hung (SIGSTOP) -- the stall timeout notices -- then, once the restarted job is past a checkpoint of its
-    own, every process of the head killed -- the watchdog starts the head again. It ends bit-identical, each step once
-    in the trackers."""
-    cfg = watched_config(watched, "hang-then-cluster-down", **TRACKING)
-    start_run(ray_cluster, cfg)
-    # Stopped well clear of the eval pass at step 60 (and the next at 120): rank 0 then waits on rank 1 inside a
-    # training step, the stall this test is about. Stopped just before step 60, rank 0 waits in its eval pass instead
-    # and the watchdog rightly gives it phase_stall_s.evaluating (30 min), not stall_timeout_s.
-    started_and_checkpointed(cfg, past_step=65)
-    victim = next(p for p in train_worker_pids(CHAOS_PORT) if p != rank0_pid(cfg))  # rank 1: rank 0 keeps beating
-    hung_at = time.time()
-    os.kill(victim, signal.SIGSTOP)
-    try:
-        wait_for("the restarted job past a checkpoint of its own", lambda: _past_a_new_checkpoint(cfg),
-                 timeout_s=420, every_s=0.2)  # fmt: skip
-    finally:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
+    """Four faults of one run, each a job the watchdog must restart (one run for all: the suite shares two cores):
+    kill -9 of rank 0 while it writes a checkpoint -- the half-written one is skipped, the run resumes from the one
+    before; kill -9 of the restarted job's driver -- resumed from the newest checkpoint; a train worker hung
+    (SIGSTOP) -- the stall timeout notices; every process of the head killed -- the watchdog starts the head again.
+    Beside it a run record from a newer release is marked active (written by a newer unbroken on the same storage):
+    both watchdogs name it, count it, skip it, and still recover this run. It ends bit-identical, each step once in
+    the trackers. Its steps are slowed (a sleep: the same bits) until the last fault, so no attempt ends first."""
+    cfg = watched_config(watched, "four-faults", **TRACKING, **{"fault_tolerance.max_restarts": 4})
+    newer_release_beside(watched)
+    with slow_steps(0.1):
+        start_run(ray_cluster, cfg)
+        torn, write_killed_at = kill_mid_checkpoint_write(cfg)
+        wait_for("attempt 2 past a checkpoint of its own", lambda: past_a_checkpoint(cfg, 2, torn), timeout_s=180)
+        pid = wait_for("attempt 2's job driver", lambda: driver_pid(cfg))
+        driver_killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        hung, hung_at = hang_a_worker_mid_step(cfg, attempt=3)
+        try:
+            wait_for("attempt 4 past a checkpoint of its own", lambda: past_a_checkpoint(cfg, 4), timeout_s=420)
+        finally:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(hung, sig)
+        down_at = time.time()
+        for pid in head_pids(CHAOS_PORT):  # the whole head dies at once, as a lost machine's would; nothing else here
             with contextlib.suppress(ProcessLookupError):
-                os.kill(victim, sig)
-    down_at = time.time()
-    for pid in head_pids(CHAOS_PORT):  # the whole head dies at once, as a lost machine's would; nothing else here
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
     reg = until_finished(cfg, watchdogs)
-    stalled, down = check_restarts(cfg, reg, baseline, [("stalled", hung_at, "SIGSTOP a train worker (hang)"),
-                                                         ("cluster-unreachable", down_at,
-                                                          "kill -9 every process of the head")])  # fmt: skip
+    write_kill, driver_kill, stalled, down = check_restarts(cfg, reg, baseline, [
+        ("job-failed", write_killed_at, "kill -9 during a checkpoint write"),
+        ("job-failed", driver_killed_at, "kill -9 the job driver"),
+        ("stalled", hung_at, "SIGSTOP a train worker (hang)"),
+        ("cluster-unreachable", down_at, "kill -9 every process of the head"),
+    ])  # fmt: skip
+    assert write_kill.resumed_step < ckpt.checkpoint_step(torn.name), "a half-written checkpoint was loaded"
+    # Ray SIGTERMs the orphaned workers: they save a just-in-time checkpoint, so little or nothing is lost.
+    assert driver_kill.resumed_step >= driver_kill.failed_step - cfg.checkpoint.every_steps
     # Not before the stall timeout, and not long after it (a pass every 4 s, plus a loaded machine's slack).
     assert cfg.fault_tolerance.stall_timeout_s <= stalled.silent_s < cfg.fault_tolerance.stall_timeout_s + 20
     assert "made no step" in stalled.detail
     assert down.reprovisioned, "the watchdog started the local head again"
-    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))
+    check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(uninterrupted))  # resumed further back
+    # What the watchdogs' endpoints say of it: one incident and one restart a fault, whichever watchdog did it.
+    assert counted("unbroken_watchdog_restarts_total", run=cfg.name) == 4
+    assert counted("unbroken_watchdog_incidents_total", run=cfg.name, kind="job-failed") == 2
+    assert counted("unbroken_watchdog_passes_total") > 0
+    assert counted("unbroken_watchdog_left_alone_total", run="from-a-newer-release", reason="unreadable") >= 2
+    for log in watchdogs:  # named by each (its log and its printed outcome) -- once, not once a pass
+        said = log.read_text().count("from-a-newer-release/run.json: schema_version 99 is newer than this unbroken")
+        assert 1 <= said <= 2, said
 
 
-def _past_a_new_checkpoint(cfg: Config) -> bool:
-    """The run's second attempt has written a valid checkpoint newer than the one it resumed from."""
+def newer_release_beside(storage: Path) -> None:
+    """A run record a newer unbroken wrote on the same storage, marked active: no watchdog here can read it."""
+    newer = Path(Layout(str(storage)).run_registry("from-a-newer-release"))
+    newer.parent.mkdir(parents=True, exist_ok=True)
+    newer.write_text(json.dumps({"schema_version": 99, "name": "from-a-newer-release", "state": "running"}))
+    Path(Layout(str(storage)).active_index(), "from-a-newer-release").touch()
+
+
+def kill_mid_checkpoint_write(cfg: Config) -> tuple[Path, float]:
+    """kill -9 of rank 0 (it writes the checkpoints) while a checkpoint after the first is half-written: (that
+    checkpoint's folder, when)."""
+    ckpts = Path(Layout(cfg.storage).checkpoints_dir(cfg.name))
+    wait_for("the first checkpoint", lambda: ckpt.find_latest_valid(str(ckpts)), timeout_s=180)
+    victim = rank0_pid(cfg)
+
+    def writing() -> Path | None:  # a checkpoint folder after the first whose manifest (written last) is not there yet
+        for d in ckpts.glob("checkpoint-step-*"):
+            if ckpt.checkpoint_step(d.name) > cfg.checkpoint.every_steps and not (d / "manifest.json").exists():
+                return d
+        return None
+
+    partial = wait_for("a checkpoint write in progress", writing, timeout_s=120, every_s=0)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    assert not (partial / "manifest.json").exists(), f"the kill landed after {partial.name} was complete"
+    return partial, killed_at
+
+
+def past_a_checkpoint(cfg: Config, attempt: int, at_least: Path | None = None) -> bool:
+    """Attempt ``attempt`` is the current one, trains, and wrote a valid checkpoint newer than the one it resumed
+    from (and at or after ``at_least``), a few steps back."""
     reg = registry.load(cfg.storage, cfg.name)
-    if reg is None or len(reg.attempts) < 2 or not reg.attempts[1].resume_from:
+    if reg is None or len(reg.attempts) != attempt or not reg.attempts[-1].resume_from:
+        return False
+    if heartbeat(cfg).get("attempt") != attempt:  # its workers have not beaten yet: the step is an older attempt's
         return False
     newest = ckpt.find_latest_valid(Layout(cfg.storage).checkpoints_dir(cfg.name))
-    return newest is not None and Path(newest[0]).name != Path(reg.attempts[1].resume_from).name
+    if newest is None or Path(newest[0]).name == Path(reg.attempts[-1].resume_from).name:
+        return False
+    step = ckpt.checkpoint_step(newest[0])
+    return heartbeat_step(cfg) > step + 2 and (at_least is None or step >= ckpt.checkpoint_step(at_least.name))
+
+
+def hang_a_worker_mid_step(cfg: Config, attempt: int) -> tuple[int, float]:
+    """SIGSTOP of rank 1 once ``attempt`` trains, a few steps clear of an eval pass and a checkpoint (rank 0 then
+    waits on rank 1 inside a training step, the stall this is about; stopped just before an eval, rank 0 would wait
+    in its eval pass instead, and the watchdog rightly gives it phase_stall_s.evaluating, not stall_timeout_s):
+    (the hung pid, when)."""
+    every = (cfg.train.eval_every_steps, cfg.checkpoint.every_steps)
+
+    def training_clear_of_other_phases() -> bool:
+        beat = heartbeat(cfg)  # the attempt's own, once its workers step (an older attempt's says nothing)
+        clear = all(3 < beat["step"] % n < n - 5 for n in every)
+        return (
+            beat.get("attempt") == attempt and beat.get("first_step_at") and beat.get("phase") == "training" and clear
+        )
+
+    wait_for(f"attempt {attempt} training, clear of other phases", training_clear_of_other_phases, timeout_s=300)
+    victim = next(p for p in train_worker_pids(CHAOS_PORT) if p != rank0_pid(cfg))  # rank 1: rank 0 keeps beating
+    hung_at = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    return victim, hung_at
