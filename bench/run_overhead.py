@@ -24,8 +24,10 @@ attempt's first step is reported, with what the watchdog recorded (detection, lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,15 +87,74 @@ def loop_times(storage: Path, run: str) -> tuple[float, float, int]:
     return beat["first_step_at"], rows[-1]["time"], rows[-1]["step"]
 
 
+# Where ``unbroken run``'s time before the first step goes: each mark is the first output line that says it (a Ray
+# line by its own timestamp, when it has one; the rest as the flow's watch relays it, up to a second late).
+MARKS = (
+    ("the CLI: imports, config, checks", "Starting temporary server"),
+    ("Prefect's temporary server boots", "Beginning flow run"),
+    ("the flow's tasks: model, data, cluster, fit, record", "submitted Ray job"),
+    ("Ray Jobs: runtime env, the driver starts", "Connected to Ray cluster"),
+)
+WORKERS_UP = "Ray Train: controller, worker group, until rank 0's loop starts"
+FIRST_STEP = "the workers: model, data, resume, to the first step"
+RAY_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\s")
+
+
+class Loading:
+    """When rank 0's training function started (the heartbeat's phase ``loading``, by its own clock): polled from the
+    run's heartbeat while ``unbroken run`` runs (the phase is overwritten once training starts)."""
+
+    def __init__(self, storage: Path, run: str):
+        self.beat, self.at = storage / "runs" / run / "heartbeat.json", None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while self.at is None and not self._stop.wait(0.05):
+            with contextlib.suppress(OSError, ValueError):
+                beat = json.loads(self.beat.read_text())
+                if beat.get("phase") == "loading":
+                    self.at = beat["phase_started_at"]
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.at
+
+
+def breakdown(p: Timed, loading: float | None, first_step: float) -> dict[str, float]:
+    """Seconds from the process start to the first step, segment by segment (:data:`MARKS`, then rank 0's training
+    function starting, then its first step)."""
+    out, before = {}, p.start
+    for what, needle in MARKS:
+        line = next(((t, ln) for t, ln in p.lines if needle in ln), None)
+        if line is None:
+            continue
+        said = RAY_TIME.search(line[1])
+        at = (
+            time.mktime(time.strptime(said.group(1), "%Y-%m-%d %H:%M:%S")) + int(said.group(2)) / 1000
+            if said
+            else line[0]
+        )
+        out[what] = round(at - before, 2)
+        before = at
+    if loading is not None:
+        out[WORKERS_UP], before = round(loading - before, 2), loading
+    out[FIRST_STEP] = round(first_step - before, 2)
+    return out
+
+
 def unbroken_run(storage: Path, name: str, args, **extra) -> dict:
     sets = [a for kv in overrides(storage, name, args, **extra) for a in ("--set", kv)]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # a user's first run: no Prefect server
     p = Timed([str(VENV_BIN / "unbroken"), "run", str(DEMO), *sets], env | {"PYTHONUNBUFFERED": "1"})
+    loading = Loading(storage, name)
     end = p.wait()
     first, last, steps = loop_times(storage, name)
     flow = p.first("Beginning flow run")
     return {"start": p.start, "flow_start": flow, "first_step": first, "last_step": last, "exit": end,
-            "steps": steps}  # fmt: skip
+            "steps": steps, "before_first_step": breakdown(p, loading.stop(), first)}  # fmt: skip
 
 
 def torchrun(storage: Path, args) -> dict:
@@ -122,7 +183,8 @@ def phases(t: dict) -> dict:
         out["start_to_flow_s"] = t["flow_start"] - t["start"]
         out["flow_to_first_step_s"] = t["first_step"] - t["flow_start"]
         out["overhead_from_flow_s"] = out["flow_to_first_step_s"] + after
-    return {k: round(v, 2) for k, v in out.items()}
+    rounded = {k: round(v, 2) for k, v in out.items()}
+    return rounded | ({"before_first_step": t["before_first_step"]} if "before_first_step" in t else {})
 
 
 def driver_pid(run: str) -> int | None:
@@ -202,6 +264,10 @@ def main() -> None:
         r = rows[name]
         print(f"{name}: overhead {r['overhead_s']} s from process start ({r['overhead_s'] / base:.1f}x torchrun's "
               f"{base} s), {r['overhead_from_flow_s']} s from the flow's start")  # fmt: skip
+    for name in ("unbroken run (cold)", "unbroken run (warm)"):
+        print(f"{name}, process start -> first step, by segment:")
+        for what, secs in rows[name]["before_first_step"].items():
+            print(f"  {secs:6.2f} s  {what}")
     if restart:
         print(f"watchdog restart after kill -9 of the job driver: {restart}")
     print("RESULT " + json.dumps({"runs": rows, "restart": restart}))
