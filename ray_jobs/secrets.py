@@ -36,10 +36,15 @@ _WHERE = re.compile(r"_(PATH|FILE|DIR)$", re.IGNORECASE)
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*://"
 _STOP = r"\s'\"<>`"  # what ends a URI inside a longer text (quotes, brackets of markup, whitespace)
 _URI = re.compile(rf"{_SCHEME}[^{_STOP}]+")
-# The password runs to the last '@' before the host (an unescaped '@' in a password is common), and the host has none.
+# The password runs to the last '@' before the host (an unescaped '@' in a password is common), and the host has none;
+# or, where that finds none, to the first '@' whatever it holds but whitespace -- '/', '?', '#', a quote: SQLAlchemy
+# reads a URL so (``[^@]*``) and a database password may hold any of them. (A URL with no password whose path holds
+# an '@' after a port, ``http://h:8080/a@b``, is masked too: more hidden than needed, never less.)
+_PASSWORD = rf"[^{_STOP}/?#]*|[^\s@]*"
 _USERINFO = re.compile(
-    rf"(?P<scheme>{_SCHEME})(?P<user>[^{_STOP}:/?#@\[\]]*):(?P<password>[^{_STOP}/?#]*)@(?P<host>[^{_STOP}/?#@]*)"
+    rf"(?P<scheme>{_SCHEME})(?P<user>[^{_STOP}:/?#@\[\]]*):(?P<password>{_PASSWORD})@(?P<host>[^{_STOP}/?#@]*)"
 )
+_REST = re.compile(rf"[^{_STOP}]*")  # what follows a URI's host: its port, path and query
 _QUERY = re.compile(rf"(?P<lead>[?&](?P<name>[A-Za-z0-9_.\-]+)=)(?P<value>[^{_STOP}&#]*)")
 # A query parameter is a secret by a word of its name (``access_token``, ``X-Amz-Signature``, ``clientSecret``), or a
 # key of some kind (``api_key``, ``AccountKey``); by the whole name for the short ones that are words elsewhere.
@@ -132,11 +137,19 @@ def _secrets_of(uri: str) -> list[str]:
 
 # -- the way back ------------------------------------------------------------------------------------------------
 def credentials_in(tree: Any) -> list[str]:
-    """Every URI in the strings of ``tree`` that carries a credential (what masking would change), in order."""
+    """Every URI in the strings of ``tree`` that carries a credential (what masking would change), in order; whole,
+    a password holding a quote or a '/' included."""
     found: list[str] = []
     for text in _strings(tree):
-        found += [u for u in _URI.findall(text) if mask(u, ()) != u and u not in found]
+        passwords = [m[0] + _REST.match(text, m.end())[0] for m in _USERINFO.finditer(text) if _masks(m)]
+        queries = [u for u in _URI.findall(text) if mask(u, ()) != u]
+        found += [u for u in dict.fromkeys(passwords + queries) if u not in found]
     return found
+
+
+def _masks(m: re.Match) -> bool:
+    """Whether a userinfo match holds a password masking would hide."""
+    return _mask_userinfo(m) != m[0]
 
 
 def _strings(tree: Any) -> Iterable[str]:

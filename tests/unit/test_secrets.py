@@ -29,6 +29,14 @@ MASKED = [
      "connecting to 'http://a:***@h1/x' and ftp://c:***@h2:21, then postgresql://e:***@h3"),
     ("API request to http://alice:pw@127.0.0.1:9/api/2.0/mlflow/x failed",
      "API request to http://alice:***@127.0.0.1:9/api/2.0/mlflow/x failed"),
+    # passwords SQLAlchemy takes as written (it reads up to the first '@'): '/', '?', '#', quotes
+    ("postgresql://u:p/ss@db/mlflow", "postgresql://u:***@db/mlflow"),
+    ("postgresql://u:p?ss@db:5432/x", "postgresql://u:***@db:5432/x"),
+    ("mysql://u:p#ss@db/x", "mysql://u:***@db/x"),
+    ("postgresql://u:pa'ss@db/x", "postgresql://u:***@db/x"),
+    ('postgresql://u:pa"ss@db/x', "postgresql://u:***@db/x"),
+    ("postgresql://u:a/b?c#d'e\"f@db:5432/mlflow?sslmode=require", "postgresql://u:***@db:5432/mlflow?sslmode=require"),
+    ("MLflow at 'postgresql://u:p/q#r@db/m' failed", "MLflow at 'postgresql://u:***@db/m' failed"),
 ]  # fmt: skip
 UNCHANGED = ["plain text", "/tmp/storage/runs/r/run.json", "s3://bucket/prefix/run.json", "http://host:8080/p?q=1",
              "ssh://git@github.com/org/repo", "user@example.com", "a=b&monkey=1", "key: value", "", "http://a:***@h",

@@ -17,7 +17,7 @@ from control.jobs import write_job_spec
 from control.records.run import Incident
 from ray_jobs.config import job_spec, load_config
 from ray_jobs.contracts.job_spec import JobSpec
-from ray_jobs.secrets import CREDENTIALS_ENV
+from ray_jobs.secrets import CREDENTIALS_ENV, job_env
 from tests.conftest import ROOT, made_manifest, tiny_overrides
 
 PASSWORD = "UNIT-URI-SECRET-7"
@@ -55,6 +55,24 @@ def test_the_run_record_and_job_spec_hold_the_uri_masked(tmp_path: Path) -> None
     assert json.loads(Path(c.storage, "runs", "r", "run.json").read_text())["config"]["tracking"]["mlflow"] == {
         "tracking_uri": MASKED, "experiment": None}  # fmt: skip
     registry.check_compatible(cfg(tmp_path), "ds-1")  # the masked record is no change of config
+
+
+def test_a_password_with_a_slash_a_question_mark_a_hash_or_a_quote_is_written_masked_and_comes_back(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """SQLAlchemy reads a database password up to the first '@', '/', '?', '#' and quotes included: such an MLflow
+    URI is masked in the run record and the job spec like any other, and a job given the credentials has it whole."""
+    odd = "p/w?x#y'z\"9"
+    uri = f"postgresql+psycopg2://mlflow:{odd}@db.example.com:5432/mlflow?sslmode=require"
+    c = load_config(ROOT / "configs" / "demo.yaml",
+                    tiny_overrides(tmp_path / "storage", name="r", **{"tracking.mlflow.tracking_uri": uri}))  # fmt: skip
+    registry.begin_attempt(c, {"address": "http://127.0.0.1:1"}, "ds-1", extra={"manifest_url": "m", "model_path": "p"},
+                           job_spec=lambda n: write_job_spec(c, n, "m", "p", None))  # fmt: skip
+    written = files_under(tmp_path / "storage")
+    assert written and not [p for p, text in written.items() if "p/w?x#y" in text or "x#y'z" in text]
+    monkeypatch.setenv(CREDENTIALS_ENV, job_env(c.model_dump())[CREDENTIALS_ENV])
+    spec = next(p for p in written if "job-spec-" in p)
+    assert job_spec("ray_jobs.job", JobSpec, ["--spec", spec])[1].tracking.mlflow.tracking_uri == uri
 
 
 def test_the_flow_submits_the_job_with_the_credentials_in_its_environment(tmp_path: Path, monkeypatch) -> None:
