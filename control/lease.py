@@ -165,12 +165,12 @@ def _newest(lease_dir: str) -> Generation | None:
     return Generation(gens[-1], body, stamped)
 
 
-def _held(g: Generation | None, lease_dir: str) -> bool:
+def _held(g: Generation | None, storage: str) -> bool:
     """Whether ``g`` is a live lease: not released, and the storage's clock has not moved its ttl past its stamp."""
     if g is None or (g.body or {}).get("released"):
         return False
     ttl = _ttl(g.body)
-    return storage_now(lease_dir) - g.stamped < ttl
+    return storage_now(Layout(storage).probes()) - g.stamped < ttl
 
 
 def _ttl(body: dict | None) -> float:
@@ -185,7 +185,7 @@ def holder(storage: str, run: str, lease_dir: str | None = None) -> dict | None:
     when the run's lease is free."""
     lease_dir = lease_dir or Layout(storage).lease_dir(run)
     g = _newest(lease_dir)
-    if g is None or not _held(g, lease_dir):
+    if g is None or not _held(g, storage):
         return None
     return g.body if g.body is not None else {"owner": "(unreadable lease file)", "generation": g.number}
 
@@ -196,9 +196,9 @@ def acquire(
     """Take the run's lease (or the one in ``lease_dir``), or return None when another holder has it (or won the
     race for it). StorageFull when the lease folder's storage has no room (nothing is left behind)."""
     lease_dir = lease_dir or Layout(storage).lease_dir(run)
-    check_conditional_writes(lease_dir)
+    check_conditional_writes(Layout(storage).probes())
     g = _newest(lease_dir)
-    if _held(g, lease_dir):
+    if _held(g, storage):
         return None
     lease = Lease(storage, run, owner or owner_id(), (g.number if g else 0) + 1, ttl_s, lease_dir)
     started = time.monotonic()

@@ -133,7 +133,7 @@ def active_runs(storage: str, unreadable: list[tuple[str, str]] | None = None) -
     if not built:
         names = runs(storage)
     active = []
-    for run in (n for n in names if n != ".built"):
+    for run in (n for n in names if not n.startswith(".")):  # .built; a run's name never starts with one
         try:
             reg = load(storage, run)
         except (RecordError, ValueError) as e:  # its marker stays: the next pass names it again

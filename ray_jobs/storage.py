@@ -302,6 +302,11 @@ class Layout:
     def active_index(self) -> str:
         return join(self.root, "index", "active-runs")
 
+    # probes/ : the storage clock's and its conditional writes' probes, each removed once read (ray_jobs/coordination.py);
+    # nothing lists this folder, so a probe in flight is never read as a run, a marker or a lease
+    def probes(self) -> str:
+        return join(self.root, "probes")
+
     # index/<backend>-runs/<run> : a marker per run whose cluster a backend's janitor has yet to see cleaned up
     # (control/backends: ``janitor_index``)
     def janitor_index(self, backend: str) -> str:

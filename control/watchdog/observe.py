@@ -56,7 +56,7 @@ def heartbeat_seen(storage: str, run: str, attempt: int) -> tuple[Beat | None, f
         return None, None
     if beat is None or beat.attempt != attempt:
         return None, None
-    return beat, max(0.0, storage_now(Layout(storage).active_index()) - stamped)
+    return beat, max(0.0, storage_now(Layout(storage).probes()) - stamped)
 
 
 def live_heartbeat(cfg: Config, attempt: int) -> str | None:

@@ -157,3 +157,32 @@ def test_mark_running_takes_the_lease_once_not_once_a_poll(tmp_path: Path, monke
     monkeypatch.setattr(registry.leases, "acquire", lambda *a, **k: taken.append("lease") or real(*a, **k))
     assert all(registry.mark_running(c.storage, c.name, 1) for _ in range(5))
     assert taken == ["lease"] and registry.load(c.storage, c.name).state == "running"
+
+
+def test_the_storage_clocks_probe_is_never_read_as_a_run_or_leaves_a_lease_behind(tmp_path: Path, monkeypatch) -> None:
+    """The watchdog asks the storage's clock (a probe file written, its stamp read, the file removed) while another
+    watchdog lists the active runs: that listing never takes the probe for a run, and no lease folder is made for
+    one. The probe lives where nothing lists (``<storage>/probes``)."""
+    from control.watchdog.observe import heartbeat_seen
+    from ray_jobs import coordination
+    from ray_jobs.storage import Layout
+
+    c = cfg(tmp_path)
+    registry.begin_attempt(c, {"address": "a"}, "ds-1")
+    Path(Layout(c.storage).heartbeat("r")).write_text('{"run": "r", "attempt": 1, "time": 1, "max_steps": 9, '
+                                                      '"last_step_at": 1, "schema_version": 1}')  # fmt: skip
+    seen, real = [], coordination.modified_at
+
+    def stamped_while_another_pass_lists(url: str) -> float:
+        if "clock" in url:  # the probe is on storage right now
+            seen.append((url, registry.active_runs(c.storage)))
+        return real(url)
+
+    monkeypatch.setattr(coordination, "modified_at", stamped_while_another_pass_lists)
+    coordination._CLOCKS.clear()
+    beat, age = heartbeat_seen(c.storage, "r", 1)
+    assert beat is not None and age is not None
+    ((probe, active),) = seen
+    assert active == ["r"] and probe.startswith(Layout(c.storage).probes()), seen
+    assert sorted(p.name for p in Path(c.storage, "runs").iterdir()) == ["r"], "no run folder, no lease, for a probe"
+    assert not list(Path(Layout(c.storage).probes()).iterdir()), "the probe is removed"
