@@ -49,7 +49,8 @@ class Solo(LocalRuntime):
     """The one-worker view the loop's unchanged parts run on (resume, checkpoints, eval, export): rank 0 of 1, no
     collectives, nothing reported to Ray Train -- its report is a barrier over every worker, which a replica being
     replaced would hold up (Ray 2.60's torchft example skips it for the same reason). So old checkpoints are
-    deleted here instead of by Ray's ``CheckpointConfig``: the newest ``num_to_keep`` stay."""
+    deleted here instead of by Ray's ``CheckpointConfig``: the newest ``num_to_keep`` sealed ones stay (a folder whose
+    write never finished -- a dead job's, at a higher step -- counts for nothing, and is left for a person)."""
 
     def __init__(self, device, keep: int, checkpoints_dir: str):
         super().__init__(str(device))
@@ -61,12 +62,21 @@ class Solo(LocalRuntime):
     def report(self, metrics: Reported, checkpoint_url: str | None) -> None:
         if checkpoint_url is None:
             return
-        from ray_jobs.checkpoint.format import list_checkpoints
+        from ray_jobs.checkpoint.format import CheckpointInvalid, check, list_checkpoints
         from ray_jobs.storage import fs_and_path
 
-        for _, url in list_checkpoints(self.dir)[self.keep :]:  # newest first: all but the newest ``keep``
-            fs, path = fs_and_path(url)
-            fs.rm(path, recursive=True)
+        def sealed(url: str) -> bool:
+            try:
+                return check(url) is not None
+            except CheckpointInvalid:
+                return False
+
+        try:
+            for url in [url for _, url in list_checkpoints(self.dir) if sealed(url)][self.keep :]:  # newest first
+                fs, path = fs_and_path(url)
+                fs.rm(path, recursive=True)
+        except OSError as e:  # storage away: the old checkpoints go next time, the training goes on
+            logging.getLogger("unbroken.live").warning("old checkpoints not removed this time: %s", e)
 
 
 class StepStuck(RuntimeError):

@@ -323,3 +323,25 @@ def test_a_step_that_cannot_commit_is_given_up_after_a_bound(tries, heal_failed,
                 retries.failed(7, OSError("gone"), heal_failed)
         else:
             retries.failed(7, OSError("gone"), heal_failed)
+
+
+def test_retention_counts_sealed_checkpoints_only_and_never_deletes_the_last_valid_one(tmp_path: Path) -> None:
+    """A dead job left a folder at a higher step whose write never finished: the leader's retention keeps the
+    newest ``num_to_keep`` sealed checkpoints whatever lies beside them (it once kept that folder's name and deleted
+    the run's every valid checkpoint)."""
+    from ray_jobs.checkpoint import format as ckpt
+    from ray_jobs.train.live import Solo
+
+    def sealed(step: int) -> str:
+        url = str(tmp_path / ckpt.checkpoint_name(step))
+        entries = ckpt.write_part(ckpt.Part(step, {ckpt.STATE_FILE: ("json", {"step": step})}), url)
+        ckpt.write_manifest(url, step, 1, False, [entries])
+        return url
+
+    newest = [sealed(s) for s in (10, 20, 30)][-1]
+    torn = tmp_path / ckpt.checkpoint_name(90)  # a dead job's: files, no manifest
+    torn.mkdir()
+    (torn / ckpt.STATE_FILE).write_text("{}")
+    Solo("cpu", 1, str(tmp_path)).report({"step": 30}, newest)
+    assert ckpt.find_latest_valid(str(tmp_path))[0] == newest, "the newest sealed checkpoint is kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.checkpoint_name(30), torn.name]
