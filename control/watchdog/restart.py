@@ -57,7 +57,11 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
     registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
     attempt, spec = _begin(cfg, reg, handle, resume_from, lease)
     lease.check()
-    sid = submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), entrypoint(cfg), spec, env)
+    with lease.kept():  # a submission may wait minutes for an answer: no second watchdog meanwhile
+        try:
+            sid = submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), entrypoint(cfg), spec, env)
+        except Exception as e:  # refused, unanswered, a runtime env that failed: whatever it was, no job to watch
+            return _submission_failed(cfg, attempt, e, lease)
     reg = registry.load_existing(cfg.storage, cfg.name)
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
     lease.check()
@@ -82,6 +86,21 @@ def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str 
     job = JobInputs(manifest_url, model_path, reg.score_manifest_url, reg.parent)
     return start_attempt(cfg, replace(handle, started_here=owned).to_dict(), dataset_id, job, extra,
                          resume_from=resume_from, started_by="watchdog", lease=lease)  # fmt: skip
+
+
+def _submission_failed(cfg: Config, attempt: int, e: Exception, lease: leases.Lease) -> Outcome:
+    """The new attempt was recorded but its submission failed: the attempt ends FAILED (never "still submitting": a
+    job that was never made would look healthy for ``stall_timeout_s``, and the incident close uncounted) and the
+    restart is a failed try -- counted against the budget, backed off, retried (the next try stops the job first,
+    should the submission have made one after all), and given up on, naming why, once the budget is spent."""
+    reg = registry.load_existing(cfg.storage, cfg.name)
+    incident = reg.open_incident()
+    assert incident is not None, "the restart acts on the run's open incident, saved before the new attempt began"
+    current = reg.current
+    if current.attempt == attempt:
+        current.set(status="FAILED", ended_at=time.time(), message=first_line(f"its submission failed: {e}"))
+        reg.set(state="recovering")
+    return failed_restart(cfg, reg, incident, e, lease)
 
 
 def failed_restart(cfg: Config, reg: RunRecord, incident: Incident, e: Exception, lease: leases.Lease) -> Outcome:

@@ -3,6 +3,7 @@ environment and has them back, and a watchdog restart finds them again (ray_jobs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -119,7 +120,7 @@ def test_a_watchdog_restart_submits_the_credentials_it_can_find(tmp_path, monkey
     monkeypatch.setattr(restart, "submit", lambda handle, sid, module, spec, env=None: submitted.update(env=env) or sid)
     reg = registry.load(str(tmp_path / "storage"), "r")  # what a watchdog has: the record alone
     reg.incidents.append(Incident(kind="job-failed", detected_by="watchdog", detected_at=0.0, attempt=1))
-    lease = SimpleNamespace(check=lambda: None)
+    lease = SimpleNamespace(check=lambda: None, kept=contextlib.nullcontext)
     with caplog.at_level(logging.WARNING):
         restart._resubmit(reg.cfg(), reg, reg.open_incident(), HANDLE, lease)
 

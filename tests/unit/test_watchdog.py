@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -491,3 +492,46 @@ def test_a_flow_whose_attempt_the_watchdog_dealt_with_leaves_the_closing_to_it(t
     assert record_success.fn(c, 1, "/final", handle) is None
     reg = registry.load(c.storage, "r")
     assert calls == [] and reg.state == "submitted" and reg.current.status != "SUCCEEDED"
+
+
+def test_a_restart_whose_submission_fails_is_a_counted_try_and_the_next_pass_restarts_again(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The new attempt is recorded, then the Jobs API refuses its submission: the attempt ends FAILED (not
+    "still submitting": the pass after would have found the missing job healthy and closed the incident, uncounted)
+    and the try counts -- the next pass restarts again after its backoff, and a refusal that persists ends in a
+    give-up that names it."""
+    from types import SimpleNamespace
+
+    from control.backends.base import ClusterHandle
+    from control.jobsapi import JobView
+    from control.records.run import Incident
+    from control.watchdog import restart
+    from control.watchdog.decide import Resubmit, decide, recheck
+    from control.watchdog.observe import Observations
+
+    c = cfg(tmp_path, "fault_tolerance.max_restarts=2", "fault_tolerance.restart_backoff_s=1")
+    registry.begin_attempt(c, {"address": "http://h:8265"}, "ds-1", extra={"manifest_url": "m", "model_path": "p"})
+    registry.end_attempt(c, 1, "FAILED", "boom", state="recovering")
+    reg = registry.load(c.storage, "r")
+    reg.incidents.append(Incident(kind="job-failed", detected_by="watchdog", detected_at=0.0, attempt=1))
+    registry.save(c.storage, "r", reg)
+
+    def refused(*a, **k):
+        raise RuntimeError("the Jobs API refused the submission: 503 Service Unavailable")
+
+    monkeypatch.setattr(restart, "submit", refused)
+    lease = SimpleNamespace(check=lambda: None, kept=contextlib.nullcontext)
+    handle = ClusterHandle("http://h:8265", "http://h:8265", False, "python")
+    for tries in (1, 2):
+        reg = registry.load(c.storage, "r")
+        outcome = restart._resubmit(c, reg, reg.open_incident(), handle, lease)
+        assert outcome.action == "restart-failed" and "503 Service Unavailable" in outcome.detail
+        reg = registry.load(c.storage, "r")
+        assert (reg.state, reg.restarts, reg.open_incident().failed_tries) == ("recovering", 0, tries)
+        assert reg.current.status == "FAILED" and "its submission failed" in reg.current.message
+        # the next look finds no such job: trouble, not a submission still on its way -- restarted again
+        again = Observations(time.time(), JobView("missing", why="no such job"))
+        assert any(isinstance(a, Resubmit) for a in recheck(reg, again, c).actions)
+    gave_up = decide(reg, Observations(time.time() + 3600, None), c)
+    assert gave_up.outcome.action == "gave-up" and "503 Service Unavailable" in gave_up.record.reason
