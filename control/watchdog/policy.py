@@ -14,6 +14,8 @@ USER_ERRORS = frozenset(
         "AssertionError", "NotImplementedError", "ZeroDivisionError", "UnicodeDecodeError", "OutOfMemoryError",
     }
 )  # fmt: skip
+# The storage failing (ray_jobs/checkpoint: StorageUnreachable; a full disk): never the job's own doing, however often.
+STORAGE_ERRORS = frozenset({"StorageUnreachable", "StorageFull"})
 # Two failures in a row at the same step with the same error: deterministic, not bad luck.
 SAME_FAILURE_LIMIT = 2
 
@@ -66,8 +68,8 @@ def _deterministic(reg: RunRecord, incident: Incident) -> str | None:
     cause -- a head reclaimed twice while loading, two waits for GPUs that stalled -- is the platform's, and only the
     budget bounds it."""
     error = incident.error
-    if error is None or not error.type:
-        return None
+    if error is None or not error.type or STORAGE_ERRORS.intersection(error.names()):
+        return None  # (the storage failing twice at one step is the storage's, not the job's)
     past = [i for i in reg.incidents if i is not incident and i.action == "restarted"]
     same = [i for i in past[-(SAME_FAILURE_LIMIT - 1) :] if _same_failure(i, incident)]
     if incident.failed_step is not None and len(same) == SAME_FAILURE_LIMIT - 1:

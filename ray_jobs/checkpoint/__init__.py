@@ -39,6 +39,7 @@ from ray_jobs.checkpoint.format import (
     STATE_FILE,
     CheckpointInvalid,
     Part,
+    StorageUnreachable,
     check,
     checkpoint_name,
     checkpoint_step,
@@ -83,7 +84,7 @@ from ray_jobs.checkpoint.state import (
 from ray_jobs.checkpoint.writer import AsyncWriter
 
 __all__ = [
-    "FORMAT", "MANIFEST_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_FILE", "AsyncWriter", "CheckpointInvalid",
+    "FORMAT", "MANIFEST_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_FILE", "AsyncWriter", "CheckpointInvalid", "StorageUnreachable",
     "Checkpointer", "HostStaging", "LoopState", "Part", "check", "checkpoint_name", "checkpoint_step",
     "decode", "encode_file", "find_latest_valid", "list_checkpoints", "load_model_state", "load_optimizer_state",
     "load_resharded_model_state", "load_resharded_optimizer_state", "load_sharded_model_state",

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,33 @@ _NAME = re.compile(r"checkpoint-step-(\d{8})$")
 
 class CheckpointInvalid(RuntimeError):
     """A checkpoint that must not be loaded; the message says why."""
+
+
+class StorageUnreachable(OSError):
+    """The storage did not answer a checkpoint's read, tries and waits included: nothing is known of the checkpoint
+    -- never taken for an invalid one (that would give a run up, or resume it silently from an older checkpoint)."""
+
+
+# How often a read of a checkpoint's manifest or listing is tried, and the waits between (a blip of an object store,
+# an NFS server failing over) before the storage is called unreachable.
+READ_WAITS_S = (1.0, 2.0, 4.0)
+
+
+def _read(what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, tried again after each of :data:`READ_WAITS_S` while the storage fails (any OSError but a missing
+    file, a timeout); then StorageUnreachable naming ``what``."""
+    for wait in (*READ_WAITS_S, None):
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except (OSError, TimeoutError) as e:
+            if wait is None:
+                tried = f"{len(READ_WAITS_S) + 1} tries over {sum(READ_WAITS_S):g} s"
+                raise StorageUnreachable(f"{what}: {type(e).__name__}: {e} ({tried})") from e
+            log.warning("%s: %s: %s; trying again in %g s", what, type(e).__name__, e, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 def checkpoint_name(step: int) -> str:
@@ -118,11 +146,14 @@ def write_manifest(url: str, step: int, world_size: int, sharded: bool,
 
 # -- verify, read ---------------------------------------------------------------------------------------------
 def read_manifest(url: str) -> CheckpointManifest:
+    """A checkpoint's manifest; CheckpointInvalid when there is none or it does not read as one, StorageUnreachable
+    when the storage does not answer."""
+    manifest_url = join(url, MANIFEST_FILE)
     try:
-        tree = json.loads(read_bytes(join(url, MANIFEST_FILE)))
+        tree = json.loads(_read(manifest_url, lambda: read_bytes(manifest_url)))
     except FileNotFoundError:
         raise CheckpointInvalid("no manifest.json (the write did not finish)") from None
-    except (ValueError, OSError) as e:
+    except ValueError as e:  # not JSON, not UTF-8: torn or hand-made
         raise CheckpointInvalid(f"manifest.json is unreadable: {e}") from None
     if not isinstance(tree, dict) or tree.get("format") not in (1, FORMAT):
         found = tree.get("format") if isinstance(tree, dict) else tree
@@ -139,7 +170,8 @@ def check(url: str) -> CheckpointManifest:
     manifest = read_manifest(url)
     fs, path = fs_and_path(url)
     fs.invalidate_cache(path)
-    sizes = {p["name"].rstrip("/").rsplit("/", 1)[-1]: p.get("size") for p in fs.ls(path, detail=True)}
+    files = _read(f"{url} (its listing)", lambda: fs.ls(path, detail=True))
+    sizes = {p["name"].rstrip("/").rsplit("/", 1)[-1]: p.get("size") for p in files}
     for name, meta in manifest.files.items():
         if name not in sizes:
             raise CheckpointInvalid(f"{name} is missing")

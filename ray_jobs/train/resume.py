@@ -77,11 +77,15 @@ def agreed_choice(
             choice = choose_resume(checkpoints_dir, explicit, refused=refused)
         except ckpt.CheckpointInvalid as e:
             choice = (None, f"error: {e}", None)
+        except ckpt.StorageUnreachable as e:  # a storage error, never an invalid checkpoint: the job fails as such
+            choice = (None, f"storage: {e}", None)
         except Exception as e:  # every rank must hear of it, or the others wait in the broadcast
             choice = (None, f"failed: {type(e).__name__}: {e}", None)
     url, reason, manifest = rt.broadcast_object(choice)
     if reason.startswith("error: "):
         raise ckpt.CheckpointInvalid(reason.removeprefix("error: "))
+    if reason.startswith("storage: "):
+        raise ckpt.StorageUnreachable(reason.removeprefix("storage: "))
     if reason.startswith("failed: "):
         raise RuntimeError(f"choosing a checkpoint to resume from {reason}")
     return url, reason, manifest

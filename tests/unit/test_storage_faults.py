@@ -246,3 +246,69 @@ def test_a_storage_that_does_not_answer_is_named_as_such_never_taken_for_the_run
     monkeypatch.setattr(registry, "load", away)
     outcome = check_run(str(tmp_path), "r")
     assert outcome.action == "storage-unreachable" and type(error).__name__ in outcome.detail
+
+
+def test_a_storage_blip_reading_a_checkpoint_is_retried_and_an_outage_is_never_an_invalid_checkpoint(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A manifest read that fails twice (an object store's 503, an NFS failover) is tried again and found; one that
+    keeps failing is the storage unreachable -- never an invalid checkpoint: the run was given up as a user error
+    when its resume point was named, and silently resumed from an older checkpoint when it was not."""
+    import errno
+
+    from ray_jobs import checkpoint as ckpt
+    from ray_jobs.checkpoint import format as fmt
+    from ray_jobs.train.resume import choose_resume
+
+    monkeypatch.setattr(fmt, "READ_WAITS_S", (0.01, 0.01, 0.01))
+    urls = []
+    for step in (40, 80):
+        url = str(tmp_path / ckpt.checkpoint_name(step))
+        fmt.write_manifest(url, step, 1, False, [write_part(Part(step, {fmt.STATE_FILE: ("json", {})}), url)])
+        urls.append(url)
+    real, failures = fmt.read_bytes, {"left": 2}
+
+    def flaky(url: str) -> bytes:
+        if url.startswith(urls[1]) and failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return real(url)
+
+    monkeypatch.setattr(fmt, "read_bytes", flaky)
+    assert ckpt.find_latest_valid(str(tmp_path))[0] == urls[1], "two failures, then the newest is found"
+    failures["left"] = 99  # the storage stays away
+    with pytest.raises(ckpt.StorageUnreachable, match="4 tries"):
+        ckpt.find_latest_valid(str(tmp_path))  # not the older checkpoint at step 40
+    for named in (urls[1], None):  # a watchdog's attempt names its resume point; a first attempt does not
+        with pytest.raises(ckpt.StorageUnreachable):
+            choose_resume(str(tmp_path), named)
+
+
+def test_the_storage_failing_twice_at_one_step_is_no_deterministic_failure_and_no_user_error(tmp_path: Path) -> None:
+    from control.records.run import Incident
+    from control.watchdog.policy import give_up_reason
+    from ray_jobs.contracts.failure import JobFailure
+
+    c = cfg(tmp_path, "r")
+    away = JobFailure(
+        type="StorageUnreachable",
+        message="manifest.json: TimeoutError",
+        kinds=["StorageUnreachable", "OSError", "Exception"],
+    )
+    reg = RunRecord(
+        name="r",
+        attempts=[Attempt(attempt=n, submission_id=f"s{n}", started_at=0.0, started_by="flow") for n in (1, 2)],
+    )
+    reg.incidents = [
+        Incident(
+            kind="job-failed",
+            detected_by="watchdog",
+            detected_at=0.0,
+            attempt=1,
+            error=away,
+            failed_step=40,
+            action="restarted",
+        ),
+        Incident(kind="job-failed", detected_by="watchdog", detected_at=1.0, attempt=2, error=away, failed_step=40),
+    ]
+    assert give_up_reason(reg, c, reg.incidents[-1]) is None
