@@ -320,10 +320,14 @@ class LocalHead(Backend):
 
     def job_gone(self, handle: ClusterHandle, submission_id: str) -> bool | None:
         """On this host (a local head's drivers run here), no process carries the job's mark but Ray's detached
-        helpers, which outlive the job that started them and never run its code; None elsewhere."""
+        helpers, which outlive the job that started them and never run its code; None elsewhere -- and None when a
+        Ray process here hides its environment from this user (another user's: an orphaned driver may be among them;
+        unknown is not gone)."""
         if elsewhere(handle.spec):
             return None
-        return not [p for p in job_processes(submission_id) if not _detached_helper(p)]
+        unseen: list[int] = []
+        left = [p for p in job_processes(submission_id, unseen) if not _detached_helper(p)]
+        return None if unseen and not left else not left
 
     def stop_job(self, handle: ClusterHandle, submission_id: str) -> str | None:
         """The job's processes on this host, by their mark (never the head, never another job): SIGTERM (a worker

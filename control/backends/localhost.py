@@ -161,18 +161,34 @@ def head_pids(port: int) -> list[int]:
     return [p.pid for p in head_processes(port)]
 
 
-def job_processes(submission_id: str) -> list[psutil.Process]:
+def job_processes(submission_id: str, unseen: list[int] | None = None) -> list[psutil.Process]:
     """Every process on this host of one Ray job unbroken submitted: its wrapper, driver, workers and their helpers
     all carry its submission id in their environment (``JOB_ENV``, set in the job's runtime_env) -- another run's job
-    on the same head never does."""
+    on the same head never does. ``unseen`` (when given) gets the Ray processes whose environment this user may not
+    read (another user's: a watchdog running as someone else): any of them may be the job's."""
     found = []
     for p in psutil.process_iter():
         if p.pid == os.getpid():
             continue
-        with contextlib.suppress(psutil.Error):
+        try:
             if p.environ().get(JOB_ENV) == submission_id:
                 found.append(p)
+        except psutil.AccessDenied:
+            if unseen is not None and _rays(p):
+                unseen.append(p.pid)
+        except psutil.Error:  # gone meanwhile
+            continue
     return found
+
+
+def _rays(p: psutil.Process) -> bool:
+    """Whether a process looks like Ray's or a Ray job's (by its command line, which any user may read)."""
+    try:
+        return "ray" in " ".join(p.cmdline())
+    except psutil.AccessDenied:
+        return True  # not even that can be read: it may be
+    except psutil.Error:
+        return False
 
 
 def terminate(procs: list[psutil.Process], wait_s: float) -> None:

@@ -214,6 +214,40 @@ def test_only_a_local_head_sees_a_job_gone_and_only_when_no_process_of_it_is_lef
             p.wait()
 
 
+def test_a_job_whose_processes_this_user_cannot_look_into_is_not_gone(tmp_path) -> None:
+    """A watchdog running as another user than the job's (here: ``nobody``, the job's processes root's) cannot read
+    their environment, where the job's mark is: that is not seeing the job gone. Unknown: the restart waits out the
+    heartbeat instead of resubmitting beside an orphaned driver that trains on."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.fail("needs root and setpriv (util-linux) to look as another user")
+    marked = {"UNBROKEN_SUBMISSION": "sid-hidden", "PATH": "/usr/bin:/bin"}
+    driver = subprocess.Popen(["bash", "-c", "exec -a 'python -m ray_jobs.job --spec x' sleep 60"], env=marked)
+    look = (
+        "import sys; from control.backends import backend_for; from control.backends.base import ClusterHandle; "
+        "from control.backends.localhost import host_identity; from control.config import load_config; "
+        f"cfg = load_config('{DEMO}', ['storage={tmp_path}']); "
+        "here = ClusterHandle('http://h:8265', 'http://h:8265', True, 'python', spec={'host': host_identity()}); "
+        "print(backend_for(cfg).job_gone(here, sys.argv[1]))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HOME=str(tmp_path))
+    as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", look]
+    try:
+        os.chmod(tmp_path, 0o777)
+        seen = subprocess.run([*as_nobody, "sid-hidden"], env=env, capture_output=True, text=True, cwd=ROOT)
+        assert seen.stdout.strip() == "None", seen.stdout + seen.stderr
+        # as the job's own user the same look sees it, and sees another job gone
+        mine = subprocess.run([sys.executable, "-c", look, "sid-other"], env=env, capture_output=True, text=True)
+        assert mine.stdout.strip() == "True", mine.stdout + mine.stderr
+    finally:
+        driver.kill()
+        driver.wait()
+
+
 def test_each_registered_backend_is_found_by_its_name() -> None:
     """``backend_class`` finds a backend from its name in the config's ``BackendName`` alone; an unknown name is a
     config error listing the names."""
