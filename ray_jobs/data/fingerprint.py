@@ -41,7 +41,7 @@ def file_version(info: dict[str, Any]) -> str:
     etag = info.get("ETag") or info.get("etag")
     if etag:
         return f"{etag}:{info['VersionId']}" if info.get("VersionId") else str(etag)
-    return str(info.get("mtime") or info.get("LastModified") or info.get("last_modified") or "")
+    return str(info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created") or "")
 
 
 def describe(url: str, field_name: str) -> list[Source]:

@@ -55,12 +55,14 @@ class CachedFile(TypedDict):
 
 
 class Marker(TypedDict):
-    """A node's copy's marker: where it came from, when it was verified, and each file as verified."""
+    """A node's copy's marker: where it came from, when it was verified, each file as verified, and the source as
+    storage listed it then (each file's size and version: a folder republished at the same URL is another model)."""
 
     url: str  # masked
     verified_at: float
     sha256_from: str  # the source's manifest, or "computed on this node after the download"
     files: dict[str, CachedFile]
+    source: dict[str, list[int | str]]  # relative path -> [bytes, the store's version marker: ETag, mtime]
 
 
 class ModelCacheError(RuntimeError):
@@ -73,21 +75,25 @@ def cached_folder(url: str, cache_root: str | os.PathLike) -> Path:
     root = Path(cache_root) / MODELS_DIR
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     final = root / digest
+    fs, path = fs_and_path(url)
     with exclusive_lock(root / f"{digest}.lock", LOCK_TIMEOUT_S):
         _remove_leftovers(root, digest)  # we hold the lock: no one is writing them
-        why = problem(final, url)
+        source = _listing(fs, path, url)  # one listing a use: the folder may have been published again meanwhile
+        why = problem(final, url, source)
         if why is None:
             return final
         if final.exists():
-            log.warning("the node's copy of %s at %s is not intact (%s): removing it and fetching it again", url,
+            log.warning("the node's copy of %s at %s is not to be used (%s): removing it and fetching it again", url,
                         final, why)  # fmt: skip
             _remove(final, root, digest)
-        _download(url, root, digest)
+        _download(url, root, digest, source)
     return final
 
 
-def problem(folder: Path, url: str) -> str | None:
-    """Why the copy at ``folder`` must not be loaded, or None when it is intact.
+def problem(folder: Path, url: str, source: dict[str, list[int | str]] | None = None) -> str | None:
+    """Why the copy at ``folder`` must not be loaded, or None when it is intact (and, given the ``source`` folder as
+    storage lists it now, still a copy of it: a file added, removed, resized or rewritten there -- a base model or a
+    ``final`` exported again at the same URL -- is another model).
 
     Cheap enough for every use: it reads the marker and stats each file, hashing only a file whose modification
     time changed since it was verified. Detected: no marker (a copy never finished, or one made before this
@@ -105,6 +111,12 @@ def problem(folder: Path, url: str) -> str | None:
         return "its marker is unreadable"
     if record.get("url") != mask(url, ()):  # recorded masked, like everything unbroken writes
         return f"it is a copy of {record.get('url')}"
+    if source is not None and record.get("source") != source:
+        return (
+            "its source changed on storage since it was copied"
+            if record.get("source")
+            else "its marker predates source versions"
+        )
     on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MARKER}
     if on_disk != set(files):
         return _difference("its marker", set(files), on_disk)
@@ -117,12 +129,11 @@ def problem(folder: Path, url: str) -> str | None:
     return None
 
 
-def _download(url: str, root: Path, digest: str) -> None:
-    """Copy ``url`` into a temporary folder beside ``root/digest``, verify it, write its marker, rename it into place.
-    Whatever fails on the way leaves no folder at ``root/digest``."""
+def _download(url: str, root: Path, digest: str, source: dict[str, list[int | str]]) -> None:
+    """Copy ``url`` (``source``: its listing) into a temporary folder beside ``root/digest``, verify it, write its
+    marker, rename it into place. Whatever fails on the way leaves no folder at ``root/digest``."""
     fs, path = fs_and_path(url)
-    fs.invalidate_cache(path)
-    sizes = _listing(fs, path, url)
+    sizes = {rel: int(size) for rel, (size, _) in source.items()}
     expected = _source_manifest(fs, path, url, sizes)
     tmp = root / f"{digest}.tmp-{uuid.uuid4().hex[:8]}"
     local = [tmp / rel for rel in sizes]
@@ -134,7 +145,7 @@ def _download(url: str, root: Path, digest: str) -> None:
         with polled(Reporter(f"model download of {url}", total, quiet_s=every_s(), log=log, tty=False),
                     lambda: tree_bytes(tmp)):  # fmt: skip
             fs.get([join(path, rel) for rel in sizes], [str(p) for p in local])
-        record = _verify(tmp, url, sizes, expected)
+        record = _verify(tmp, url, sizes, expected) | {"source": source}
         (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")  # last: it vouches for the rest
         os.replace(tmp, root / digest)  # the whole folder at once; nothing was at root/digest (checked under the lock)
     except BaseException:
@@ -142,14 +153,18 @@ def _download(url: str, root: Path, digest: str) -> None:
         raise
 
 
-def _listing(fs, path: str, url: str) -> dict[str, int]:
-    """Every file under the folder (relative path -> bytes), as storage lists it."""
+def _listing(fs, path: str, url: str) -> dict[str, list[int | str]]:
+    """Every file under the folder as storage lists it now: relative path -> [bytes, version marker]."""
+    from ray_jobs.data.fingerprint import file_version
+
     prefix = len(path.rstrip("/")) + 1
+    fs.invalidate_cache(path)
     found = fs.find(path, detail=True)
-    sizes = {p[prefix:]: int(info["size"]) for p, info in sorted(found.items()) if info.get("type") != "directory"}
-    if not sizes:
+    listed = [(p[prefix:], info) for p, info in sorted(found.items()) if info.get("type") != "directory"]
+    files: dict[str, list[int | str]] = {rel: [int(info["size"]), file_version(info)] for rel, info in listed}
+    if not files:
         raise ModelCacheError(f"{url}: no model folder there (no files)")
-    return sizes
+    return files
 
 
 def _source_manifest(fs, path: str, url: str, sizes: dict[str, int]) -> dict[str, str] | None:

@@ -195,6 +195,21 @@ def test_an_intact_copy_is_used_as_it_is_and_a_touched_but_unchanged_file_keeps_
     assert json.loads((folder / MARKER).read_text())["sha256_from"] == "computed on this node after the download"
 
 
+def test_a_model_published_again_at_the_same_url_is_fetched_again(model, tmp_path) -> None:
+    """A base model republished (or a ``final`` exported again) at the same URL, the same sizes, other bytes: the node's
+    copy is of the old one and is fetched again -- it was keyed on the URL alone and served stale. Unchanged on
+    storage, the copy is used as it is."""
+    url, cache_root = model
+    src = Path(url.removeprefix("slowtest://"))
+    folder = cached_folder(url, cache_root)
+    assert cached_folder(url, cache_root) == folder and len(gets(tmp_path)) == len(FILES), "unchanged: used as is"
+    new_weights = bytes(reversed(FILES["model.safetensors"]))
+    (src / "model.safetensors").write_bytes(new_weights)  # republished: same size, other bytes
+    os.utime(src / "model.safetensors", ns=(2_000_000_000, 2_000_000_000))  # (a store's new version marker)
+    assert (cached_folder(url, cache_root) / "model.safetensors").read_bytes() == new_weights
+    assert len(gets(tmp_path)) == 2 * len(FILES), "fetched again, whole"
+
+
 def _manifest(src: Path, **changes: str) -> None:
     sums = {rel: hashlib.sha256(data).hexdigest() for rel, data in FILES.items()} | changes
     (src / SOURCE_MANIFEST).write_text(json.dumps({k: v for k, v in sums.items() if v}))
@@ -262,3 +277,28 @@ def test_the_shard_cache_never_evicts_the_nodes_model_cache(model, tmp_path) -> 
     assert cache.local_path(entry).read_bytes() == shard
     assert cache.evicted == ["ds-old"]
     assert problem(Path(folder), url) is None
+
+
+def test_dpo_reads_its_tokenizer_from_the_nodes_model_cache_not_a_copy_in_the_temp_folder(
+    tmp_path, monkeypatch
+) -> None:
+    """A base model on storage is copied once per node into ``data.cache_dir``; DPO's tokenizer came from a second
+    copy of the whole folder in the system temp folder."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from ray_jobs.config import load_config
+    from ray_jobs.model.builtin import build_builtin
+    from ray_jobs.train.hf import _dpo_kwargs
+    from tests.conftest import ROOT
+
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [f"storage={tmp_path}", f"data.cache_dir={tmp_path / 'node'}"])
+    src = build_builtin(cfg.model, 0, tmp_path / "storage" / "models" / "tiny")
+    monkeypatch.setenv(GETS, str(tmp_path / "gets.log"))
+    monkeypatch.delenv(MODE, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "system-temp"))
+    (tmp_path / "system-temp").mkdir()
+    owner = SimpleNamespace(model_path=f"slowtest://{src}", cfg=cfg, lora=True)
+    assert _dpo_kwargs(owner)["processing_class"] is not None
+    assert list((tmp_path / "node" / MODELS_DIR).glob("*/tokenizer_config.json")), "the node's one copy"
+    assert not (tmp_path / "system-temp" / MODELS_DIR).exists(), "no second copy in the temp folder"
