@@ -204,7 +204,7 @@ def _dpo_kwargs(owner: HfTrainer) -> dict[str, Any]:
 
     from ray_jobs.model.loading import load_model_fp32, load_tokenizer
 
-    out = {"processing_class": load_tokenizer(owner.model_path),
+    out = {"processing_class": load_tokenizer(owner.model_path, owner.cfg.data.cache_dir),  # the node's copy
            "train_dataset": Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}])}  # fmt: skip
     if not owner.lora:
         ref = load_model_fp32(owner.model_path, owner.cfg.data.cache_dir).to(owner.device).eval()
