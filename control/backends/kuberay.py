@@ -41,6 +41,7 @@ GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 RAY_VERSION = "2.60.0"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "unbroken"}
 RUN_LABEL, SERIES_LABEL, STORAGE_ANNOTATION = "unbroken.io/run", "unbroken.io/series", "unbroken.io/storage"
+STORAGE_LABEL = "unbroken.io/storage-tag"  # which storage's run made it (its tag), for the janitor and for kubectl
 DASHBOARD_PORT = 8265
 STORAGE_VOLUME = "unbroken-storage"
 POLL_S = 2.0  # between two reads of the RayCluster's status while waiting for it
@@ -94,7 +95,15 @@ def _pod(cfg: Config, run: str, container: Manifest, worker: bool) -> Manifest:
 
 
 def labels(cfg: Config, run: str) -> dict[str, str]:
-    return {**MANAGED_BY, RUN_LABEL: dns_name(run, 63), SERIES_LABEL: dns_name(cfg.series_name, 63)}
+    named = {RUN_LABEL: dns_name(run, 63), SERIES_LABEL: dns_name(cfg.series_name, 63)}
+    return {**MANAGED_BY, **named, STORAGE_LABEL: storage_tag(cfg.storage)}
+
+
+def storage_tag(storage: str) -> str:
+    """The storage's short identity (the run records' own: control/registry.py), a valid label value."""
+    from control.registry import storage_tag as tag
+
+    return tag(storage)
 
 
 def raycluster_manifest(cfg: Config, run: str) -> Manifest:
@@ -346,8 +355,10 @@ class KubeRay(Backend):
         return f"namespace {k.namespace}" + (f" of context {k.context}" if k.context else "")
 
     def janitor(self, is_over: Callable[[str, str], bool]) -> list[str]:
-        """Delete the RayClusters unbroken made in this namespace whose run is over -- ``is_over(storage, run)``
-        decides (a finished, failed or vanished run that did not ask to keep its cluster). Returns their names."""
+        """Delete the RayClusters unbroken made in this namespace for runs of this storage whose run is over --
+        ``is_over(storage, run)`` decides (a finished, failed or vanished run that did not ask to keep its cluster).
+        Another storage's clusters in a shared namespace are never this janitor's: their records may be where it
+        cannot read them, and a record it cannot see is no evidence of a run over. Returns their names."""
         k = self.cfg.cluster.kuberay
         selector = ",".join(f"{a}={b}" for a, b in MANAGED_BY.items())
         found = self._custom().list_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
@@ -358,7 +369,9 @@ class KubeRay(Backend):
             meta: ObjectMeta = obj.get("metadata") or {}
             notes = meta.get("annotations") or {}
             storage, run, name = notes.get(STORAGE_ANNOTATION), notes.get(RUN_LABEL), meta.get("name")
-            if not storage or not run or not name or not is_over(storage, run):
+            tag = (meta.get("labels") or {}).get(STORAGE_LABEL)
+            mine = storage == self.cfg.storage and tag in (None, storage_tag(self.cfg.storage))  # (None: made before)
+            if not mine or not run or not name or not is_over(storage, run):
                 continue
             other = self.cfg.model_copy(deep=True)
             other.cluster.kuberay.name = name

@@ -171,9 +171,19 @@ def test_the_janitor_deletes_clusters_whose_run_is_over_and_keeps_the_others(kub
     backend_for(gone).up("gone")  # a run whose record is gone (its flow died before recording the attempt)
     assert registry.load(str(storage), "gone") is None
 
+    # another team's run in the same namespace, its storage not mounted here: no record this janitor can read, and
+    # still never this janitor's to delete
+    other = {"storage": "/mnt/another-team/storage", "name": "theirs", "cluster.kuberay.name": "rc-theirs"}
+    theirs = gpu_recipe(tmp_path, **other, **{"cluster.kuberay.storage_pvc": "rwx"})
+    backend_for(theirs).up("theirs")
+
     marked = kuberay.KubeRay.janitor_index(str(storage))  # the runs the janitor looks after
     assert registry.marked_runs(marked) == ["busy", "done", "kept"]
     assert sorted(watchdog.janitor(str(storage))) == ["rc-done", "rc-gone"]
-    assert sorted(name for kind, _, name in kube.objects if kind == "rayclusters") == ["rc-busy", "rc-kept"]
+    assert sorted(name for kind, _, name in kube.objects if kind == "rayclusters") == [
+        "rc-busy",
+        "rc-kept",
+        "rc-theirs",
+    ]
     assert registry.marked_runs(marked) == ["busy"], "finished runs are not read again on later passes"
     assert watchdog.janitor(str(storage)) == []
