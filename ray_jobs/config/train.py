@@ -36,8 +36,9 @@ class TrainConfig(Section):
     """Write a metrics.jsonl line every N steps."""
     sample_generations: int = Field(64, ge=0)
     """Held-out prompts the run's summary shows answered greedily by the base model and the fine-tuned one: rank 0 of
-    the training job generates them after its export (fp32 on the worker's CPU: fine for small models); 0 = none
-    (set 0 for a model too big to load twice more on one worker)."""
+    the training job generates them after its export, from the staged eval split, one model at a time (bf16 on a GPU
+    that has it, fp32 on a CPU), each answer at most its target's length + 8 tokens (256); 0 = none. A failure there
+    is a warning: the run has trained and exported."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision: ``auto`` = bf16 autocast on GPU, fp32 on CPU. Weights and optimizer moments are always fp32
     (the base model is loaded in fp32 whatever dtype it was saved in)."""

@@ -1,106 +1,125 @@
 """Sample generations of a finished run: held-out prompts answered greedily by the base model and by the fine-tuned
-one, read from the eval split as staging read it (the resolved format, the same chat renderer). Rank 0 of a training
-job makes them once it exported the final model, when its job spec asks (the finetune flow's attempts do), and writes
-``runs/<run>/samples.json`` (ray_jobs/contracts/samples.py) for the flow's summarize task to publish."""
+one. Rank 0 of a training job makes them once it exported the final model, when its job spec asks (the finetune
+flow's attempts do), and writes ``runs/<run>/samples.json`` (ray_jobs/contracts/samples.py) for the flow's summarize
+task to publish.
+
+The prompts come from the staged eval split -- the rows on storage the job already reads through its node cache,
+token for token what the model was evaluated on -- never from the raw sources: on a remote cluster those may be a path
+of the flow's host only (local data staged from there), and a run that trained must not fail over its samples. Any
+failure here is a warning and no samples; the run's model is on storage either way.
+"""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
-from ray_jobs.config import Config, DataConfig
+import numpy as np
+
+from ray_jobs.config import Config
 from ray_jobs.contracts.samples import Sample, Samples
+from ray_jobs.data.tokenize import IGNORE_INDEX
 from ray_jobs.storage import Layout, write_json_atomic
 
 if TYPE_CHECKING:
-    from ray_jobs.data.records import Renderer
-
+    from ray_jobs.data.reading import ShardRows
 
 log = logging.getLogger("unbroken.samples")
 
+MAX_NEW_TOKENS = 256  # a sample's answer is its target's length and 8 more, never longer than this
 
-def eval_examples(cfg: Config, limit: int, model_path: str) -> list[tuple[str, str, str, bool]]:
-    """Up to ``limit`` (shown, prompt, target, templated) from the held-out eval split, in source order: what a
-    person would read as the question, the prompt as staging rendered it (a conversation up to the final reply,
-    template applied), the expected completion, and whether the chat template wrote the prompt (its special tokens
-    included). Records are read as staging read them: the resolved format, the same renderer."""
-    from ray_jobs.data.records import batch_records
-    from ray_jobs.data.shapes import resolve_format
-    from ray_jobs.data.sources import list_sources, read_batches
-    from ray_jobs.data.staging import record_in_eval
 
-    data = resolve_format(cfg.data)
-    if data.eval:
-        urls, keep = list_sources(data.eval, "data.eval"), lambda r: True
-    else:
-        urls, keep = list_sources(data.train, "data.train"), lambda r: record_in_eval(r, data.eval_fraction)
-    render = _chat_renderer(data, model_path)
-    out: list[tuple[str, str, str, bool]] = []
-    for url in urls:  # a batch at a time, stopping once there are enough: memory stays one batch
-        for batch in read_batches(url):
-            out += [(r.shown or r.prompt, r.prompt, r.target, r.templated)
-                    for r in batch_records(batch, data, "train", render)[0] if keep(r)]  # fmt: skip
-            if len(out) >= limit:
-                return out[:limit]
+def staged_examples(rows: ShardRows, preference: bool, limit: int) -> list[tuple[list[int], list[int]]]:
+    """Up to ``limit`` (prompt ids, target ids) of the staged eval split, in its order: each packed example (its
+    position ids restart at 0) or each preference row (its chosen answer), the prompt being everything before its
+    last learned stretch (a conversation up to its final reply) and the target that stretch."""
+    out: list[tuple[list[int], list[int]]] = []
+    for r in range(len(rows)):
+        ids, labels, positions = (a[0] for a in rows.take(np.array([r])))
+        for start, end in [(0, len(ids))] if preference else _examples(positions):
+            example = _prompt_and_target(ids[start:end], labels[start:end])
+            if example is not None:
+                out.append(example)
+            if len(out) == limit:
+                return out
     return out
 
 
-def _chat_renderer(data: DataConfig, model_path: str) -> Renderer | None:
-    """The renderer staging used for ``data`` with this model's tokenizer (None where records are not rendered)."""
-    from ray_jobs.data.workers import BatchWork
-    from ray_jobs.model.loading import load_tokenizer
-
-    return BatchWork(load_tokenizer(model_path, data.cache_dir), model_path, data).render()
+def _examples(positions: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each example packed into a row: its position ids restart at 0."""
+    starts = [int(i) for i in np.flatnonzero(positions == 0)] or [0]
+    return list(zip(starts, [*starts[1:], len(positions)], strict=True))
 
 
-def greedy(model_path: str, cfg: Config, prompts: list[str], targets: list[str], templated: list[bool]) -> list[str]:
-    """Greedy completions of ``prompts`` by the model at ``model_path`` (plain transformers, fp32, CPU), each a
-    little longer than its target. Prompts are encoded as staging encoded them: one the chat template wrote
-    (``templated``) already holds its special tokens; a plain prompt gets the tokenizer's own (e.g. BOS)."""
+def _prompt_and_target(ids: np.ndarray, labels: np.ndarray) -> tuple[list[int], list[int]] | None:
+    learned = np.flatnonzero(labels != IGNORE_INDEX)
+    if len(learned) == 0:
+        return None  # padding, or an example with nothing to learn
+    gaps = np.flatnonzero(np.diff(learned) > 1)
+    first = int(learned[gaps[-1] + 1]) if len(gaps) else int(learned[0])  # the last learned stretch
+    if first == 0:
+        return None  # no prompt to answer
+    return [int(x) for x in ids[:first]], [int(x) for x in ids[first : int(learned[-1]) + 1]]
+
+
+def greedy(model_path: str, cfg: Config, prompts: list[list[int]], budgets: list[int], device) -> list[str]:
+    """Greedy completions of ``prompts`` (token ids, as staged) by the model at ``model_path``, each ``budget`` new
+    tokens at most, on ``device`` -- in bf16 on a GPU that has it (a big model's two fp32 copies would not fit beside
+    the trained one), fp32 on a CPU -- the model freed before the next one loads."""
     import torch
 
     from ray_jobs.model.loading import load_model, load_tokenizer
 
+    gpu = torch.device(device).type == "cuda"
+    dtype = torch.bfloat16 if gpu and torch.cuda.is_bf16_supported() else torch.float32
     tok = load_tokenizer(model_path, cfg.data.cache_dir)
-    model = load_model(model_path, cfg.data.cache_dir, dtype=torch.float32).eval()
+    model = load_model(model_path, cfg.data.cache_dir, dtype=dtype).to(device).eval()
     outputs = []
-    for prompt, target, rendered in zip(prompts, targets, templated, strict=True):
-        ids = torch.tensor([tok(prompt, add_special_tokens=not rendered)["input_ids"]])
-        budget = len(tok(target, add_special_tokens=False)["input_ids"]) + 8
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=budget, do_sample=False, pad_token_id=tok.pad_token_id)
-        outputs.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    try:
+        for prompt, budget in zip(prompts, budgets, strict=True):
+            ids = torch.tensor([prompt], device=device)
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=budget, do_sample=False, pad_token_id=tok.pad_token_id)
+            outputs.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    finally:
+        del model
+        if gpu:
+            torch.cuda.empty_cache()
     return outputs
 
 
-def generate_samples(base_path: str, final_url: str, cfg: Config) -> list[Sample]:
-    """Held-out prompts answered by the base model (``before``) and the fine-tuned one (``output``).
+def generate_samples(base_path: str, final_url: str, cfg: Config, rows: ShardRows, fmt: str, device) -> list[Sample]:
+    """Held-out prompts of the staged eval ``rows`` (``fmt``: the staged format) answered by the base model
+    (``before``) and the fine-tuned one (``output``). None when ``train.sample_generations`` is 0, or for ``text``
+    records (no expected answer)."""
+    from ray_jobs.model.loading import load_tokenizer
 
-    For every format whose records have a prompt and an expected completion (all but ``text``, ``auto`` resolved
-    first); none when ``train.sample_generations`` is 0.
-    """
-    from ray_jobs.data.shapes import resolve_format
-
-    if cfg.train.sample_generations == 0:
+    if cfg.train.sample_generations == 0 or fmt == "text":
         return []
-    cfg = cfg.model_copy(update={"data": resolve_format(cfg.data)})
-    if cfg.data.format == "text":
-        return []
-    examples = eval_examples(cfg, cfg.train.sample_generations, base_path)
-    prompts, targets, templated = [x[1] for x in examples], [x[2] for x in examples], [x[3] for x in examples]
-    before = greedy(base_path, cfg, prompts, targets, templated)
-    after = greedy(final_url, cfg, prompts, targets, templated)
+    examples = staged_examples(rows, fmt == "preference", cfg.train.sample_generations)
+    tok = load_tokenizer(base_path, cfg.data.cache_dir)
+    prompts = [p for p, _ in examples]
+    targets = [tok.decode(t, skip_special_tokens=True) for _, t in examples]
+    budgets = [min(len(t) + 8, MAX_NEW_TOKENS) for _, t in examples]
+    before = greedy(base_path, cfg, prompts, budgets, device)
+    after = greedy(final_url, cfg, prompts, budgets, device)
+    shown = [tok.decode(p, skip_special_tokens=True).strip() for p in prompts]
     return [
-        {"prompt": shown, "target": target, "before": b, "output": a, "exact": _same(a, target)}
-        for (shown, _, target, _), b, a in zip(examples, before, after, strict=True)
+        {"prompt": question, "target": target, "before": b, "output": a, "exact": _same(a, target)}
+        for question, target, b, a in zip(shown, targets, before, after, strict=True)
     ]
 
 
-def write_samples(cfg: Config, base_path: str, final_url: str) -> str:
-    """Generate the run's samples (:func:`generate_samples`) and write them to ``runs/<run>/samples.json``; its URL."""
-    samples = generate_samples(base_path, final_url, cfg)
-    url = Layout(cfg.storage).samples(cfg.name)
-    write_json_atomic(url, Samples(base_model=base_path, final_model=final_url, samples=samples).dump())
+def write_samples(cfg: Config, base_path: str, final_url: str, rows: ShardRows, fmt: str, device) -> str | None:
+    """Generate the run's samples (:func:`generate_samples`) and write them to ``runs/<run>/samples.json``; its URL.
+    A failure is the samples' alone -- a warning, no file: the run trained and its model is on storage."""
+    try:
+        samples = generate_samples(base_path, final_url, cfg, rows, fmt, device)
+        url = Layout(cfg.storage).samples(cfg.name)
+        write_json_atomic(url, Samples(base_model=base_path, final_model=final_url, samples=samples).dump())
+    except Exception as e:  # whatever it was: never a trained run failed, never the job retried over it
+        log.warning("no sample generations: %s: %s (the final model is written: %s)", type(e).__name__, e, final_url)
+        return None
     log.info(
         "%d sample generations written to %s (exact match %d)", len(samples), url, sum(x["exact"] for x in samples)
     )

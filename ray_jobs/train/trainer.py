@@ -394,7 +394,8 @@ class Trainer:
         self._phase("exporting")
         url = write_final(self.cfg, self.rt, self.model, self.model_path, self.manifest, self.loop, self.metrics)
         if url is not None:
-            if samples:
-                write_samples(self.cfg, self.model_path, url)
+            if samples:  # from the staged eval split; a failure there is a warning, never a failed run
+                fmt = str(self.manifest.staging_config.get("format", ""))
+                write_samples(self.cfg, self.model_path, url, self.eval_rows, fmt, self.device)
             self._phase("done")
         return url

@@ -319,16 +319,24 @@ def test_max_record_chars_defaults_to_100k_for_prompts_and_no_limit_for_text() -
     assert rejects[0].reason == "record is 100001 characters, over data.max_record_chars (50)"
 
 
-def test_report_reads_eval_examples_of_a_detected_shape_as_staging_did(tmp_path: Path, smollm2: Path) -> None:
-    from ray_jobs.config import load_config
-    from ray_jobs.train.samples import eval_examples
-    from tests.conftest import ROOT
+def test_samples_read_the_staged_eval_split_of_a_detected_shape_token_for_token(tmp_path: Path, smollm2: Path) -> None:
+    """The samples' prompts are the staged eval rows' (the chat template as staging applied it), never the raw
+    sources read again: on a remote cluster those may be a path of the flow's host only."""
+    from ray_jobs.data.cache import ShardCache
+    from ray_jobs.data.reading import open_rows
+    from ray_jobs.model.loading import load_tokenizer
+    from ray_jobs.train.samples import staged_examples
 
     src = write_jsonl(tmp_path / "a.jsonl", [alpaca(i) for i in range(40)])
-    over = [f"storage={tmp_path}", "name=shapes", f"data.train={src}", "data.format=auto", "data.eval_fraction=0.5"]
-    config = load_config(ROOT / "configs" / "demo.yaml", over)
-    examples = eval_examples(config, 3, str(smollm2))
+    data = DataConfig(train=str(src), format="auto", eval_fraction=0.5, seq_len=256, work_dir=str(tmp_path / "w"))
+    tok = load_tokenizer(str(smollm2))
+    staged = stage(data, tok, str(smollm2), str(tmp_path / "s"))
+    cache = ShardCache(str(tmp_path / "s"), staged.dataset_id, str(tmp_path / "cache"), 1e9)
+    src.unlink()  # the raw source is gone (it is another host's): the samples need only what was staged
+    rows = open_rows(cache, staged.manifest.shards["eval"], staged.manifest.seq_len)
+    examples = staged_examples(rows, False, 3)
     assert len(examples) == 3
-    for shown, prompt, target, templated in examples:
-        assert templated and prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n")
-        assert shown in prompt and target.isdigit()
+    for prompt, target in examples:
+        text = tok.decode(prompt)
+        assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n"), text
+        assert tok.decode(target, skip_special_tokens=True).isdigit()

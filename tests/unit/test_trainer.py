@@ -184,6 +184,8 @@ def test_full_run_exports_a_folder_that_loads_and_generates_and_writes_its_sampl
     cfg, manifest, model = setup
     c = named(cfg, "export-full", train__sample_generations=4)
     t = train(c, manifest, model)
+    # a remote cluster's job, its data staged from the flow's host: the raw source is not there, the staged split is
+    t.cfg.data.train = "/the-flows-host/only/addition.jsonl"
     final = Path(t.export_final(samples=True))
     assert _load_and_generate(final).startswith("<s>12+3=")
     card = (final / "README.md").read_text()
@@ -193,6 +195,27 @@ def test_full_run_exports_a_folder_that_loads_and_generates_and_writes_its_sampl
     assert len(samples) == 4 and all(x["prompt"] and x["target"] for x in samples)
     assert [x["exact"] for x in samples] == [x["output"].strip() == x["target"].strip() for x in samples]
     assert json.loads(Path(Layout(c.storage).samples(c.name)).read_text())["final_model"] == str(final)
+
+
+def test_samples_that_cannot_be_made_are_a_warning_and_the_trained_run_is_exported(setup, monkeypatch, caplog) -> None:
+    """Anything after the export fails the samples alone: the job neither fails nor retries (a retried group would
+    export again and fail again), the final model is on storage, and no samples file claims otherwise."""
+    import logging
+
+    from ray_jobs.train import samples
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA out of memory while loading the base model")
+
+    cfg, manifest, model = setup
+    c = named(cfg, "export-no-samples", train__sample_generations=4)
+    t = train(c, manifest, model)
+    monkeypatch.setattr(samples, "generate_samples", broken)
+    with caplog.at_level(logging.WARNING, logger="unbroken.samples"):
+        final = t.export_final(samples=True)
+    assert final and Path(final, "model.safetensors").exists()
+    assert not Path(Layout(c.storage).samples(c.name)).exists()
+    assert "no sample generations: RuntimeError: CUDA out of memory" in caplog.text
 
 
 def test_lora_run_trains_adapters_only_resumes_exactly_and_exports_merged(setup) -> None:
