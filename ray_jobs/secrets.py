@@ -141,10 +141,16 @@ def credentials_in(tree: Any) -> list[str]:
     a password holding a quote or a '/' included."""
     found: list[str] = []
     for text in _strings(tree):
-        passwords = [m[0] + _REST.match(text, m.end())[0] for m in _USERINFO.finditer(text) if _masks(m)]
+        passwords = [m[0] + _rest(text, m.end()) for m in _USERINFO.finditer(text) if _masks(m)]
         queries = [u for u in _URI.findall(text) if mask(u, ()) != u]
         found += [u for u in dict.fromkeys(passwords + queries) if u not in found]
     return found
+
+
+def _rest(text: str, at: int) -> str:
+    """What follows a URI's host at ``at``: its port, path and query (empty when nothing does)."""
+    m = _REST.match(text, at)
+    return m[0] if m else ""
 
 
 def _masks(m: re.Match) -> bool:

@@ -145,7 +145,7 @@ def _download(url: str, root: Path, digest: str, source: dict[str, list[int | st
         with polled(Reporter(f"model download of {url}", total, quiet_s=every_s(), log=log, tty=False),
                     lambda: tree_bytes(tmp)):  # fmt: skip
             fs.get([join(path, rel) for rel in sizes], [str(p) for p in local])
-        record = _verify(tmp, url, sizes, expected) | {"source": source}
+        record = _verify(tmp, url, sizes, expected, source)
         (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")  # last: it vouches for the rest
         os.replace(tmp, root / digest)  # the whole folder at once; nothing was at root/digest (checked under the lock)
     except BaseException:
@@ -181,7 +181,9 @@ def _source_manifest(fs, path: str, url: str, sizes: dict[str, int]) -> dict[str
     return expected
 
 
-def _verify(tmp: Path, url: str, sizes: dict[str, int], expected: dict[str, str] | None) -> Marker:
+def _verify(
+    tmp: Path, url: str, sizes: dict[str, int], expected: dict[str, str] | None, source: dict[str, list[int | str]]
+) -> Marker:
     """The marker's record of the downloaded copy, after checking every file's size against the listing and its
     sha256 against the source's manifest (when there is one; otherwise the sha256 is recorded as computed here)."""
     wrong = [f"{rel}: {(tmp / rel).stat().st_size} bytes, storage lists {n}" for rel, n in sizes.items()
@@ -197,7 +199,13 @@ def _verify(tmp: Path, url: str, sizes: dict[str, int], expected: dict[str, str]
     files: dict[str, CachedFile] = {rel: {"bytes": sizes[rel], "sha256": digests[rel],
                                           "mtime_ns": (tmp / rel).stat().st_mtime_ns} for rel in sizes}  # fmt: skip
     sha256_from = SOURCE_MANIFEST if expected is not None else "computed on this node after the download"
-    return {"url": mask(url, ()), "verified_at": time.time(), "sha256_from": sha256_from, "files": files}
+    return {
+        "url": mask(url, ()),
+        "verified_at": time.time(),
+        "sha256_from": sha256_from,
+        "files": files,
+        "source": source,
+    }
 
 
 def _remove_leftovers(root: Path, digest: str) -> None:
