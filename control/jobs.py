@@ -34,12 +34,18 @@ OnPoll = Callable[[str], Coroutine[Any, Any, None]]  # the watch's hook, given t
 
 __all__ = ["ClusterLost", "JobFailed", "StopUnverified", "run_to_end", "stop_and_wait", "submit", "watch"]
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-# What never travels to the cluster in runtime_env.working_dir (the venv alone is GBs).
-WORKING_DIR_EXCLUDES = [
-    ".venv/", ".git/", ".unbroken/", "tests/", "bench/", "**/__pycache__/", "*.egg-info/", ".ruff_cache/",
-    ".pytest_cache/",
-]  # fmt: skip
+
+def job_code() -> Path:
+    """What a job runs, shipped to the cluster with every job (runtime_env ``py_modules``): the ``ray_jobs`` package,
+    which imports nothing else of unbroken (tests/unit/test_architecture.py) -- wherever it is installed. Not the
+    folder around it: from a plain ``pip install .`` that is site-packages, every library of the environment."""
+    import ray_jobs
+
+    return Path(ray_jobs.__file__).resolve().parent
+
+
+# What never travels with it: bytecode (each Python compiles its own).
+JOB_CODE_EXCLUDES = ["**/__pycache__/", "*.pyc"]
 
 
 class JobFailed(MaskedError, RuntimeError):
@@ -129,8 +135,8 @@ def submit(
     # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
     # RUST_LOG: torchft (live recovery) logs every quorum at INFO from Rust, in the workers and its lighthouse.
     runtime_env = {
-        "working_dir": str(PROJECT_ROOT),
-        "excludes": WORKING_DIR_EXCLUDES,
+        "py_modules": [str(job_code())],
+        "excludes": JOB_CODE_EXCLUDES,
         "env_vars": {"RAY_LOGGER_LEVEL": "info", "RUST_LOG": "warn", **(env or {}), JOB_ENV: submission_id},
     }
 

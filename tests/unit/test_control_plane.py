@@ -265,3 +265,43 @@ def test_a_machine_without_a_ray_token_yet_probes_a_head_as_unanswered_instead_o
     why = jobsapi.unanswered("http://127.0.0.1:1")
     assert why is not None and "no Ray auth token" in why
     assert jobsapi.read_job("http://127.0.0.1:1", "unbroken-r-train-001").api == "unknown"
+
+
+def test_a_job_ships_the_ray_jobs_package_only_wherever_unbroken_is_installed(tmp_path: Path, monkeypatch) -> None:
+    """Installed by a plain ``pip install .`` (no checkout), the folder around the code is site-packages: a job took
+    it whole as its working directory. It ships the one package a job imports (``ray_jobs``) instead."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    sent = {}
+
+    class Recorder:
+        def submit_job(self, **job):
+            sent.update(job)
+
+    monkeypatch.setattr(jobs.jobsapi, "read_job", lambda *a, **k: JobView("missing", why="no such job"))
+    monkeypatch.setattr(jobs, "jobs_client", lambda address: Recorder())
+    jobs.submit(HANDLE, "unbroken-r-train-001", "ray_jobs.job", "spec.json")
+    env = sent["runtime_env"]
+    assert "working_dir" not in env and env["py_modules"] == [str(ROOT / "ray_jobs")], env
+
+    import shutil
+
+    source = tmp_path / "unbroken"  # a copy of the project (a build writes build/ into its source folder)
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("flows", "tasks", "control", "ray_jobs", "deployments", "unbroken"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "site-packages"  # unbroken as a plain install puts it, beside nothing of its own
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
+    pip += ["--target", str(target), str(source)]
+    subprocess.run(pip, check=True, capture_output=True, cwd=tmp_path)
+    probe = "import control.jobs as j; print(j.job_code())"
+    bare = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    found = subprocess.run([sys.executable, "-c", probe], env=bare, capture_output=True, text=True, cwd=tmp_path)
+    shipped = Path(found.stdout.strip())
+    assert shipped == target / "ray_jobs", found.stdout + found.stderr
+    assert (shipped / "job.py").exists() and not (shipped / "torch").exists()
