@@ -22,10 +22,9 @@ from prefect.events import emit_event
 
 from control.logs import run_logger
 from ray_jobs.config import absolute_url
-from ray_jobs.data.fingerprint import file_version
 from ray_jobs.data.staging import list_sources
 from ray_jobs.secrets import mask, reveal
-from ray_jobs.storage import fs_and_path, join, read_json, write_json_atomic
+from ray_jobs.storage import file_version, fs_and_path, join, read_json, write_json_atomic
 
 EVENT = "unbroken.dataset.updated"
 
@@ -33,7 +32,7 @@ EVENT = "unbroken.dataset.updated"
 class SourceFile(TypedDict):
     file: str  # its URL, masked
     size: int | None
-    version: str  # the store's change marker (ray_jobs/data/fingerprint.file_version)
+    version: str  # the store's change marker (ray_jobs/storage.file_version)
 
 
 class Look(TypedDict):

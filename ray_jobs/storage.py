@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Generator
 from pathlib import Path
@@ -87,11 +89,16 @@ def read_json(url: str) -> Any:
 
 def file_sha256(url: str) -> str:
     """sha256 of a file on any storage, streamed (memory stays one buffer whatever the file's size)."""
-    import hashlib
-
     fs, path = fs_and_path(url)
     with fs.open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_version(info: dict[str, Any]) -> str:
+    """The store's own change marker for a file (``fs.info``): ETag (+ version id) on object stores, else its mtime."""
+    if etag := info.get("ETag") or info.get("etag"):
+        return f"{etag}:{info['VersionId']}" if info.get("VersionId") else str(etag)
+    return str(info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created") or "")
 
 
 class StorageFull(OSError):
@@ -255,8 +262,6 @@ def upload_dir(local_dir: str | os.PathLike, url: str) -> None:
 
 
 def _replace_dir(local: Path, path: str) -> None:
-    import shutil
-
     staging = Path(f"{path}.partial-{uuid.uuid4().hex[:8]}")
     try:
         shutil.copytree(local, staging)

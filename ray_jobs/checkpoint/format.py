@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ray_jobs import faults
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.contracts.checkpoint import CheckpointManifest, FileMeta, StateDict, StateFile
 from ray_jobs.storage import as_url, fs_and_path, join, listing, read_bytes, write_bytes_atomic, write_json_atomic
@@ -131,6 +132,7 @@ def write_part(part: Part, url: str) -> dict[str, FileMeta]:
         data = encode_file(kind, obj)
         write_bytes_atomic(join(url, name), data)
         entries[name] = FileMeta(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        faults.on_checkpoint_file()
     return entries
 
 

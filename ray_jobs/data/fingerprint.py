@@ -13,11 +13,10 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ray_jobs.data.sources import StagingError, list_sources
 from ray_jobs.secrets import mask
-from ray_jobs.storage import Layout, file_sha256, fs_and_path, join, read_json, write_json_atomic
+from ray_jobs.storage import Layout, file_sha256, file_version, fs_and_path, join, read_json, write_json_atomic
 
 
 @dataclass
@@ -34,14 +33,6 @@ class Source:
 # A file system's mtime ticks coarsely (a few ms on Linux): two writes of the same size within one tick share a
 # version. Like git's "racily clean" rule, a file changed this recently is hashed every time and never indexed.
 SETTLE_S = 2.0
-
-
-def file_version(info: dict[str, Any]) -> str:
-    """The store's own change marker for a file: ETag (+ version id) on object stores, mtime on a file system."""
-    etag = info.get("ETag") or info.get("etag")
-    if etag:
-        return f"{etag}:{info['VersionId']}" if info.get("VersionId") else str(etag)
-    return str(info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created") or "")
 
 
 def describe(url: str, field_name: str) -> list[Source]:

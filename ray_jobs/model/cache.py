@@ -36,7 +36,7 @@ from typing import TypedDict
 
 from ray_jobs.progress import Reporter, every_s, polled
 from ray_jobs.secrets import mask
-from ray_jobs.storage import exclusive_lock, fs_and_path, join
+from ray_jobs.storage import exclusive_lock, file_version, fs_and_path, join
 
 log = logging.getLogger("unbroken.model")
 
@@ -155,8 +155,6 @@ def _download(url: str, root: Path, digest: str, source: dict[str, list[int | st
 
 def _listing(fs, path: str, url: str) -> dict[str, list[int | str]]:
     """Every file under the folder as storage lists it now: relative path -> [bytes, version marker]."""
-    from ray_jobs.data.fingerprint import file_version
-
     prefix = len(path.rstrip("/")) + 1
     fs.invalidate_cache(path)
     found = fs.find(path, detail=True)

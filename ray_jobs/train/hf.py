@@ -27,9 +27,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ray_jobs import faults
 from ray_jobs.checkpoint.rng import rng_state, set_rng_state
 from ray_jobs.contracts.metrics import MetricsRow
-from ray_jobs.train import faults
 from ray_jobs.train.model import Placement, build_model
 from ray_jobs.train.trainer import Agreed, Trainer
 

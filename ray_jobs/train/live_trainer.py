@@ -22,13 +22,14 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from ray_jobs import faults
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
 from ray_jobs.contracts.checkpoint import StateDict
 from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Beat, Heal, LiveFields
 from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.reading import Cursor, StepPlan
-from ray_jobs.train import faults, preemption, rowtrace
+from ray_jobs.train import preemption, rowtrace
 from ray_jobs.train.eval import eval_loss
 from ray_jobs.train.heartbeat import start_heartbeat
 from ray_jobs.train.live import Replica, Retries, Solo, shares_of, timed_heal, virtual_slots

@@ -22,6 +22,7 @@ from ray_jobs.data.tokenize import IGNORE_INDEX
 from ray_jobs.storage import Layout, write_json_atomic
 
 if TYPE_CHECKING:
+    from ray_jobs.contracts.dataset import DatasetManifest
     from ray_jobs.data.reading import ShardRows
 
 log = logging.getLogger("unbroken.samples")
@@ -110,10 +111,14 @@ def generate_samples(base_path: str, final_url: str, cfg: Config, rows: ShardRow
     ]
 
 
-def write_samples(cfg: Config, base_path: str, final_url: str, rows: ShardRows, fmt: str, device) -> str | None:
-    """Generate the run's samples (:func:`generate_samples`) and write them to ``runs/<run>/samples.json``; its URL.
-    A failure is the samples' alone -- a warning, no file: the run trained and its model is on storage."""
+def write_samples(
+    cfg: Config, base_path: str, final_url: str, rows: ShardRows, manifest: DatasetManifest, device
+) -> str | None:
+    """Generate the run's samples (:func:`generate_samples`) from the staged eval ``rows`` of ``manifest`` and write
+    them to ``runs/<run>/samples.json``; its URL. A failure is the samples' alone -- a warning, no file: the run
+    trained and its model is on storage."""
     try:
+        fmt = str(manifest.staging_config.get("format", ""))
         samples = generate_samples(base_path, final_url, cfg, rows, fmt, device)
         url = Layout(cfg.storage).samples(cfg.name)
         write_json_atomic(url, Samples(base_model=base_path, final_model=final_url, samples=samples).dump())

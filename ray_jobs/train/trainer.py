@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_jobs import checkpoint as ckpt
+from ray_jobs import faults
 from ray_jobs.checkpoint import LoopState, unwrap
 from ray_jobs.checkpoint.checkpointer import Checkpointer, Reported
 from ray_jobs.config import Config
@@ -27,7 +28,7 @@ from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, ShardRows, StepPlan, open_rows
 from ray_jobs.storage import Layout
-from ray_jobs.train import faults, preemption, rowtrace
+from ray_jobs.train import preemption, rowtrace
 from ray_jobs.train.determinism import setup_determinism
 from ray_jobs.train.eval import eval_loss, series_eval_rows, write_score
 from ray_jobs.train.export import write_final
@@ -389,13 +390,11 @@ class Trainer:
         return loss
 
     def export_final(self, samples: bool = False) -> str | None:
-        """The final HF folder at ``runs/<run>/final`` (:func:`~ray_jobs.train.export.write_final`); with ``samples``,
-        then the run's sample generations, still in phase ``exporting`` (a job killed meanwhile is not taken as done)."""
+        """``runs/<run>/final``, then (``samples``) the sample generations: all in ``exporting`` (a kill then is no done)."""
         self._phase("exporting")
         url = write_final(self.cfg, self.rt, self.model, self.model_path, self.manifest, self.loop, self.metrics)
         if url is not None:
             if samples:  # from the staged eval split; a failure there is a warning, never a failed run
-                fmt = str(self.manifest.staging_config.get("format", ""))
-                write_samples(self.cfg, self.model_path, url, self.eval_rows, fmt, self.device)
+                write_samples(self.cfg, self.model_path, url, self.eval_rows, self.manifest, self.device)
             self._phase("done")
         return url

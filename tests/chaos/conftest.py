@@ -10,7 +10,7 @@ import pytest
 
 from control.backends.base import ClusterHandle
 from control.backends.local import start_local_head, stop_local_head
-from ray_jobs.train.faults import FILE_ENV
+from ray_jobs.faults import FILE_ENV
 from tests.chaos.harness import DELAY_FILE, REPORT, chaos_config
 
 

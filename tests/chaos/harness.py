@@ -22,9 +22,9 @@ from control.records.describe import describe
 from control.registry import submission_id
 from control.watchdog import check_run
 from ray_jobs.config import ClusterConfig, Config, load_config
+from ray_jobs.faults import FILE_ENV
 from ray_jobs.storage import Layout, join, read_bytes
 from ray_jobs.train import rowtrace
-from ray_jobs.train.faults import FILE_ENV
 from tasks.model import prepare_base_model
 from tasks.stage import stage_dataset
 from tests.conftest import ROOT, tiny_overrides
@@ -35,7 +35,7 @@ DEMO = ROOT / "configs" / "demo.yaml"
 CHAOS_PORT, CHAOS_GCS_PORT = 8285, 6399  # the chaos suite's head (conftest): its dashboard and GCS ports
 REPORT: list[dict] = []  # one row per fault: what it cost (printed by conftest at the end of the session)
 # Every job on the chaos suite's head -- each attempt a watchdog restarts too, and each on a head it starts again --
-# reads its step delay from this file (ray_jobs/train/faults.py): the head's environment passes the variable to all
+# reads its step delay from this file (ray_jobs/faults.py): the head's environment passes the variable to all
 # of them (cluster.env_passthrough), so a test slows a run of several faults down for as long as it injects them.
 DELAY_FILE = Path(tempfile.gettempdir()) / f"unbroken-chaos-delay-{os.getpid()}"
 PASSTHROUGH = [*ClusterConfig().env_passthrough, FILE_ENV]
@@ -76,7 +76,7 @@ def start_training(
     handle: ClusterHandle, cfg: Config, attempt: int = 1, resume_from: str | None = None, env: dict | None = None
 ) -> str:
     """Prepare model + data exactly as the flow does, then submit the training job; returns the submission id.
-    ``env``: variables for the job (``UNBROKEN_INJECT_DELAY`` to slow a phase down, see ray_jobs/train/faults.py)."""
+    ``env``: variables for the job (``UNBROKEN_INJECT_DELAY`` to slow a phase down, see ray_jobs/faults.py)."""
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
     spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from)

@@ -28,9 +28,9 @@ from control.records.series import EvalPin
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, load_config
 from ray_jobs.contracts.trials import TrialEntry
+from ray_jobs.faults import FILE_ENV
 from ray_jobs.search.trials import trial_states, trials
 from ray_jobs.storage import Layout
-from ray_jobs.train.faults import FILE_ENV
 from tasks.model import prepare_base_model
 from tasks.stage import stage_dataset
 from tests.chaos.harness import driver_pid, final_weights_hash, heartbeat, until_finished

@@ -16,8 +16,8 @@ from control.records.run import Attempt, ClusterRecord, RunRecord
 from control.watchdog.decide import note_health
 from control.watchdog.observe import Observations
 from ray_jobs.config import Config
+from ray_jobs.faults import FILE_ENV
 from ray_jobs.storage import Layout
-from ray_jobs.train.faults import FILE_ENV
 from tests.chaos.harness import (
     REPORT,
     chaos_config,

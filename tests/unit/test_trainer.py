@@ -355,7 +355,7 @@ class PhaseLog:
 
 
 def test_the_heartbeat_reports_each_phase_as_it_starts(setup, monkeypatch) -> None:
-    from ray_jobs.train import faults
+    from ray_jobs import faults
     from ray_jobs.train.heartbeat import start_heartbeat
 
     cfg, manifest, model = setup
@@ -385,7 +385,7 @@ def test_the_heartbeat_reports_each_phase_as_it_starts(setup, monkeypatch) -> No
 
 
 def test_an_injected_delay_makes_a_phase_long_while_the_heartbeat_keeps_beating(setup, monkeypatch) -> None:
-    from ray_jobs.train import faults
+    from ray_jobs import faults
     from ray_jobs.train.heartbeat import start_heartbeat
 
     cfg, manifest, model = setup
@@ -405,7 +405,7 @@ def test_an_injected_delay_makes_a_phase_long_while_the_heartbeat_keeps_beating(
 
 
 def test_malformed_fault_injection_is_an_error() -> None:
-    from ray_jobs.train import faults
+    from ray_jobs import faults
 
     assert faults.delays("exporting:25, step:0.1") == {"exporting": 25.0, "step": 0.1}
     assert faults.delays("") == {}
@@ -414,7 +414,7 @@ def test_malformed_fault_injection_is_an_error() -> None:
 
 
 def test_a_delay_file_adds_to_the_variable_and_is_read_again_when_it_changes(tmp_path, monkeypatch) -> None:
-    from ray_jobs.train import faults
+    from ray_jobs import faults
 
     spec = tmp_path / "delay"
     spec.write_text("step:0.5\n")

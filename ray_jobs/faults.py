@@ -4,6 +4,7 @@
 25 s inside that phase (its heartbeat keeps beating), the first eval pass 12 s longer, and every training step
 0.1 s longer. It exists so tests can make an export or eval longer than the training stall limit, or land a
 20-second fault mid-training, without a multi-GB model. A sleep changes no number: weights stay bit-identical.
+``checkpoint_file:30`` sleeps 30 s after each file of a checkpoint lands (a kill then tears the write for real).
 ``UNBROKEN_INJECT_DELAY_FILE=<path>``: the same spec read from that file, read again whenever it changes (a served
 test slows down one run of a long-lived server, not every one; a chaos test slows a run down until the faults it
 waits for have happened, then lets it finish at full speed). Unset (always, outside tests): a no-op.
@@ -63,5 +64,13 @@ def on_phase(phase: str) -> None:
 def on_step() -> None:
     """Sleep the injected per-step delay."""
     seconds = delays().get("step")
+    if seconds:
+        time.sleep(seconds)
+
+
+def on_checkpoint_file() -> None:
+    """Sleep the injected delay after each file of a checkpoint's part lands (``checkpoint_file:<seconds>``): a test
+    kills the process while the part is half on storage and its manifest is not, a torn write of the real writer."""
+    seconds = delays().get("checkpoint_file")
     if seconds:
         time.sleep(seconds)
