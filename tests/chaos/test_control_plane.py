@@ -134,18 +134,21 @@ def test_in_job_restarts_of_a_watchdog_attempt_resume_from_the_newest_checkpoint
 
 def test_s3_storage_paused_for_30s_mid_run_training_goes_on_and_the_files_catch_up(ray_cluster, baseline, tmp_path):
     """Storage on moto's S3 server over HTTP; the server is SIGSTOPped for 30 s mid-training (requests hang, as
-    against a throttled or stuck endpoint). Training keeps stepping (heartbeat, metrics and checkpoint writes are
-    off the training thread), the files catch up afterwards, one attempt, bit-identical weights."""
+    against a throttled or stuck endpoint) -- twice ``stall_timeout_s``: the heartbeat cannot be written for longer
+    than the stall limit, and the watchdog (on the same storage) cannot read it either. Training keeps stepping
+    (heartbeat, metrics and checkpoint writes are off the training thread), the files catch up afterwards, nothing is
+    restarted: one attempt, bit-identical weights."""
     with moto_server() as url:
         storage = f"{make_bucket('unbroken-pause')}/storage"
-        cfg = chaos_config(tmp_path, "s3-pause", storage=storage, **CONTROL)
+        cfg = chaos_config(tmp_path, "s3-pause", storage=storage, **CONTROL | {"fault_tolerance.stall_timeout_s": 15})
+        pause_s = 2 * cfg.fault_tolerance.stall_timeout_s  # the storage away longer than the stall limit
         aws = {k: os.environ[k] for k in (*S3_ENV, "AWS_ENDPOINT_URL")}  # the job reaches the same endpoint
         start_run(ray_cluster, cfg, env=SLOW_STEPS | aws)
         with WatchdogLoop(cfg) as dog:
             training_started(cfg, past_step=40)
             paused_at = time.time()
-            with paused(listening_pids(int(url.rsplit(":", 1)[1])), 30):
-                time.sleep(30)
+            with paused(listening_pids(int(url.rsplit(":", 1)[1])), pause_s):
+                time.sleep(pause_s)
             resumed_at = time.time()
             reg = until_finished(cfg)
         check_one_attempt(reg, cfg, baseline, ray_cluster)

@@ -1,8 +1,9 @@
 """Live recovery (``fault_tolerance.live_recovery``): a lost worker is replaced while the other keeps training.
 
-One real job on the chaos suite's head (Ray Train + torchft, two replicas) takes two faults: kill -9 of the replica
-that leads (it writes the heartbeat, the metrics and the checkpoints), then SIGTERM of a worker. The survivor steps on
-alone, computing the lost replica's share too; the replacement heals from it. The run ends with the uninterrupted
+One real job on the chaos suite's head (Ray Train + torchft, two replicas) takes three faults: kill -9 of the replica
+that leads (it writes the heartbeat, the metrics and the checkpoints), then SIGTERM of a worker -- the survivor steps
+on alone, computing the lost replica's share too, and the replacement heals from it -- then SIGTERM of every worker at
+once: the leader saves the step they all left at, and the next group resumes from it. The run ends with the uninterrupted
 run's weights bit for bit, every row of it trained once, and the trackers holding each step once.
 """
 
@@ -14,9 +15,12 @@ import time
 
 import pytest
 
-from ray_jobs.train.faults import FILE_ENV
+from ray_jobs import checkpoint as ckpt
+from ray_jobs.faults import FILE_ENV
+from ray_jobs.storage import Layout
 from ray_jobs.train.rowtrace import ENV, trained_rows
 from tests.chaos.harness import (
+    CHAOS_PORT,
     REPORT,
     baseline_metrics,
     chaos_config,
@@ -25,6 +29,7 @@ from tests.chaos.harness import (
     job_logs,
     kill,
     start_training,
+    train_worker_pids,
     wait_for,
     wait_job,
 )
@@ -67,14 +72,42 @@ def test_a_killed_and_a_sigtermed_worker_are_replaced_live_and_the_run_ends_bit_
     delay.write_text("step:0.5")
     kill(sigtermed, signal.SIGTERM)
     _healed(cfg, 2)
+    healed = heartbeat(cfg)  # the group's own count: the next group (after the third fault) counts its own
+    # Then the whole job stopped (every replica SIGTERMed at once, as a cluster's drain does): no peer to heal from,
+    # so the leader saves the step all of them left at, and the next group resumes from it -- nothing lost.
+    delay.write_text("step:0.2")
+    healed_at = _beat(cfg)["step"]
+    wait_for("training on after the second heal", lambda: _beat(cfg)["step"] > healed_at + 5)
+    all_termed_at, at_all_term = time.time(), heartbeat(cfg)["step"]
+    for pid in train_worker_pids(CHAOS_PORT):
+        kill(pid, signal.SIGTERM)
+
+    def restarted() -> dict | None:
+        beat = _beat(cfg)
+        return beat if (beat.get("first_step_at") or 0) > all_termed_at else None
+
+    resumed = wait_for("the group restarted from the leader's checkpoint", restarted, timeout_s=300)
     delay.write_text("")
 
     assert wait_job(ray_cluster, sid) == "SUCCEEDED", job_logs(ray_cluster, sid)[-5000:]
     logs = job_logs(ray_cluster, sid)
     (tmp_path / "job.log").write_text(logs)
-    beat = heartbeat(cfg)
-    assert beat["heals"] == 2 and beat["last_heal"]["lost_steps"] == 0 and not beat["healing"], beat
-    assert re.search(r"Replacing failing replica groups", logs) and "resumed from" not in logs, logs[-5000:]
+    assert healed["heals"] == 2 and healed["last_heal"]["lost_steps"] == 0, healed
+    assert not heartbeat(cfg)["healing"]
+    assert re.search(r"Replacing failing replica groups", logs), logs[-5000:]
+    starts = [int(m) for m in re.findall(r"rank 0: resumed from \S+checkpoint-step-(\d{8})", logs)]
+    assert starts == [resumed["started_step"]] and resumed["started_step"] >= at_all_term, (starts, at_all_term)
+    assert ckpt.read_verified(f"{Layout(cfg.storage).checkpoints_dir(cfg.name)}/{ckpt.checkpoint_name(starts[0])}")
+    lost = max(0, at_all_term - resumed["started_step"])
+    REPORT.append(
+        {
+            "scenario": "live: SIGTERM every worker",
+            "detected_by": "the workers (leader checkpoints)",
+            "detection_s": None,
+            "recovery_s": resumed["first_step_at"] - all_termed_at,
+            "lost_steps": lost,
+        }
+    )
     assert re.search(r"replica \d: SIGTERM: leaving after step \d+ \(committed\); replaced live", logs), logs[-5000:]
     assert len(re.findall(r"healed from a live peer at step \d+", logs)) >= 2, logs[-5000:]
     first = _degraded_at(logs, killed_at)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from control import registry
+from control.backends.base import jobs_client
 from control.backends.local import head_pids
 from control.records.describe import describe
 from ray_jobs import checkpoint as ckpt
@@ -196,6 +197,38 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
     baseline = hf_baseline()
     check_recovered(cfg, reg, baseline[0], "job-failed", fault_at, f"kill -9 a worker, then the driver (hf {recipe})")
     check_trackers(cfg.storage, cfg.name, cfg.series_name, baseline_metrics(baseline))
+
+
+@pytest.mark.full(shard=1)  # a driver's death again, the other way round: the driver lives on
+def test_a_driver_orphaned_by_its_wrappers_death_is_stopped_before_the_restart_submits(
+    ray_cluster, baseline, watched, watchdogs
+) -> None:
+    """Ray's ``/bin/sh`` wrapper around the job's driver is killed: Ray says the job FAILED, while the driver it
+    orphaned trains on. The watchdog submits nothing until that job is seen to stop -- its heartbeat still moves, so
+    its processes are stopped by their mark first -- then restarts it once; two jobs never train into one folder,
+    and the run ends bit-identical."""
+    import psutil
+
+    cfg = watched_config(watched, "orphaned-driver")
+    with slow_steps(0.1):
+        sid = start_run(ray_cluster, cfg)
+        started_and_checkpointed(cfg)
+        driver = wait_for("the job's driver", lambda: driver_pid(cfg))
+        wrapper = psutil.Process(driver).parent()
+        assert wrapper is not None and wrapper.name() in ("sh", "dash", "bash"), wrapper
+        killed_at = time.time()
+        wrapper.kill()
+        client = jobs_client(ray_cluster.address)
+        wait_for("Ray to call the job failed", lambda: client.get_job_status(sid).is_terminal(), timeout_s=60)
+        at = heartbeat_step(cfg)
+        wait_for("the orphaned driver to train on", lambda: heartbeat_step(cfg) > at, timeout_s=60)
+        assert psutil.pid_exists(driver), "the driver outlived its wrapper"
+        reg = until_finished(cfg, watchdogs)  # (slowly: the orphan must not finish the run before it is stopped)
+    check_restarts(cfg, reg, baseline, [("job-failed", killed_at, "kill -9 the driver's wrapper (orphaned driver)")])
+    (said,) = [t for t in (log.read_text() for log in watchdogs) if f"run {cfg.name}: restarted as attempt 2" in t]
+    stopped = said.find(f"run {cfg.name}: stopped the ")
+    assert 0 <= stopped < said.find(f"run {cfg.name}: restarted as attempt 2"), "stopped before anything was submitted"
+    assert not psutil.pid_exists(driver)
 
 
 def test_a_torn_checkpoint_write_a_killed_driver_a_hang_and_a_lost_head_each_restart_the_run_bit_identical(

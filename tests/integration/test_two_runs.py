@@ -25,6 +25,29 @@ PORTS = {"cluster.dashboard_port": 8305, "cluster.head_port": 6419}  # this modu
 def test_two_runs_of_one_name_in_two_storages_at_once_share_a_local_head_and_each_trains_its_own_job(
     tmp_path: Path,
 ) -> None:
+    """A watchdog watches each storage meanwhile (each run's team runs its own): neither takes the other run's job
+    for its run's, nor restarts, adopts or stops anything."""
+    dogs = []
+    for project in ("project-a", "project-b"):
+        storage = tmp_path / project / "storage"
+        log = open(tmp_path / f"watchdog-{project}.log", "w")  # noqa: SIM115 (closed below)
+        cmd = [sys.executable, "-m", "unbroken", "watchdog", "--storage", str(storage), "--interval", "3"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        dogs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        _two_runs(tmp_path)
+    finally:
+        for proc, log in dogs:
+            proc.terminate()
+            proc.wait(timeout=60)
+            log.close()
+    for project in ("project-a", "project-b"):
+        said = (tmp_path / f"watchdog-{project}.log").read_text()
+        assert "twin: ok" in said, said[-3000:]  # it watched the run while it trained
+        assert not [w for w in ("restarted", "stopped", "adopt", "gave-up") if f"twin: {w}" in said], said[-3000:]
+
+
+def _two_runs(tmp_path: Path) -> None:
     procs = []
     for project, steps in (("project-a", 30), ("project-b", 60)):  # a ends first: it must not stop the head
         storage = tmp_path / project / "storage"

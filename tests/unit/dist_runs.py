@@ -74,6 +74,30 @@ def run_world(fn, world: int, *args: Any) -> list[Any]:
         return [out[r] for r in range(world)]
 
 
+def _alone(fn, args: tuple, caller: tuple[dict[str, str], str]) -> None:
+    _as_caller(caller)
+    fn(*args)
+
+
+def start_alone(fn, *args: Any, env: dict[str, str]) -> Any:
+    """``fn(*args)`` in a process of its own (from the preloaded forkserver), the caller's environment plus ``env``;
+    started, not joined: the test kills it."""
+    proc = mp.get_context(_method(args)).Process(target=_alone, args=(fn, args, ({**os.environ, **env}, os.getcwd())))
+    proc.start()
+    return proc
+
+
+def train_alone(cfg: Config, manifest: DatasetManifest, model: str) -> None:
+    """A run of one process, no process group (``LocalRuntime``), by the config's engine: resume or start, train."""
+    from ray_jobs.train.hf import HfTrainer
+    from ray_jobs.train.runtime import LocalRuntime
+    from ray_jobs.train.trainer import Trainer
+
+    t = (HfTrainer if cfg.train.engine == "hf" else Trainer)(cfg, manifest, model, LocalRuntime())
+    t.resume_or_start()
+    t.fit()
+
+
 def full_weights_hash(trainer) -> str:
     """sha256 of the full weights, the same on every rank (FSDP gathers them; a collective)."""
     from torch.distributed.tensor import DTensor

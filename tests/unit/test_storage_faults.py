@@ -312,3 +312,33 @@ def test_the_storage_failing_twice_at_one_step_is_no_deterministic_failure_and_n
         Incident(kind="job-failed", detected_by="watchdog", detected_at=1.0, attempt=2, error=away, failed_step=40),
     ]
     assert give_up_reason(reg, c, reg.incidents[-1]) is None
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_heartbeats_age_is_the_storages_clock_against_itself_however_far_off_the_watchdogs_is(
+    tmp_path: Path, monkeypatch, where: str
+) -> None:
+    """``storage_now`` (a probe written and its stamp read) against ``modified_at`` (the heartbeat's stamp): on a
+    local path and on a real S3 endpoint (moto's server, its ``LastModified``), a watchdog whose clock is an hour
+    ahead still finds a heartbeat written a moment ago fresh, and one written before a pause as old as the pause."""
+    import contextlib
+
+    from control.watchdog.observe import heartbeat_seen
+    from ray_jobs import coordination
+    from ray_jobs.contracts.heartbeat import Beat
+    from ray_jobs.storage import write_bytes_atomic
+    from tests.s3 import make_bucket, moto_server
+
+    with moto_server() if where == "s3" else contextlib.nullcontext():
+        storage = f"{make_bucket('unbroken-clock')}/storage" if where == "s3" else str(tmp_path / "storage")
+        beat = Beat(run="r", attempt=1, time=time.time(), max_steps=9, last_step_at=time.time())
+        write_bytes_atomic(Layout(storage).heartbeat("r"), json.dumps(beat.dump()).encode())
+        real_time = time.time
+        monkeypatch.setattr(coordination.time, "time", lambda: real_time() + 3600)  # this host's clock, off
+        coordination._CLOCKS.clear()
+        _, age = heartbeat_seen(storage, "r", 1)
+        assert age is not None and age < 30, f"fresh, by the storage's clock: {age:.0f}s"
+        time.sleep(2.5)  # (S3's LastModified has whole seconds)
+        coordination._CLOCKS.clear()
+        _, later = heartbeat_seen(storage, "r", 1)
+        assert 1.0 <= later - age <= 10, (age, later)
