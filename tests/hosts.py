@@ -51,8 +51,11 @@ class Host:
 class Hosts:
     """``count`` hosts named ``h0``... on 10.<octet>.0.0/24 (``h0`` at .10, ``h1`` at .11, ...); the bridge is .1."""
 
-    def __init__(self, tag: str, count: int, octet: int, root: Path):
+    def __init__(self, tag: str, count: int, octet: int, root: Path, hidden: Path | None = None):
         self.tag, self.octet, self.root = tag, octet, root
+        # A folder only this machine sees (the flow's host): on every host an empty tmpfs covers it, in the host's
+        # own mount namespace -- as a laptop's data folder is absent on a remote cluster.
+        self.hidden = hidden
         self.bridge = f"{tag}br"
         self.hosts = [
             Host(f"h{i}", f"{tag}-h{i}", f"10.{octet}.0.{10 + i}", f"{tag}v{i}", root / f"h{i}") for i in range(count)
@@ -105,9 +108,11 @@ class Hosts:
         shutil.rmtree(h.temp_dir, ignore_errors=True)
         h.temp_dir.mkdir(parents=True)
         log = (self.root / f"{h.name}.log").open("ab")
-        cmd = ["ip", "netns", "exec", h.ns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-               str(VENV_BIN / "ray"), "start", "--block", f"--node-ip-address={h.addr}", f"--temp-dir={h.temp_dir}",
+        ray = [str(VENV_BIN / "ray"), "start", "--block", f"--node-ip-address={h.addr}", f"--temp-dir={h.temp_dir}",
                "--disable-usage-stats", *args]  # fmt: skip
+        if self.hidden is not None:  # ray start stays the namespace's first process (exec)
+            ray = ["sh", "-c", f'mount -t tmpfs flow-host-only {self.hidden} && exec "$@"', "sh", *ray]
+        cmd = ["ip", "netns", "exec", h.ns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *ray]
         h.proc = subprocess.Popen(
             cmd, env=self._env() | (env or {}), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -168,6 +173,11 @@ class Hosts:
             if seen == "joined":
                 return
         raise TimeoutError(f"worker host {h.name} did not join: its ray start ended {tries} times (see {h.name}.log)")
+
+    def sees(self, h: Host, path: Path) -> bool:
+        """Whether ``path`` exists on ``h`` (in its mount namespace: that of its first process)."""
+        assert h.proc is not None
+        return subprocess.run(["nsenter", "-t", str(h.proc.pid), "-m", "test", "-e", str(path)]).returncode == 0
 
     def alive_nodes(self) -> set[str]:
         """Addresses of the nodes the cluster counts alive (asked from the head, as a client)."""

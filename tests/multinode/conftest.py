@@ -18,7 +18,7 @@ GCS_PORT, DASHBOARD_PORT = 6411, 8411
 def hosts(tmp_path_factory) -> Hosts:
     why = can_make_hosts()
     assert why is None, f"the multinode tests cannot build hosts here: {why}"
-    hs = Hosts("ubmn", 4, 77, tmp_path_factory.mktemp("hosts")).up()
+    hs = Hosts("ubmn", 4, 77, tmp_path_factory.mktemp("hosts"), hidden=tmp_path_factory.mktemp("flow-host-only")).up()
     try:
         hs.start_head(hs.hosts[0], GCS_PORT, DASHBOARD_PORT)
         for h in hs.hosts[1:]:
