@@ -49,11 +49,21 @@ def start_attempt(
     specs: dict[int, str] = {}
 
     def job_spec(attempt: int) -> None:
-        specs[attempt] = write_job_spec(cfg, attempt, job.manifest_url, job.model_path, resume_from,
-                                        job.score_manifest_url, job.parent, job.samples)  # fmt: skip
+        specs[attempt] = write_job_spec(
+            cfg, attempt, job.manifest_url, job.model_path, resume_from, job.score_manifest_url, job.parent, job.samples
+        )
 
-    attempt = registry.begin_attempt(cfg, cluster, dataset_id, resume_from=resume_from, started_by=started_by,
-                                     extra=extra, lease=lease, flow_run_id=flow_run_id, job_spec=job_spec)  # fmt: skip
+    attempt = registry.begin_attempt(
+        cfg,
+        cluster,
+        dataset_id,
+        resume_from=resume_from,
+        started_by=started_by,
+        extra=extra,
+        lease=lease,
+        flow_run_id=flow_run_id,
+        job_spec=job_spec,
+    )
     return attempt, specs[attempt]
 
 

@@ -45,5 +45,6 @@ def check_flow(cfg: Config, search: bool, source: str = "config") -> None:
     if search and cfg.tune is None:
         raise ConfigError(["tune: the config has no tune section; add one (see configs/demo-tune.yaml)"], source)
     if not search and cfg.tune is not None:
-        raise ConfigError(["tune: the config is a hyperparameter search; run it with `unbroken tune` (the tune flow)"],
-                          source)  # fmt: skip
+        raise ConfigError(
+            ["tune: the config is a hyperparameter search; run it with `unbroken tune` (the tune flow)"], source
+        )

@@ -77,8 +77,13 @@ class Lease:
 
     def _body(self, released: bool = False) -> dict:
         now = time.time()  # for people reading the file; expiry is judged by the storage's stamp, not by this
-        return {"owner": self.owner, "generation": self.generation, "ttl_s": self.ttl_s, "written_at": now,
-                "released": released}  # fmt: skip
+        return {
+            "owner": self.owner,
+            "generation": self.generation,
+            "ttl_s": self.ttl_s,
+            "written_at": now,
+            "released": released,
+        }
 
     def check(self) -> None:
         """Raise LeaseLost unless this is still the newest generation and it has not run out by this holder's own

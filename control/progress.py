@@ -56,8 +56,13 @@ class TrainingProgress:
     """Polled by the watch: ``poll(beat)`` with the attempt's heartbeat (or None) returns (step, max_steps);
     ``close(done)`` when the watch ends."""
 
-    def __init__(self, cfg: Config, log: logging.Logger | logging.LoggerAdapter, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: Config,
+        log: logging.Logger | logging.LoggerAdapter,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_steps, self.log, self.stream, self.clock = cfg.train.max_steps, log, stream, clock
         self.metrics = MetricsTail(Layout(cfg.storage).metrics(cfg.name))
         self.began = clock()
@@ -91,9 +96,16 @@ class TrainingProgress:
 
     def _reporter(self) -> Reporter:
         if self.reporter is None:
-            self.reporter = Reporter("training", total=self.max_steps, unit="steps", rates=("tokens",), log=self.log,
-                                     every=every_s() if os.environ.get("UNBROKEN_PROGRESS_S") else TRAIN_EVERY_S,
-                                     stream=self.stream, clock=self.clock)  # fmt: skip
+            self.reporter = Reporter(
+                "training",
+                total=self.max_steps,
+                unit="steps",
+                rates=("tokens",),
+                log=self.log,
+                every=every_s() if os.environ.get("UNBROKEN_PROGRESS_S") else TRAIN_EVERY_S,
+                stream=self.stream,
+                clock=self.clock,
+            )
         return self.reporter
 
     def _finish(self) -> None:

@@ -63,5 +63,12 @@ class NothingNew(TypedDict):
 
 
 def verdict_summary(v: Verdict) -> VerdictSummary:
-    return {"promoted": v.promoted, "why": v.why, "run": v.run, "series": v.series, "score": v.score,
-            "champion": v.champion, "champion_score": v.champion_score}  # fmt: skip
+    return {
+        "promoted": v.promoted,
+        "why": v.why,
+        "run": v.run,
+        "series": v.series,
+        "score": v.score,
+        "champion": v.champion,
+        "champion_score": v.champion_score,
+    }

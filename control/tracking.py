@@ -27,8 +27,12 @@ def end_tracker_runs(cfg: Config, status: str, why: str, wait_s: float = END_WAI
     ending.start()
     ending.join(wait_s)
     if not done:
-        run_logger().warning("the tracker runs of %s were not ended within %.0f s (a tracker that does not answer); "
-                             "they may show it running", cfg.name, wait_s)  # fmt: skip
+        run_logger().warning(
+            "the tracker runs of %s were not ended within %.0f s (a tracker that does not answer); "
+            "they may show it running",
+            cfg.name,
+            wait_s,
+        )
         return []
     if done[0]:
         run_logger().info("ended the %s run(s) of %s as %s: %s", " and ".join(done[0]), cfg.name, status, why)

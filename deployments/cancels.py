@@ -36,8 +36,11 @@ class LastingCancellingObserver(FlowRunCancellingObserver):
         if task.cancelled() or self._is_shutting_down:  # the runner is stopping
             return
         exc = task.exception()
-        log.warning("the Prefect events stream ended (%s); polling for cancelled flow runs every %gs",
-                    exc or "closed by the server", self.polling_interval)  # fmt: skip
+        log.warning(
+            "the Prefect events stream ended (%s); polling for cancelled flow runs every %gs",
+            exc or "closed by the server",
+            self.polling_interval,
+        )
         self._polling_task = asyncio.create_task(self._poll())
 
     async def _poll(self) -> None:
@@ -51,12 +54,14 @@ class LastingCancellingObserver(FlowRunCancellingObserver):
                 failing_since = failing_since or now
                 if now - warned_at >= WARN_EVERY_S:
                     warned_at = now
-                    log.warning("cannot poll the Prefect API for cancelled flow runs (for %.0fs): %s",
-                                now - failing_since, e)  # fmt: skip
+                    log.warning(
+                        "cannot poll the Prefect API for cancelled flow runs (for %.0fs): %s", now - failing_since, e
+                    )
             else:
                 if failing_since is not None:
-                    log.warning("polling for cancelled flow runs works again after %.0fs",
-                                time.monotonic() - failing_since)  # fmt: skip
+                    log.warning(
+                        "polling for cancelled flow runs works again after %.0fs", time.monotonic() - failing_since
+                    )
                 failing_since, warned_at = None, 0.0
             await asyncio.sleep(self.polling_interval)
 
@@ -66,6 +71,8 @@ def install() -> None:
     import prefect.runner.runner as runner
 
     if getattr(runner, "FlowRunCancellingObserver", None) not in (FlowRunCancellingObserver, LastingCancellingObserver):
-        raise RuntimeError("this Prefect's runner no longer looks up FlowRunCancellingObserver: "
-                           "deployments/cancels.py must be brought up to date")  # fmt: skip
+        raise RuntimeError(
+            "this Prefect's runner no longer looks up FlowRunCancellingObserver: "
+            "deployments/cancels.py must be brought up to date"
+        )
     runner.FlowRunCancellingObserver = LastingCancellingObserver  # ty: ignore[invalid-assignment]  (a subclass, by design)

@@ -122,7 +122,7 @@ def build(opts: ServeOptions) -> list[Any]:
             "stage-dataset",
             parameters={"config_path": config, "overrides": [f"storage={storage}"]},
             tags=["unbroken"],
-        ),  # fmt: skip
+        ),
         watchdog.to_deployment(
             "watchdog",
             interval=opts.watchdog_interval_s,

@@ -121,5 +121,6 @@ def stop_on_crash(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> None
         if found := _current_attempt(flow_run):
             cfg, _, attempt = found
             registry.adopt(cfg, attempt.attempt, f"flow run {flow_run.name} crashed: {state.message or ''}")
-            run_logger().warning("flow run %s crashed; its Ray job %s is left to the watchdog", flow_run.name,
-                                 attempt.submission_id)  # fmt: skip
+            run_logger().warning(
+                "flow run %s crashed; its Ray job %s is left to the watchdog", flow_run.name, attempt.submission_id
+            )

@@ -157,8 +157,13 @@ def nothing_new(cfg: Config, done: SeriesRun) -> State:
     final = rec.final_model
     message = f"nothing new to train: run {done.run} already trained on dataset {done.dataset_id}"
     get_run_logger().info(message)
-    summary: NothingNew = {"run": done.run, "dataset_id": done.dataset_id, "nothing_new": True, "message": message,
-                           "final_model": final}  # fmt: skip
+    summary: NothingNew = {
+        "run": done.run,
+        "dataset_id": done.dataset_id,
+        "nothing_new": True,
+        "message": message,
+        "final_model": final,
+    }
     return Completed(message=message, data=summary)
 
 
@@ -171,8 +176,9 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
     restarts it from the newest valid checkpoint. If this flow dies, the job trains on and the watchdog adopts it.
     """
     check_cluster_fits(cfg, handle, read_manifest(staged.manifest_url))
-    attempt, spec_url = record_attempt(cfg, handle, staged.dataset_id, staged.manifest_url, lineage.start,
-                                       lineage.pin, lineage.parent_run)  # fmt: skip
+    attempt, spec_url = record_attempt(
+        cfg, handle, staged.dataset_id, staged.manifest_url, lineage.start, lineage.pin, lineage.parent_run
+    )
     try:
         summary = await _run_job(cfg, handle, staged, attempt, spec_url)
     except JobFailed:
@@ -185,14 +191,17 @@ async def _train(cfg: Config, handle: ClusterHandle, staged: Staged, lineage: Li
     return summary
 
 
-async def _run_job(cfg: Config, handle: ClusterHandle, staged: Staged, attempt: int,
-                   spec_url: str) -> RunSummary | SearchSummary:  # fmt: skip
+async def _run_job(
+    cfg: Config, handle: ClusterHandle, staged: Staged, attempt: int, spec_url: str
+) -> RunSummary | SearchSummary:
     """Submit the attempt's job, watch it to its end, summarize; a failed job is handed over to the watchdog."""
     submission = submit_job(handle, registry.submission_id(cfg.storage, cfg.name, attempt), spec_url, cfg)
     await acreate_link_artifact(
-        f"{handle.dashboard_url}/#/jobs/{submission}", link_text=f"Ray job {submission}",
-        key=f"{cfg.name}-ray-job", description="the training job in the Ray dashboard",
-    )  # fmt: skip
+        f"{handle.dashboard_url}/#/jobs/{submission}",
+        link_text=f"Ray job {submission}",
+        key=f"{cfg.name}-ray-job",
+        description="the training job in the Ray dashboard",
+    )
     try:
         await watch_job(handle, submission, cfg, attempt)
     except JobFailed as e:

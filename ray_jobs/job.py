@@ -44,8 +44,12 @@ def loop_config(spec: JobSpec, cfg: Config) -> WorkerSpec:
     """What every rank is given, from a job spec: the manifests are read once, here, not by every rank."""
     score = read_manifest(spec.score_manifest_url) if spec.score_manifest_url else None
     return worker_config(cfg, read_manifest(spec.manifest_url), spec.model_path).set(
-        resume_from=spec.resume_from, attempt=spec.attempt, score_manifest=score, parent=spec.parent,
-        samples=spec.samples)  # fmt: skip
+        resume_from=spec.resume_from,
+        attempt=spec.attempt,
+        score_manifest=score,
+        parent=spec.parent,
+        samples=spec.samples,
+    )
 
 
 def build_trainer(cfg: Config, loop: WorkerSpec, callbacks: list | None = None) -> TorchTrainer:

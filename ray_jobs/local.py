@@ -45,25 +45,37 @@ def local_problems(cfg: Config, world_size: int, local_world_size: int, cuda_dev
     """Why ``cfg`` cannot train in local mode with this many processes (each naming the field), or []."""
     c, out = cfg.cluster, []
     if c.elastic:
-        out.append(f"cluster.num_workers: elastic ({{min: {c.min_workers}, max: {c.max_workers}}}) needs Ray Train, "
-                   "which restarts the group at another size; local mode runs a fixed number of processes "
-                   "(set a number, or use `unbroken run`)")  # fmt: skip
+        out.append(
+            f"cluster.num_workers: elastic ({{min: {c.min_workers}, max: {c.max_workers}}}) needs Ray Train, "
+            "which restarts the group at another size; local mode runs a fixed number of processes "
+            "(set a number, or use `unbroken run`)"
+        )
     if local_world_size != world_size:
-        out.append(f"local mode trains on one machine ({world_size} processes, {local_world_size} here): several "
-                   "machines are Ray's job (`unbroken run` with cluster.backend), or torchrun --nnodes 1")  # fmt: skip
+        out.append(
+            f"local mode trains on one machine ({world_size} processes, {local_world_size} here): several "
+            "machines are Ray's job (`unbroken run` with cluster.backend), or torchrun --nnodes 1"
+        )
     if not c.elastic and (world_size > c.max_workers or c.max_workers % world_size):
-        out.append(f"cluster.num_workers: the data is laid out for {c.max_workers} workers; {world_size} processes "
-                   f"cannot split it (use {c.max_workers} or a divisor of it)")  # fmt: skip
+        out.append(
+            f"cluster.num_workers: the data is laid out for {c.max_workers} workers; {world_size} processes "
+            f"cannot split it (use {c.max_workers} or a divisor of it)"
+        )
     if c.use_gpu and cuda_devices < local_world_size:
-        out.append(f"cluster.use_gpu: {local_world_size} process(es) need as many CUDA devices; this machine has "
-                   f"{cuda_devices}")  # fmt: skip
+        out.append(
+            f"cluster.use_gpu: {local_world_size} process(es) need as many CUDA devices; this machine has "
+            f"{cuda_devices}"
+        )
     if cfg.fault_tolerance.live_recovery:
-        out.append("fault_tolerance.live_recovery: needs Ray Train (it replaces a lost worker's replica group while "
-                   "the others step on); local mode runs a fixed set of processes that end together (set it to "
-                   "false, or use `unbroken run`)")  # fmt: skip
+        out.append(
+            "fault_tolerance.live_recovery: needs Ray Train (it replaces a lost worker's replica group while "
+            "the others step on); local mode runs a fixed set of processes that end together (set it to "
+            "false, or use `unbroken run`)"
+        )
     if cfg.model.init_from != "base":
-        out.append(f"model.init_from: {cfg.model.init_from} starts from the series' registry, which local mode does "
-                   "not read; use `unbroken run`, or name the model folder in model.name_or_path")  # fmt: skip
+        out.append(
+            f"model.init_from: {cfg.model.init_from} starts from the series' registry, which local mode does "
+            "not read; use `unbroken run`, or name the model folder in model.name_or_path"
+        )
     return out
 
 

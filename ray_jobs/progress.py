@@ -93,8 +93,11 @@ class Snapshot:
         if bar and pct is not None:
             full = round(BAR_WIDTH * pct / 100)
             head = f"{self.what} [{'#' * full}{'.' * (BAR_WIDTH - full)}] {pct:.0f}% ({amount})"
-        parts = [head, *([self.note] if self.note else []),
-                 *(f"{_number(v)} {k}" for k, v in self.counts.items() if k not in self.rates)]  # fmt: skip
+        parts = [
+            head,
+            *([self.note] if self.note else []),
+            *(f"{_number(v)} {k}" for k, v in self.counts.items() if k not in self.rates),
+        ]
         parts[-1] += f" in {_duration(self.elapsed_s)}" if self.final else ""
         if self.rate is not None:
             parts.append(f"{_amount(self.rate, self.unit)}/s")
@@ -104,10 +107,22 @@ class Snapshot:
         return ", ".join(parts)
 
     def to_json(self) -> SnapshotJson:
-        return {"what": self.what, "done": self.done, "total": self.total, "unit": self.unit,
-                "elapsed_s": self.elapsed_s, "rate": self.rate, "counts": self.counts, "rates": self.rates,
-                "final": self.final, "note": self.note, "percent": self.percent, "eta_s": self.eta_s,
-                "line": self.line(), "at": time.time()}  # fmt: skip
+        return {
+            "what": self.what,
+            "done": self.done,
+            "total": self.total,
+            "unit": self.unit,
+            "elapsed_s": self.elapsed_s,
+            "rate": self.rate,
+            "counts": self.counts,
+            "rates": self.rates,
+            "final": self.final,
+            "note": self.note,
+            "percent": self.percent,
+            "eta_s": self.eta_s,
+            "line": self.line(),
+            "at": time.time(),
+        }
 
 
 class Reporter:
@@ -115,10 +130,21 @@ class Reporter:
     has run this long (work that is usually quick stays silent); ``rates``: counts shown as per-second rates;
     ``tty``: draw a bar on ``stream`` (None: when it is a terminal); ``log``: where lines go otherwise."""
 
-    def __init__(self, what: str, total: float | None = None, unit: str = "B", *, every: float | None = None,
-                 quiet_s: float = 0.0, rates: tuple[str, ...] = (), log: logging.Logger | logging.LoggerAdapter
-                 | None = None, on_update: Callable[[Snapshot], None] | None = None, tty: bool | None = None,
-                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        what: str,
+        total: float | None = None,
+        unit: str = "B",
+        *,
+        every: float | None = None,
+        quiet_s: float = 0.0,
+        rates: tuple[str, ...] = (),
+        log: logging.Logger | logging.LoggerAdapter | None = None,
+        on_update: Callable[[Snapshot], None] | None = None,
+        tty: bool | None = None,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.what, self.total, self.unit, self.rate_keys = what, total, unit, rates
         self.every_s = every_s() if every is None else every
         self.quiet_s, self.on_update, self.clock = quiet_s, on_update, clock

@@ -40,16 +40,27 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(spec.model_path, cfg.data.cache_dir)
         progress = _reporter(spec)
         writing = Reporter("writing shards", unit="rows", log=log, quiet_s=5.0, tty=False)
-        result = stage(cfg.data, tokenizer, spec.model_path, cfg.storage, on="cluster", progress=progress.update,
-                       writing=then(progress, writing))  # fmt: skip
+        result = stage(
+            cfg.data,
+            tokenizer,
+            spec.model_path,
+            cfg.storage,
+            on="cluster",
+            progress=progress.update,
+            writing=then(progress, writing),
+        )
         progress.finish()
         writing.finish()
     except StagingError as e:
         write_json_atomic(spec.outcome_url, {"error": str(e), "unreadable": isinstance(e, SourceUnreadable)})
         print(f"STAGING FAILED: {e}", flush=True)
         return 2
-    outcome = {"dataset_id": result.dataset_id, "manifest_url": result.manifest_url, "cache_hit": result.cache_hit,
-               "sources_read": result.sources_read}  # fmt: skip
+    outcome = {
+        "dataset_id": result.dataset_id,
+        "manifest_url": result.manifest_url,
+        "cache_hit": result.cache_hit,
+        "sources_read": result.sources_read,
+    }
     write_json_atomic(spec.outcome_url, outcome)
     log.info("staged %s on the cluster (%s)", result.dataset_id, "cache hit" if result.cache_hit else "new")
     return 0

@@ -59,8 +59,9 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
         return live_heartbeat(cfg, attempt)
 
     try:
-        status = await watch(handle, submission_id, poll_s, on_poll=update_progress,
-                             confirm_s=cfg.fault_tolerance.confirm_s, alive=alive)  # fmt: skip
+        status = await watch(
+            handle, submission_id, poll_s, on_poll=update_progress, confirm_s=cfg.fault_tolerance.confirm_s, alive=alive
+        )
     except BaseException:
         if shown is not None:
             shown.close(done=False)

@@ -47,8 +47,12 @@ def plan_lineage(cfg: Config, staged: Staged, base_model: str) -> Lineage:
     log = run_logger()
     parent = series.warm_start(cfg)
     if cfg.model.init_from != "base" and parent is None:
-        log.warning("model.init_from=%s: series %s has no such run yet; starting from the base model %s",
-                    cfg.model.init_from, cfg.series_name, cfg.model.name_or_path)  # fmt: skip
+        log.warning(
+            "model.init_from=%s: series %s has no such run yet; starting from the base model %s",
+            cfg.model.init_from,
+            cfg.series_name,
+            cfg.model.name_or_path,
+        )
     pin = series.pinned_eval(cfg) or _eval_pin(cfg, staged, base_model)
     start = parent.final_model if parent else base_model
     if parent:

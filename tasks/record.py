@@ -29,15 +29,20 @@ def check_run_compatible(cfg: Config, dataset_id: str) -> None:
 
 
 @task(name="record-attempt", cache_policy=NO_CACHE)
-def record_attempt(cfg: Config, handle: ClusterHandle, dataset_id: str, manifest_url: str, start: str,
-                   pin: EvalPin, parent: str | None) -> tuple[int, str]:  # fmt: skip
+def record_attempt(
+    cfg: Config, handle: ClusterHandle, dataset_id: str, manifest_url: str, start: str, pin: EvalPin, parent: str | None
+) -> tuple[int, str]:
     """Make sure a recovering attempt's job no longer runs, then record the attempt (refused while another is in
     flight) with its job spec -- written under the run's lease once the attempt is known to be this flow's, so a
     flow that is refused never overwrites the winner's -- and the run's place in its series (a search's trials too:
     each a run). Returns (attempt, job spec URL)."""
     _stop_superseded_job(cfg)
-    extra: AttemptInputs = {"manifest_url": manifest_url, "model_path": start, "parent": parent,
-                            "score_manifest_url": pin.manifest_url}  # fmt: skip
+    extra: AttemptInputs = {
+        "manifest_url": manifest_url,
+        "model_path": start,
+        "parent": parent,
+        "score_manifest_url": pin.manifest_url,
+    }
     if cfg.tune is not None:  # a search: its trials are runs of their own, recorded before it starts
         trials = series.record_trials(cfg, dataset_id, extra)
         extra |= {"kind": "search", "trials": [t.name for t in trials]}

@@ -42,8 +42,10 @@ def metrics_table(cfg: Config, rows: list[MetricsRow]) -> list[TableRow]:
     """The logged steps (thinned to ``TABLE_ROWS``), with the checkpoint (if any) written at each step."""
     from ray_jobs import checkpoint as ckpt
 
-    saved = {step: url.rstrip("/").rsplit("/", 1)[-1] for step, url in ckpt.list_checkpoints(
-        Layout(cfg.storage).checkpoints_dir(cfg.name))}  # fmt: skip
+    saved = {
+        step: url.rstrip("/").rsplit("/", 1)[-1]
+        for step, url in ckpt.list_checkpoints(Layout(cfg.storage).checkpoints_dir(cfg.name))
+    }
     return [
         {**{k: r.get(k) for k in METRIC_COLUMNS}, "checkpoint": saved.get(r["step"], "")}
         for r in thin(rows, TABLE_ROWS)
@@ -56,8 +58,9 @@ def mermaid_line(title: str, y_label: str, points: list[tuple[str, float]], top:
     return mermaid_chart(title, y_label, [x for x, _ in points], [[y for _, y in points]] if points else [], top)
 
 
-def mermaid_chart(title: str, y_label: str, xs: list[str], lines: list[list[float]], top: float,
-                  theme: str = CHART_THEME) -> list[str]:  # fmt: skip
+def mermaid_chart(
+    title: str, y_label: str, xs: list[str], lines: list[list[float]], top: float, theme: str = CHART_THEME
+) -> list[str]:
     """A mermaid ``xychart-beta`` chart of one or more lines over the same x labels (a shorter line stops early);
     the axes only when there are lines."""
     out = ["```mermaid", theme, "xychart-beta", f'    title "{title}"']
@@ -111,8 +114,10 @@ def summary_markdown(cfg: Config, s: RunSummary) -> str:
         "| prompt | target | base model | fine-tuned |",
         "|---|---|---|---|",
     ]
-    lines += [f"| `{_cell(x['prompt'])}` | `{_cell(x['target'])}` | `{_cell(x['before'])}` | `{_cell(x['output'])}` |"
-              for x in s["samples"][:8]]  # fmt: skip
+    lines += [
+        f"| `{_cell(x['prompt'])}` | `{_cell(x['target'])}` | `{_cell(x['before'])}` | `{_cell(x['output'])}` |"
+        for x in s["samples"][:8]
+    ]
     return "\n".join(lines)
 
 
@@ -187,16 +192,23 @@ def summarize(cfg: Config, dataset_id: str) -> RunSummary:
     publish_tracking(cfg)
     run_logger().info(
         "eval loss %.4f at step 0 -> %.4f at step %d; exact match %s",
-        s["first_eval_loss"], s["final_eval_loss"], s["steps"], s["exact_match"],
-    )  # fmt: skip
+        s["first_eval_loss"],
+        s["final_eval_loss"],
+        s["steps"],
+        s["exact_match"],
+    )
     return s
 
 
 def series_chart_markdown(series: str, rows: list[SeriesRow]) -> str:
     """Each scored run's loss on the series' fixed eval set, in order, as a mermaid line chart; the champion named."""
     scores = [r["score"] for r in rows if r["score"] is not None]
-    lines = [f"# Series {series}", "", f"Runs: {len(rows)}; champion: "
-             f"{next((r['run'] for r in rows if r['champion']), 'none yet')}", ""]  # fmt: skip
+    lines = [
+        f"# Series {series}",
+        "",
+        f"Runs: {len(rows)}; champion: {next((r['run'] for r in rows if r['champion']), 'none yet')}",
+        "",
+    ]
     if scores:
         points = [(str(i), score) for i, score in enumerate(scores, 1)]
         title = f"{series}: eval loss on the series eval set, by run"
@@ -205,8 +217,9 @@ def series_chart_markdown(series: str, rows: list[SeriesRow]) -> str:
     for i, r in enumerate(rows, 1):
         score = "-" if r["score"] is None else f"{r['score']:.4f}"
         mark = " (champion)" if r["champion"] else ""
-        lines.append(f"| {i} | {r['run']}{mark} | {r['dataset']} | {score} | {r['parent'] or 'base'} | "
-                     f"{r['verdict'] or '-'} |")  # fmt: skip
+        lines.append(
+            f"| {i} | {r['run']}{mark} | {r['dataset']} | {score} | {r['parent'] or 'base'} | {r['verdict'] or '-'} |"
+        )
     return "\n".join(lines)
 
 
@@ -221,5 +234,8 @@ async def publish_series(cfg: Config) -> None:
     await acreate_table_artifact(
         table, key=f"series-{cfg.series_name}", description=f"runs of series {cfg.series_name}"
     )
-    await acreate_markdown_artifact(series_chart_markdown(cfg.series_name, rows), key=f"series-{cfg.series_name}-chart",
-                                    description="eval loss across the series")  # fmt: skip
+    await acreate_markdown_artifact(
+        series_chart_markdown(cfg.series_name, rows),
+        key=f"series-{cfg.series_name}-chart",
+        description="eval loss across the series",
+    )

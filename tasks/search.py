@@ -30,13 +30,18 @@ def summarize_search(cfg: Config, dataset_id: str) -> SearchSummary:
     rows = trial_rows(cfg, found, best)
     final = series.final_model(cfg.storage, cfg.name)
     create_table_artifact(rows, key=f"{cfg.name}-trials", description=f"trials of search {cfg.name}")
-    create_markdown_artifact(trials_chart_markdown(cfg, found), key=f"{cfg.name}-trials-chart",
-                             description="eval loss of each trial by step")  # fmt: skip
+    create_markdown_artifact(
+        trials_chart_markdown(cfg, found), key=f"{cfg.name}-trials-chart", description="eval loss of each trial by step"
+    )
     if final:
         create_link_artifact(final, link_text=f"final model of the winner, {best}", key=f"{cfg.name}-final-model")
-    run_logger().info("search %s: winner %s (eval loss %s); trials: %s", cfg.name, best or "none",
-                      found[best].eval_loss if best else "-",
-                      ", ".join(f"{r['trial']} {r['state']}" for r in rows))  # fmt: skip
+    run_logger().info(
+        "search %s: winner %s (eval loss %s); trials: %s",
+        cfg.name,
+        best or "none",
+        found[best].eval_loss if best else "-",
+        ", ".join(f"{r['trial']} {r['state']}" for r in rows),
+    )
     return {"run": cfg.name, "dataset_id": dataset_id, "trials": rows, "winner": best, "final_model": final}
 
 
@@ -45,9 +50,18 @@ def trial_rows(cfg: Config, found: dict[str, TrialEntry], best: str | None) -> l
     rows = []
     for name, t in sorted(found.items(), key=lambda kv: kv[1].index):
         score = series.score_of(cfg.storage, name)
-        rows.append({"trial": name, **{k: short_value(v) for k, v in t.params.items()}, "state": t.state,
-                     "steps": t.step, "eval_loss": t.eval_loss, "score": score, "starts": t.starts,
-                     "winner": name == best})  # fmt: skip
+        rows.append(
+            {
+                "trial": name,
+                **{k: short_value(v) for k, v in t.params.items()},
+                "state": t.state,
+                "steps": t.step,
+                "eval_loss": t.eval_loss,
+                "score": score,
+                "starts": t.starts,
+                "winner": name == best,
+            }
+        )
     return rows
 
 
@@ -58,10 +72,16 @@ def trials_chart_markdown(cfg: Config, found: dict[str, TrialEntry]) -> str:
     steps = sorted({h[0] for _, t in ordered for h in t.history})
     curves = [ys for _, t in ordered if (ys := [h[1] for h in t.history if h[1] is not None])]
     top = max((y for ys in curves for y in ys), default=0.0)
-    lines = [f"# Search {cfg.name}: eval loss by step", "",
-             *mermaid_chart(f"{cfg.name}: eval loss of each trial", "eval loss", [str(x) for x in steps], curves, top,
-                            CHART_THEME),
-             "", "| line | trial | values | state | steps | eval loss |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Search {cfg.name}: eval loss by step",
+        "",
+        *mermaid_chart(
+            f"{cfg.name}: eval loss of each trial", "eval loss", [str(x) for x in steps], curves, top, CHART_THEME
+        ),
+        "",
+        "| line | trial | values | state | steps | eval loss |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, (name, t) in enumerate(ordered, 1):
         loss = "-" if t.eval_loss is None else f"{t.eval_loss:.4f}"
         values = ", ".join(f"{k}={short_value(v)}" for k, v in t.params.items())

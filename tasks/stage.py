@@ -40,8 +40,13 @@ class Staged:
     summary: str = ""  # what staging made of the records (staging.summary), for people
 
     def to_dict(self) -> StagedDict:
-        return {"dataset_id": self.dataset_id, "manifest_url": self.manifest_url, "cache_hit": self.cache_hit,
-                "counts": self.counts, "summary": self.summary}  # fmt: skip
+        return {
+            "dataset_id": self.dataset_id,
+            "manifest_url": self.manifest_url,
+            "cache_hit": self.cache_hit,
+            "counts": self.counts,
+            "summary": self.summary,
+        }
 
 
 class StagedDict(TypedDict):
@@ -119,8 +124,7 @@ class ProgressArtifact:
         # _sync=True: the sync function, even on an async flow's thread. Prefect's async_dispatch takes it at run
         # time, but its type declares neither the argument nor that the result is then the sync function's (a UUID)
         if self.id is None:
-            created = create_progress_artifact(pct or 0.0, key=self.key, description=line,
-                                               _sync=True)  # ty: ignore[unknown-argument]  # fmt: skip
+            created = create_progress_artifact(pct or 0.0, key=self.key, description=line, _sync=True)  # ty: ignore[unknown-argument]
             self.id = cast(uuid.UUID, created)
         else:
             update_progress_artifact(self.id, pct or 0.0, description=line, _sync=True)  # ty: ignore[unknown-argument]
@@ -162,8 +166,13 @@ def _stage_on_cluster(cfg: Config, model_path: str, handle: ClusterHandle) -> St
             raise StagingError(error) from None
         raise JobFailed(f"staging on the cluster failed: {e}") from e
     out = read_json(outcome_url)
-    return StageResult(out["dataset_id"], out["manifest_url"], out["cache_hit"], read_manifest(out["manifest_url"]),
-                       out["sources_read"])  # fmt: skip
+    return StageResult(
+        out["dataset_id"],
+        out["manifest_url"],
+        out["cache_hit"],
+        read_manifest(out["manifest_url"]),
+        out["sources_read"],
+    )
 
 
 def _report(result: StageResult) -> Staged:
@@ -171,7 +180,13 @@ def _report(result: StageResult) -> Staged:
     verb = "cache hit" if result.cache_hit else "staged"
     run_logger().info(
         "%s dataset %s: %s -> %d train / %d eval rows; manifest %s",
-        verb, result.dataset_id, summary(result.manifest), counts.train_rows, counts.eval_rows, result.manifest_url,
-    )  # fmt: skip
-    return Staged(result.dataset_id, result.manifest_url, result.cache_hit, counts.model_dump(),
-                  summary(result.manifest))  # fmt: skip
+        verb,
+        result.dataset_id,
+        summary(result.manifest),
+        counts.train_rows,
+        counts.eval_rows,
+        result.manifest_url,
+    )
+    return Staged(
+        result.dataset_id, result.manifest_url, result.cache_hit, counts.model_dump(), summary(result.manifest)
+    )

@@ -64,9 +64,16 @@ class ClusterHandle:
     metrics_url: str = ""  # the head node's Prometheus endpoint, when known (a local head's)
 
     def to_dict(self) -> ClusterSeen:
-        return {"address": self.address, "dashboard_url": self.dashboard_url, "started_here": self.started_here,
-                "python": self.python, "local": self.local, "backend": self.backend, "spec": self.spec,
-                "metrics_url": self.metrics_url}  # fmt: skip
+        return {
+            "address": self.address,
+            "dashboard_url": self.dashboard_url,
+            "started_here": self.started_here,
+            "python": self.python,
+            "local": self.local,
+            "backend": self.backend,
+            "spec": self.spec,
+            "metrics_url": self.metrics_url,
+        }
 
 
 class ClusterSeen(TypedDict, total=False):
@@ -214,8 +221,15 @@ class Backend:
     @classmethod
     def handle_from_record(cls, record: ClusterRecord) -> ClusterHandle:
         """The run's cluster as its record has it (the interpreter is the config's business, not the record's)."""
-        return ClusterHandle(record.address, record.address, record.started_here, "", local=cls.mode == "local",
-                             backend=cls.name, spec=record.spec)  # fmt: skip
+        return ClusterHandle(
+            record.address,
+            record.address,
+            record.started_here,
+            "",
+            local=cls.mode == "local",
+            backend=cls.name,
+            spec=record.spec,
+        )
 
     @classmethod
     def janitor_index(cls, storage: str) -> str | None:

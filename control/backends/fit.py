@@ -73,8 +73,12 @@ def check_fit(cfg: Config, total: dict[str, float], manifest: DatasetManifest) -
     return data_problems(cfg, manifest) + resource_problems(cfg, total)
 
 
-def wait_for_room(cfg: Config, total: Callable[[], dict[str, float]], sleep: Callable[[float], None] = time.sleep,
-                  clock: Callable[[], float] = time.monotonic) -> list[str]:  # fmt: skip
+def wait_for_room(
+    cfg: Config,
+    total: Callable[[], dict[str, float]],
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[str]:
     """Wait up to ``cluster.start_timeout_s`` for the cluster to hold the fewest workers; the problems left when it
     gives up (none: there is room). ``total``: reads the cluster's resources now."""
     problems: list[str] = []

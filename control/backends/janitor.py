@@ -40,8 +40,9 @@ def sweep(backend: type[Backend], storage: str) -> list[str]:
             continue
         seen.add(found.janitor_scope())
         for what in found.janitor(is_over):
-            run_logger().warning("janitor: %s removed %s in %s (its run is over)", backend.name, what,
-                                 found.janitor_scope())  # fmt: skip
+            run_logger().warning(
+                "janitor: %s removed %s in %s (its run is over)", backend.name, what, found.janitor_scope()
+            )
             removed.append(what)
     for run in done:
         registry.unmark(index, run)

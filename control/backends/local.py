@@ -96,7 +96,9 @@ def _free_port() -> int:
 def _head_command(cfg: Config, temp_dir: Path, metrics_port: int) -> list[str]:
     c = cfg.cluster
     return [
-        ray_cli(), "start", "--head",
+        ray_cli(),
+        "start",
+        "--head",
         f"--port={c.head_port}",
         "--node-ip-address=127.0.0.1",
         "--dashboard-host=127.0.0.1",
@@ -107,7 +109,7 @@ def _head_command(cfg: Config, temp_dir: Path, metrics_port: int) -> list[str]:
         f"--metrics-export-port={metrics_port}",  # Ray's metrics and the jobs' (ray_unbroken_*) for Prometheus
         f"--temp-dir={temp_dir}",
         "--disable-usage-stats",
-    ]  # fmt: skip
+    ]
 
 
 def _head_lock(port: int) -> contextlib.AbstractContextManager[None]:
@@ -284,8 +286,9 @@ class LocalHead(Backend):
             future, started_for = early
             handle = future.result()
             if (run or self.cfg.name) != started_for:
-                add_user(_port_of(handle.address), run or self.cfg.name, self.cfg.storage,
-                          self.cfg.cluster.keep_running)  # fmt: skip
+                add_user(
+                    _port_of(handle.address), run or self.cfg.name, self.cfg.storage, self.cfg.cluster.keep_running
+                )
         else:
             handle = start_local_head(self.cfg, run=run)
         handle.spec = self.spec()

@@ -64,9 +64,11 @@ def elsewhere(spec: ClusterSpec) -> str | None:
     differ = [k for k in ("boot_id", "net_ns", "pid_ns") if there.get(k) and there[k] != here[k]]
     if not differ:
         return None
-    return (f"its local Ray head runs on host {there.get('hostname', '?')} ({', '.join(differ)} differ from this "
-            f"host {here['hostname']}'s): 127.0.0.1 here does not lead to it, so nothing is judged or stopped from "
-            "here -- left to a watchdog on that host")  # fmt: skip
+    return (
+        f"its local Ray head runs on host {there.get('hostname', '?')} ({', '.join(differ)} differ from this "
+        f"host {here['hostname']}'s): 127.0.0.1 here does not lead to it, so nothing is judged or stopped from "
+        "here -- left to a watchdog on that host"
+    )
 
 
 # -- whose head ---------------------------------------------------------------------------------------------------
@@ -98,8 +100,13 @@ def head_identity(cfg: Config) -> HeadIdentity:
         version = metadata.version("unbroken")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    return {"interpreter": os.path.realpath(sys.executable), "project": str(PROJECT_ROOT), "version": version,
-            "env_passthrough": names, "env_digest": hashlib.sha256(values).hexdigest()[:16]}  # fmt: skip
+    return {
+        "interpreter": os.path.realpath(sys.executable),
+        "project": str(PROJECT_ROOT),
+        "version": version,
+        "env_passthrough": names,
+        "env_digest": hashlib.sha256(values).hexdigest()[:16],
+    }
 
 
 def record_identity(cfg: Config, session: str | None) -> None:
@@ -119,23 +126,30 @@ def check_identity(cfg: Config, session: str | None) -> None:
     except (OSError, ValueError):
         theirs = None
     if theirs is None or (session and theirs.get("session") != session):
-        raise HeadMismatch(f"{ports}: a Ray head that unbroken did not start answers on these ports; stop it or "
-                           "give the run other ports")  # fmt: skip
+        raise HeadMismatch(
+            f"{ports}: a Ray head that unbroken did not start answers on these ports; stop it or "
+            "give the run other ports"
+        )
     ours = head_identity(cfg)
     mine: dict[str, object] = dict(ours)  # read by the names below
     what = {"interpreter": "interpreter", "project": "project checkout", "version": "unbroken version"}
-    differ = [f"{label} {theirs.get(k)!r} (this run: {mine[k]!r})" for k, label in what.items()
-              if theirs.get(k) != mine[k]]  # fmt: skip
+    differ = [
+        f"{label} {theirs.get(k)!r} (this run: {mine[k]!r})" for k, label in what.items() if theirs.get(k) != mine[k]
+    ]
     theirs_env, ours_env = set(theirs.get("env_passthrough") or []), set(ours["env_passthrough"])
     if theirs_env != ours_env:
-        differ.append(f"cluster.env_passthrough (only the head's: {sorted(theirs_env - ours_env)}, only this run's: "
-                      f"{sorted(ours_env - theirs_env)})")  # fmt: skip
+        differ.append(
+            f"cluster.env_passthrough (only the head's: {sorted(theirs_env - ours_env)}, only this run's: "
+            f"{sorted(ours_env - theirs_env)})"
+        )
     elif theirs.get("env_digest") != ours["env_digest"]:
         differ.append("values of cluster.env_passthrough (credentials, endpoints)")
     if differ:
-        raise HeadMismatch(f"{ports}: the Ray head on these ports was started with another {'; '.join(differ)} -- "
-                           "its jobs would run with that; stop it (or let its runs end) or give this run other "
-                           "ports")  # fmt: skip
+        raise HeadMismatch(
+            f"{ports}: the Ray head on these ports was started with another {'; '.join(differ)} -- "
+            "its jobs would run with that; stop it (or let its runs end) or give this run other "
+            "ports"
+        )
 
 
 # -- its processes ------------------------------------------------------------------------------------------------

@@ -56,8 +56,10 @@ def yaml_problems(path: str, use_gpu: bool) -> list[str]:
         return [f"cluster.ray_up.config: {path} is not a cluster YAML (a mapping with cluster_name, provider, ...)"]
     out = [f"cluster.ray_up.config: {path} has no {key}" for key in ("cluster_name", "provider") if not spec.get(key)]
     if use_gpu and not _declares_gpus(spec):
-        out.append(f"cluster.use_gpu: the cluster YAML {path} gives none of its node types a GPU "
-                   "(available_node_types.*.resources)")  # fmt: skip
+        out.append(
+            f"cluster.use_gpu: the cluster YAML {path} gives none of its node types a GPU "
+            "(available_node_types.*.resources)"
+        )
     return out
 
 
@@ -145,8 +147,9 @@ class RayUp(Backend):
         if address is None:
             api = self._jobs_api()
             why = reachable(api) if api else "the launcher reports no head"
-            raise ClusterError(f"ray up finished but the Jobs API never answered within "
-                               f"cluster.ray_up.up_timeout_s={limit:g}s: {why}")  # fmt: skip
+            raise ClusterError(
+                f"ray up finished but the Jobs API never answered within cluster.ray_up.up_timeout_s={limit:g}s: {why}"
+            )
         return self._handle(address, already is None)
 
     def replace_nodes(self, run: str) -> str:
@@ -162,8 +165,10 @@ class RayUp(Backend):
         may be behind a port-forward that died: StopUnverified, nothing torn down."""
         ip = self._head_ip()
         if ip is not None and _accepts(ip, self._gcs_port()):
-            raise StopUnverified(f"the Ray head at {ip} still accepts connections on its GCS port {self._gcs_port()} "
-                                 f"though its Jobs API at {handle.address} does not answer: not tearing it down")  # fmt: skip
+            raise StopUnverified(
+                f"the Ray head at {ip} still accepts connections on its GCS port {self._gcs_port()} "
+                f"though its Jobs API at {handle.address} does not answer: not tearing it down"
+            )
         return self.down(handle, run)
 
     def _head_ip(self) -> str | None:

@@ -66,13 +66,19 @@ def cluster(cfg: Config) -> tuple[list[Finding], tuple[float | None, str]]:
     if backend.mode == "existing":
         if why := reachable(cfg.cluster.address):
             return [problem("cluster", f"cluster.address {cfg.cluster.address} is not reachable: {_short(why)}")], (
-                None, "")  # fmt: skip
+                None,
+                "",
+            )
         return _reached(cfg, cfg.cluster.address)
     try:
         address = backend.address()
     except Exception as e:  # a Kubernetes API that errs, a missing kubeconfig: the run's own `up` will say
-        return [warning("cluster", f"cannot tell whether its cluster (cluster.backend {backend.name}) is up: "
-                                   f"{type(e).__name__}: {e}")], (None, "")  # fmt: skip
+        return [
+            warning(
+                "cluster",
+                f"cannot tell whether its cluster (cluster.backend {backend.name}) is up: {type(e).__name__}: {e}",
+            )
+        ], (None, "")
     if address is not None:
         return _reached(cfg, address)
     return [ok("cluster", f"no cluster up yet: the run brings one up (cluster.backend {backend.name})")], (None, "")
@@ -91,8 +97,13 @@ def _this_machine(cfg: Config) -> tuple[list[Finding], tuple[float | None, str]]
 
     cpus = float(os.cpu_count() or 1)
     gpus = probes.local_gpus() if cfg.cluster.use_gpu else 0
-    found = [ok("cluster", f"a local Ray head on this machine (the run starts it): {cpus:g} CPUs"
-                           + (f", {gpus} GPUs" if cfg.cluster.use_gpu else ""))]  # fmt: skip
+    found = [
+        ok(
+            "cluster",
+            f"a local Ray head on this machine (the run starts it): {cpus:g} CPUs"
+            + (f", {gpus} GPUs" if cfg.cluster.use_gpu else ""),
+        )
+    ]
     # nothing joins a local head: a shortfall is certain
     found += [problem("cluster", p) for p in resource_problems(cfg, {"CPU": cpus, "GPU": float(gpus)}, True)]
     if cfg.cluster.use_gpu:

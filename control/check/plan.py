@@ -82,14 +82,21 @@ class Plan:
 
 def remedies(part: str) -> list[str]:
     return {
-        "weights": ["model.lora (train adapters)", "model.quantization: 4bit (with LoRA, on CUDA)",
-                    "train.parallelism: fsdp (shards them over the workers)", "a smaller model"],
+        "weights": [
+            "model.lora (train adapters)",
+            "model.quantization: 4bit (with LoRA, on CUDA)",
+            "train.parallelism: fsdp (shards them over the workers)",
+            "a smaller model",
+        ],
         "optimizer": ["model.lora", "train.parallelism: fsdp"],
         "gradients": ["model.lora", "train.parallelism: fsdp"],
-        "activations": ["train.gradient_checkpointing: true", "a smaller train.micro_batch_size (raise "
-                        "train.grad_accum_steps to keep the batch)", "a shorter data.seq_len"],
+        "activations": [
+            "train.gradient_checkpointing: true",
+            "a smaller train.micro_batch_size (raise train.grad_accum_steps to keep the batch)",
+            "a shorter data.seq_len",
+        ],
         "logits": ["a smaller train.micro_batch_size", "train.engine: hf with hf_args.use_liger_kernel (CUDA)"],
-    }[part]  # fmt: skip
+    }[part]
 
 
 def gb(n: float) -> str:
@@ -118,5 +125,14 @@ def memory(cfg: Config, shape: ModelShape, gpu: bool) -> dict[str, float]:
 
 def plan(cfg: Config, shape: ModelShape, gpu: bool, available: float | None, available_from: str) -> Plan:
     t = cfg.train
-    return Plan(cfg.workers, cfg.cluster.max_workers, t.micro_batch_size, t.grad_accum_steps, cfg.data.seq_len, t.max_steps,
-                memory(cfg, shape, gpu), available, available_from)  # fmt: skip
+    return Plan(
+        cfg.workers,
+        cfg.cluster.max_workers,
+        t.micro_batch_size,
+        t.grad_accum_steps,
+        cfg.data.seq_len,
+        t.max_steps,
+        memory(cfg, shape, gpu),
+        available,
+        available_from,
+    )

@@ -40,11 +40,17 @@ def model(cfg: Config, build: bool = True) -> tuple[list[Finding], ModelShape | 
     except OSError as e:  # transformers: not a folder, not in the hub cache, the hub unreachable
         return [problem("model", _unreadable(name, e))], None
     except Exception as e:  # a config.json transformers cannot build a model from
-        return [problem("model", f"model.name_or_path: cannot build {name} from its config.json: "
-                                 f"{type(e).__name__}: {e}")], None  # fmt: skip
+        return [
+            problem("model", f"model.name_or_path: cannot build {name} from its config.json: {type(e).__name__}: {e}")
+        ], None
     shape, lora_text = _shape(cfg, lm)
-    found = [ok("model", f"{name} ({type(lm).__name__}, {where}): {_millions(shape.params)} parameters, "
-                         f"{_millions(shape.trainable)} trained{lora_text}")]  # fmt: skip
+    found = [
+        ok(
+            "model",
+            f"{name} ({type(lm).__name__}, {where}): {_millions(shape.params)} parameters, "
+            f"{_millions(shape.trainable)} trained{lora_text}",
+        )
+    ]
     if cfg.model.lora is not None:
         from ray_jobs.model.lora import lora_problems
 
@@ -65,9 +71,11 @@ def _millions(n: int) -> str:
 
 def _unreadable(name: str, e: OSError) -> str:
     first = str(e).strip().split("\n")[0]
-    return (f"model.name_or_path: cannot read {name}'s config.json ({first}). A hub id needs the hub, or the model "
-            f"in the local Hugging Face cache (`huggingface-cli download {name}` where the hub is reachable); a "
-            "local model is a folder holding config.json")  # fmt: skip
+    return (
+        f"model.name_or_path: cannot read {name}'s config.json ({first}). A hub id needs the hub, or the model "
+        f"in the local Hugging Face cache (`huggingface-cli download {name}` where the hub is reachable); a "
+        "local model is a folder holding config.json"
+    )
 
 
 def _meta_of(name: str) -> PreTrainedModel:
@@ -92,8 +100,12 @@ def _shape(cfg: Config, lm: PreTrainedModel) -> tuple[ModelShape, str]:
         from ray_jobs.model.lora import targeted
 
         layers = [lm.get_submodule(n) for n in targeted(lm, lora.target_modules)]
-        saved = sum(p.numel() for n, m in lm.named_modules() if any(n.endswith(s) for s in lora.modules_to_save)
-                    for p in m.parameters())  # fmt: skip
+        saved = sum(
+            p.numel()
+            for n, m in lm.named_modules()
+            if any(n.endswith(s) for s in lora.modules_to_save)
+            for p in m.parameters()
+        )
         linear = [m for m in layers if hasattr(m, "in_features")]
         # torch types a module's attributes Tensor | Module: a linear layer's in/out_features are ints
         trainable = sum(lora.r * (m.in_features + m.out_features) for m in linear)  # ty: ignore[unsupported-operator]
@@ -136,7 +148,8 @@ def _source(cfg: Config, field: str, url: str, fmt: str | None) -> tuple[Finding
     missing = [k for k in fields_of(fmt, d) if k not in keys]
     if missing:
         text = f"data.format={d.format} needs {', '.join(missing)}; the first record of {first} ({where}) has " + (
-            ", ".join(keys))  # fmt: skip
+            ", ".join(keys)
+        )
         # certain only when no bad record is tolerated: otherwise staging rejects this one and goes on
         return (problem if d.max_reject_fraction == 0 else warning)("data", text), fmt
     detected = " (detected)" if d.format == "auto" else ""

@@ -52,9 +52,13 @@ def describe(storage: str, run: str) -> str:
 def _trial(storage: str, reg: RunRecord) -> str:
     """A search's trial: its values, how it ended, its heartbeat; its jobs are the search's."""
     values = ", ".join(f"{k}={v}" for k, v in (reg.params or {}).items())
-    lines = [f"run {reg.name}: {reg.state}", f"  trial of search {reg.search} (unbroken status {reg.search}: its "
-             f"jobs and incidents)", f"  values: {values or '-'}", f"  dataset: {reg.dataset_id or '-'}",
-             _heartbeat_line(storage, reg.name)]  # fmt: skip
+    lines = [
+        f"run {reg.name}: {reg.state}",
+        f"  trial of search {reg.search} (unbroken status {reg.search}: its jobs and incidents)",
+        f"  values: {values or '-'}",
+        f"  dataset: {reg.dataset_id or '-'}",
+        _heartbeat_line(storage, reg.name),
+    ]
     if reg.final_model:
         lines.append(f"final model: {reg.final_model}")
     return "\n".join(lines)

@@ -86,8 +86,9 @@ def trained_this_recipe(cfg: Config) -> bool:
     """Whether some succeeded run of this series trained with this recipe (on any data): only then can a run of it
     turn out to have nothing new to train."""
     mine = recipe(cfg)
-    return any(e.recipe == mine and state_of(cfg.storage, e.run) == "succeeded"
-               for e in runs(cfg.storage, cfg.series_name))  # fmt: skip
+    return any(
+        e.recipe == mine and state_of(cfg.storage, e.run) == "succeeded" for e in runs(cfg.storage, cfg.series_name)
+    )
 
 
 def warm_start(cfg: Config) -> WarmStart | None:
@@ -101,8 +102,13 @@ def warm_start(cfg: Config) -> WarmStart | None:
         run = rec.champion
     else:
         winners = {e.winner for e in rec.runs if e.trials is not None}  # a search's latest model is its winner's
-        done = [e.run for e in rec.runs if e.trials is None and (e.search is None or e.run in winners)
-                and state_of(cfg.storage, e.run) == "succeeded"]  # fmt: skip
+        done = [
+            e.run
+            for e in rec.runs
+            if e.trials is None
+            and (e.search is None or e.run in winners)
+            and state_of(cfg.storage, e.run) == "succeeded"
+        ]
         run = done[-1] if done else None
     if run is None:
         return None
@@ -133,9 +139,16 @@ def begin_run(cfg: Config, dataset_id: str, eval_pin: EvalPin, parent: str | Non
         if e is None:
             search = cfg.tune is not None  # a search trains no recipe of its own: its trials do
             children = trial_entries(cfg, dataset_id, parent) if search else []
-            e = SeriesRun(run=cfg.name, dataset_id=dataset_id, recipe=None if search else recipe(cfg),
-                          started_at=time.time(), parent=parent, init_from=cfg.model.init_from, score=None,
-                          verdict=None)  # fmt: skip
+            e = SeriesRun(
+                run=cfg.name,
+                dataset_id=dataset_id,
+                recipe=None if search else recipe(cfg),
+                started_at=time.time(),
+                parent=parent,
+                init_from=cfg.model.init_from,
+                score=None,
+                verdict=None,
+            )
             if search:  # set only for a search: a field never set is not written (ray_jobs/contracts/base.py)
                 e.trials = [c.run for c in children]
             rec.runs += [e, *children]
@@ -149,9 +162,20 @@ def trial_entries(cfg: Config, dataset_id: str, parent: str | None) -> list[Seri
     """The series entries of a search's trials, added with the search's own when it starts: the lineage shows the
     search as one entry with its children."""
     now = time.time()
-    return [SeriesRun(run=t.name, dataset_id=dataset_id, recipe=recipe(t.config), started_at=now, parent=parent,
-                      init_from=cfg.model.init_from, search=cfg.name, params=t.params, state="pending")
-            for t in trials(cfg)]  # fmt: skip
+    return [
+        SeriesRun(
+            run=t.name,
+            dataset_id=dataset_id,
+            recipe=recipe(t.config),
+            started_at=now,
+            parent=parent,
+            init_from=cfg.model.init_from,
+            search=cfg.name,
+            params=t.params,
+            state="pending",
+        )
+        for t in trials(cfg)
+    ]
 
 
 def run_of_flow_run(storage: str, series: str, flow_run_id: str) -> str | None:

@@ -102,8 +102,15 @@ def _judge(rec: SeriesRecord, cfg: Config, score: float | None) -> Verdict:
         promote, why = False, "no score on the series' eval set (score.json missing)"
     else:
         promote, why = decide(score, champion_score, cfg.series.min_improvement)
-    return Verdict(promoted=promote, why=why, run=cfg.name, series=cfg.series_name, score=score,
-                   champion=champ.run if champ else None, champion_score=champion_score)  # fmt: skip
+    return Verdict(
+        promoted=promote,
+        why=why,
+        run=cfg.name,
+        series=cfg.series_name,
+        score=score,
+        champion=champ.run if champ else None,
+        champion_score=champion_score,
+    )
 
 
 def score_of(storage: str, run: str) -> float | None:
@@ -118,8 +125,14 @@ def _publish(storage: str, series: str, run: str, score: float, files: dict[str,
     model = "config.json" in files or "adapter_config.json" in files  # a model, or an adapter (train.export)
     if not model or "README.md" not in files:  # README.md is written last (upload_dir)
         raise FileNotFoundError(f"run {run}'s final folder {folder} is incomplete; not publishing it")
-    pointer = ChampionPointer(schema_version=ChampionPointer.SCHEMA, run=run, folder=folder, score=score,
-                              files=files, published_at=time.time())  # fmt: skip
+    pointer = ChampionPointer(
+        schema_version=ChampionPointer.SCHEMA,
+        run=run,
+        folder=folder,
+        score=score,
+        files=files,
+        published_at=time.time(),
+    )
     write_json_atomic(Layout(storage).champion(series), pointer.dump(), durable=True)
 
 

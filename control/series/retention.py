@@ -48,5 +48,4 @@ def trim_runs(storage: str, rec: SeriesRecord, keep_runs: int | None) -> None:
         if exists(final):
             _remove_folder(final)
             e.final_deleted_at = time.time()
-            log.info("series %s: deleted the final model of run %s (series.keep_runs=%d)", rec.series, e.run,
-                     keep_runs)  # fmt: skip
+            log.info("series %s: deleted the final model of run %s (series.keep_runs=%d)", rec.series, e.run, keep_runs)

@@ -36,9 +36,16 @@ def record_trials(cfg: Config, dataset_id: str, extra: AttemptInputs) -> list[Tr
     out = trials(cfg)
     for t in out:
         if registry.load(cfg.storage, t.name) is None:
-            reg = RunRecord(name=t.name, created_at=time.time(), state="submitted",
-                            config=json.loads(t.config.model_dump_json()), dataset_id=dataset_id, search=cfg.name,
-                            params=t.params, **extra)  # fmt: skip
+            reg = RunRecord(
+                name=t.name,
+                created_at=time.time(),
+                state="submitted",
+                config=json.loads(t.config.model_dump_json()),
+                dataset_id=dataset_id,
+                search=cfg.name,
+                params=t.params,
+                **extra,
+            )
             registry.save(cfg.storage, t.name, reg)
     return out
 
@@ -96,8 +103,9 @@ def lost_steps(storage: str, search: str) -> int:
 
 def winner(found: dict[str, TrialEntry]) -> str | None:
     """The completed trial with the lowest eval loss (the lower index on a tie), or None when none completed."""
-    done = [(t.eval_loss, t.index, name) for name, t in found.items()
-            if t.state == "completed" and t.eval_loss is not None]  # fmt: skip
+    done = [
+        (t.eval_loss, t.index, name) for name, t in found.items() if t.state == "completed" and t.eval_loss is not None
+    ]
     return min(done)[2] if done else None
 
 
@@ -115,8 +123,9 @@ def finish_search(storage: str, search: str) -> Verdict | None:
     return verdict
 
 
-def _record_trials(storage: str, rec: SeriesRecord, search: str, found: dict[str, TrialEntry],
-                   best: str | None) -> None:  # fmt: skip
+def _record_trials(
+    storage: str, rec: SeriesRecord, search: str, found: dict[str, TrialEntry], best: str | None
+) -> None:
     for name, t in found.items():
         e = rec.entry(name)
         if e is not None:

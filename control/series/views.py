@@ -41,10 +41,20 @@ def table(storage: str, series: str | None = None) -> list[SeriesRow]:
 
 
 def _row(storage: str, rec: SeriesRecord, e: SeriesRun) -> SeriesRow:
-    return {"series": rec.series, "run": e.run, "state": state_of(storage, e.run), "dataset": e.dataset_id,
-            "score": e.score, "parent": e.parent, "champion": rec.champion == e.run,
-            "verdict": e.verdict.why if e.verdict else None, "started_at": e.started_at, "search": e.search,
-            "params": e.params, "steps": e.steps}  # fmt: skip
+    return {
+        "series": rec.series,
+        "run": e.run,
+        "state": state_of(storage, e.run),
+        "dataset": e.dataset_id,
+        "score": e.score,
+        "parent": e.parent,
+        "champion": rec.champion == e.run,
+        "verdict": e.verdict.why if e.verdict else None,
+        "started_at": e.started_at,
+        "search": e.search,
+        "params": e.params,
+        "steps": e.steps,
+    }
 
 
 def _series_names(storage: str) -> list[str]:
@@ -64,8 +74,10 @@ def format_table(rows: list[SeriesRow]) -> str:
     for r in rows:
         score = "-" if r["score"] is None else f"{r['score']:.4f}"
         run = f"  {r['run']}" if r.get("search") else r["run"]  # a search's trials under it
-        lines.append(f"{r['series']:<16} {run:<28} {r['state']:<13} {r['dataset']:<20} {score:>9}  "
-                     f"{r['parent'] or '-':<28} {'*' if r['champion'] else ''}{_params(r)}")  # fmt: skip
+        lines.append(
+            f"{r['series']:<16} {run:<28} {r['state']:<13} {r['dataset']:<20} {score:>9}  "
+            f"{r['parent'] or '-':<28} {'*' if r['champion'] else ''}{_params(r)}"
+        )
     return "\n".join(lines)
 
 
@@ -99,8 +111,10 @@ def lineage_lines(storage: str, run: str) -> list[str]:
     search = rec.entry(e.search) if e.search else None
     if search is not None and not verdict:  # a trial: only its search's winner is put to the gate
         said = f"not judged: only the winner of search {e.search} is ({search.winner or 'not known yet'})"
-    lines = [f"series {name}: warm start from {e.parent or 'the base model'} (model.init_from={e.init_from})",
-             f"  promotion: {said}{' -- ' + verdict.why if verdict else ''}"]  # fmt: skip
+    lines = [
+        f"series {name}: warm start from {e.parent or 'the base model'} (model.init_from={e.init_from})",
+        f"  promotion: {said}{' -- ' + verdict.why if verdict else ''}",
+    ]
     if rec.champion:
         lines.append(f"  champion: {rec.champion}{' (this run)' if rec.champion == run else ''}")
     return lines

@@ -114,6 +114,7 @@ def failed_job_incident(cfg: Config, attempt: int, address: str, failure: Except
     error = None if lost else job_failure(address, reg.current.submission_id)
     beat, age = heartbeat_seen(cfg.storage, cfg.name, attempt)
     verdict = Verdict("cluster-unreachable" if lost else "job-failed", str(failure), error, beat)
-    obs = Observations(time.time(), heartbeat=beat, error=error, metrics_step=last_step(cfg.storage, cfg.name),
-                       beat_age_s=age)  # fmt: skip
+    obs = Observations(
+        time.time(), heartbeat=beat, error=error, metrics_step=last_step(cfg.storage, cfg.name), beat_age_s=age
+    )
     return new_incident(cfg, reg, verdict, obs, "finetune-flow")

@@ -22,9 +22,13 @@ def for_resubmission(reg: RunRecord) -> dict[str, str]:
     if previous:
         return {CREDENTIALS_ENV: previous}
     if missing := still_masked(reg.config):
-        run_logger().warning("run %s: the credentials of %s are not available here (%s is not set, and the previous "
-                             "job's cannot be read): the restarted job runs without them", reg.name,
-                             ", ".join(missing), CREDENTIALS_ENV)  # fmt: skip
+        run_logger().warning(
+            "run %s: the credentials of %s are not available here (%s is not set, and the previous "
+            "job's cannot be read): the restarted job runs without them",
+            reg.name,
+            ", ".join(missing),
+            CREDENTIALS_ENV,
+        )
     return {}
 
 

@@ -16,22 +16,38 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from control.records.run import RunRecord
 
 REGISTRY = CollectorRegistry()  # this module's series only (no process or GC collectors of the library's default)
-INCIDENTS = Counter("unbroken_watchdog_incidents", "incidents the watchdog recorded (acted on, noted or observed)",
-                    ["run", "kind"], registry=REGISTRY)  # fmt: skip
-RESTARTS = Counter("unbroken_watchdog_restarts", "restarts the watchdog performed (a new job attempt each)", ["run"],
-                   registry=REGISTRY)  # fmt: skip
-GAVE_UP = Counter("unbroken_watchdog_gave_up", "runs the watchdog gave up on (marked failed)", ["run"],
-                  registry=REGISTRY)  # fmt: skip
-RESTART_FAILURES = Counter("unbroken_watchdog_restart_failures", "restarts tried that could not complete (the old "
-                           "job's end unverifiable, the cluster not provisioned)", ["run"], registry=REGISTRY)  # fmt: skip
-LEFT_ALONE = Counter("unbroken_watchdog_left_alone", "passes that left a run alone, by why: unreadable (a record this "
-                     "release cannot read), elsewhere (a local head on another host), storage-unreachable, "
-                     "storage-full, lease-lost", ["run", "reason"], registry=REGISTRY)  # fmt: skip
+INCIDENTS = Counter(
+    "unbroken_watchdog_incidents",
+    "incidents the watchdog recorded (acted on, noted or observed)",
+    ["run", "kind"],
+    registry=REGISTRY,
+)
+RESTARTS = Counter(
+    "unbroken_watchdog_restarts", "restarts the watchdog performed (a new job attempt each)", ["run"], registry=REGISTRY
+)
+GAVE_UP = Counter(
+    "unbroken_watchdog_gave_up", "runs the watchdog gave up on (marked failed)", ["run"], registry=REGISTRY
+)
+RESTART_FAILURES = Counter(
+    "unbroken_watchdog_restart_failures",
+    "restarts tried that could not complete (the old job's end unverifiable, the cluster not provisioned)",
+    ["run"],
+    registry=REGISTRY,
+)
+LEFT_ALONE = Counter(
+    "unbroken_watchdog_left_alone",
+    "passes that left a run alone, by why: unreadable (a record this "
+    "release cannot read), elsewhere (a local head on another host), storage-unreachable, "
+    "storage-full, lease-lost",
+    ["run", "reason"],
+    registry=REGISTRY,
+)
 LEFT_ALONE_REASONS = ("unreadable", "elsewhere", "storage-unreachable", "storage-full", "lease-lost")
 RUNS = Gauge("unbroken_watchdog_runs_watched", "active runs at the last pass", registry=REGISTRY)
 PASSES = Counter("unbroken_watchdog_passes", "watchdog passes over the storage", registry=REGISTRY)
-LAST_PASS = Gauge("unbroken_watchdog_last_pass_timestamp_seconds", "when the last pass ended (Unix time)",
-                  registry=REGISTRY)  # fmt: skip
+LAST_PASS = Gauge(
+    "unbroken_watchdog_last_pass_timestamp_seconds", "when the last pass ended (Unix time)", registry=REGISTRY
+)
 
 
 def decided(before: RunRecord, after: RunRecord) -> None:

@@ -9,11 +9,26 @@ from ray_jobs.config import Config
 # Exceptions that say the code or the config is wrong: the same job would fail the same way again.
 USER_ERRORS = frozenset(
     {
-        "ConfigError", "ValidationError", "RunConflict", "CheckpointInvalid", "SyntaxError", "ImportError",
-        "ModuleNotFoundError", "NameError", "AttributeError", "TypeError", "KeyError", "IndexError", "ValueError",
-        "AssertionError", "NotImplementedError", "ZeroDivisionError", "UnicodeDecodeError", "OutOfMemoryError",
+        "ConfigError",
+        "ValidationError",
+        "RunConflict",
+        "CheckpointInvalid",
+        "SyntaxError",
+        "ImportError",
+        "ModuleNotFoundError",
+        "NameError",
+        "AttributeError",
+        "TypeError",
+        "KeyError",
+        "IndexError",
+        "ValueError",
+        "AssertionError",
+        "NotImplementedError",
+        "ZeroDivisionError",
+        "UnicodeDecodeError",
+        "OutOfMemoryError",
     }
-)  # fmt: skip
+)
 # The storage failing (ray_jobs/checkpoint: StorageUnreachable; a full disk): never the job's own doing, however often.
 STORAGE_ERRORS = frozenset({"StorageUnreachable", "StorageFull"})
 # Two failures in a row at the same step with the same error: deterministic, not bad luck.
@@ -96,8 +111,10 @@ def _preemptions_spent(reg: RunRecord, cfg: Config, incident: Incident) -> str |
     used, budget = budget_used(reg, cfg, incident), cfg.fault_tolerance.max_preemptions
     if budget < 0 or used < budget:
         return None
-    return (f"preemption budget exhausted: {used} of fault_tolerance.max_preemptions={budget} restarts after "
-            f"preemptions{_tried(incident)}")  # fmt: skip
+    return (
+        f"preemption budget exhausted: {used} of fault_tolerance.max_preemptions={budget} restarts after "
+        f"preemptions{_tried(incident)}"
+    )
 
 
 def _tried(incident: Incident) -> str:

@@ -66,26 +66,45 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
     incident = restarted(reg, attempt, sid, resume_from, handle.started_here, time.time())
     lease.check()
     registry.save(cfg.storage, cfg.name, reg)
-    run_logger().warning("run %s: restarted as attempt %d (%s) from %s; %d steps lost", cfg.name, attempt, sid, where,
-                         incident.lost_steps)  # fmt: skip
+    run_logger().warning(
+        "run %s: restarted as attempt %d (%s) from %s; %d steps lost",
+        cfg.name,
+        attempt,
+        sid,
+        where,
+        incident.lost_steps,
+    )
     return Outcome(cfg.name, "restarted", f"attempt {attempt} from {where}", incident)
 
 
-def _begin(cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str | None,
-           lease: leases.Lease) -> tuple[int, str]:  # fmt: skip
+def _begin(
+    cfg: Config, reg: RunRecord, handle: ClusterHandle, resume_from: str | None, lease: leases.Lease
+) -> tuple[int, str]:
     """Record the new attempt with its job spec, under the lease (the cluster it runs on owed a release if this run
     brought it up, now or before)."""
     was = reg.recorded_cluster
     owned = handle.started_here or (was.started_here and was.url() == handle.address)
     manifest_url, model_path, dataset_id = reg.manifest_url, reg.model_path, reg.dataset_id
-    extra: AttemptInputs = {"manifest_url": manifest_url, "model_path": model_path,
-                            "score_manifest_url": reg.score_manifest_url}  # fmt: skip
+    extra: AttemptInputs = {
+        "manifest_url": manifest_url,
+        "model_path": model_path,
+        "score_manifest_url": reg.score_manifest_url,
+    }
     if manifest_url is None or model_path is None or dataset_id is None:  # a flow records them with every attempt
-        raise RecordError(f"run {cfg.name}: its record lacks what a resubmission needs (manifest_url, model_path, "
-                          "dataset_id)")  # fmt: skip
+        raise RecordError(
+            f"run {cfg.name}: its record lacks what a resubmission needs (manifest_url, model_path, dataset_id)"
+        )
     job = JobInputs(manifest_url, model_path, reg.score_manifest_url, reg.parent)
-    return start_attempt(cfg, replace(handle, started_here=owned).to_dict(), dataset_id, job, extra,
-                         resume_from=resume_from, started_by="watchdog", lease=lease)  # fmt: skip
+    return start_attempt(
+        cfg,
+        replace(handle, started_here=owned).to_dict(),
+        dataset_id,
+        job,
+        extra,
+        resume_from=resume_from,
+        started_by="watchdog",
+        lease=lease,
+    )
 
 
 def _submission_failed(cfg: Config, attempt: int, e: Exception, lease: leases.Lease) -> Outcome:
@@ -107,8 +126,7 @@ def failed_restart(cfg: Config, reg: RunRecord, incident: Incident, e: Exception
     """A restart that could not complete: counted on the incident (against the budget, and for the backoff before the
     next try); the run stays ``recovering`` until a try completes or a rule gives up on it."""
     now, why = time.time(), first_line(f"{type(e).__name__}: {e}")
-    incident.set(failed_tries=(incident.failed_tries or 0) + 1, last_try_at=now, action="waiting",
-                 last_try_error=why)  # fmt: skip
+    incident.set(failed_tries=(incident.failed_tries or 0) + 1, last_try_at=now, action="waiting", last_try_error=why)
     lease.check()
     registry.save(cfg.storage, cfg.name, reg)
     run_logger().warning("run %s: restart %d could not complete: %s", cfg.name, incident.failed_tries, why)
@@ -159,9 +177,11 @@ def _seen_to_stop(cfg: Config, reg: RunRecord, incident: Incident) -> None:
         if still_beating(cfg, reg) is None:
             return
     beat = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)[0]
-    raise StopUnverified(f"attempt {reg.current.attempt}'s processes still write its heartbeat (step "
-                         f"{beat.step if beat else None}) though its job is {incident.kind}: nothing new is submitted until "
-                         "they stop")  # fmt: skip
+    raise StopUnverified(
+        f"attempt {reg.current.attempt}'s processes still write its heartbeat (step "
+        f"{beat.step if beat else None}) though its job is {incident.kind}: nothing new is submitted until "
+        "they stop"
+    )
 
 
 def resume_point(cfg: Config, reg: RunRecord, incident: Incident) -> tuple[str | None, int, str]:
@@ -196,13 +216,20 @@ def stop_leftovers(cfg: Config, reg: RunRecord, sid: str) -> None:
         run_logger().warning("the Ray cluster at %s does not answer: %s", address, done)
 
 
-def restarted(reg: RunRecord, new_attempt: int, sid: str, resume_from: str | None, reprovisioned: bool,
-              now: float) -> Incident:  # fmt: skip
+def restarted(
+    reg: RunRecord, new_attempt: int, sid: str, resume_from: str | None, reprovisioned: bool, now: float
+) -> Incident:
     """Record the restart on the run's open incident; the run is ``submitted`` again."""
     incident = reg.open_incident()
     assert incident is not None, "the restart acts on the run's open incident, saved before the new attempt began"
-    incident.set(action="restarted", new_attempt=new_attempt, submission_id=sid, resumed_from=resume_from,
-                 resumed_step=resumed_step(resume_from) if resume_from else None, restarted_at=now,
-                 reprovisioned=reprovisioned)  # fmt: skip
+    incident.set(
+        action="restarted",
+        new_attempt=new_attempt,
+        submission_id=sid,
+        resumed_from=resume_from,
+        resumed_step=resumed_step(resume_from) if resume_from else None,
+        restarted_at=now,
+        reprovisioned=reprovisioned,
+    )
     reg.set(restarts=reg.restarts + 1, state="submitted")
     return incident

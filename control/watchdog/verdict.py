@@ -95,8 +95,12 @@ def classify(
         return Verdict("succeeded", status=view.status, heartbeat=beat)
     if view.status in ("FAILED", "STOPPED"):
         if beat is not None and beat.phase == "done":  # its rank 0 exported the final model, then it ended
-            return Verdict("succeeded", f"Ray job {sid} ended {view.status} after its final model was exported",
-                           status=view.status, heartbeat=beat)  # fmt: skip
+            return Verdict(
+                "succeeded",
+                f"Ray job {sid} ended {view.status} after its final model was exported",
+                status=view.status,
+                heartbeat=beat,
+            )
         detail = f"Ray job {sid} ended {view.status}: {view.message or ''}".strip()
         if error:
             detail += f" [{error.type}: {error.message}]"
@@ -104,21 +108,37 @@ def classify(
     return stall_verdict(view.status, attempt, beat, cfg, now, age)
 
 
-def _unanswered(view: JobView, attempt: Attempt, beat: Beat | None, cfg: Config, now: float, address: str,
-                age: float | None, job_gone: bool | None) -> Verdict:  # fmt: skip
+def _unanswered(
+    view: JobView,
+    attempt: Attempt,
+    beat: Beat | None,
+    cfg: Config,
+    now: float,
+    address: str,
+    age: float | None,
+    job_gone: bool | None,
+) -> Verdict:
     """The Jobs API cannot tell (no answer, or it does not know the job): what the other channels make of it."""
     job_gone = job_gone and attempt.status != "SUBMITTED"  # never seen yet: its processes may not be started yet
     if beat is not None and beat.phase == "done":  # everything it owed is on storage: its heartbeat says so
-        return Verdict("succeeded", f"the Jobs API cannot tell ({view.why}), but the job's heartbeat says it exported "
-                       "its final model", status="SUCCEEDED", heartbeat=beat)  # fmt: skip
+        return Verdict(
+            "succeeded",
+            f"the Jobs API cannot tell ({view.why}), but the job's heartbeat says it exported its final model",
+            status="SUCCEEDED",
+            heartbeat=beat,
+        )
     if view.api == "missing" and still_submitting(attempt, cfg, now):
         return Verdict("running", status="SUBMITTING", heartbeat=beat)
     why = f"the Jobs API at {address} gave no answer ({view.why})" if view.api == "unknown" else view.why
     if beat is not None and age is not None and age <= fresh_s(cfg):  # alive (an age comes only with a heartbeat)
         return _api_fails(why, beat, age)
     if view.api == "unknown":
-        return Verdict("cluster-unreachable", f"the Jobs API at {address} gave no answer: {view.why}{_gone(job_gone)}",
-                       heartbeat=beat, gone=bool(job_gone))  # fmt: skip
+        return Verdict(
+            "cluster-unreachable",
+            f"the Jobs API at {address} gave no answer: {view.why}{_gone(job_gone)}",
+            heartbeat=beat,
+            gone=bool(job_gone),
+        )
     return Verdict("job-lost", f"{view.why}{_gone(job_gone)}", heartbeat=beat, gone=bool(job_gone))
 
 
@@ -128,8 +148,12 @@ def _gone(job_gone: bool | None) -> str:
 
 def _api_fails(why: str, beat: Beat, age: float) -> Verdict:
     """The Jobs API cannot tell, but the job's heartbeat is fresh: the job trains on; the API is what failed."""
-    return Verdict("api-unreachable", f"{why}; the job's heartbeat is fresh (step {beat.step}, written "
-                   f"{age:.0f}s ago): it trains on", heartbeat=beat, phase=beat.judged_phase)  # fmt: skip
+    return Verdict(
+        "api-unreachable",
+        f"{why}; the job's heartbeat is fresh (step {beat.step}, written {age:.0f}s ago): it trains on",
+        heartbeat=beat,
+        phase=beat.judged_phase,
+    )
 
 
 def stall_verdict(
@@ -151,9 +175,15 @@ def stall_verdict(
         stall_s = max(stall_s, limit)
     if beat is not None and age is not None and age > stall_s:  # frozen (SIGSTOP, a dead host), dead, or storage away
         at = f"at step {beat.step}"
-        return Verdict("stalled", f"Ray job {attempt.submission_id} is {status} but its heartbeat was last written "
-                       f"{age:.0f}s ago, {at} in phase {phase!r} (fault_tolerance.stall_timeout_s={stall_s:g})",
-                       heartbeat=beat, status=status, phase=phase, silent=True)  # fmt: skip
+        return Verdict(
+            "stalled",
+            f"Ray job {attempt.submission_id} is {status} but its heartbeat was last written "
+            f"{age:.0f}s ago, {at} in phase {phase!r} (fault_tolerance.stall_timeout_s={stall_s:g})",
+            heartbeat=beat,
+            status=status,
+            phase=phase,
+            silent=True,
+        )
     if quiet <= limit:
         return Verdict("running", status=status, heartbeat=beat, phase=phase)
     at = f"at step {beat.step}" if beat else "before its first heartbeat"

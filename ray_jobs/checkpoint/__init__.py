@@ -58,7 +58,7 @@ from ray_jobs.checkpoint.format import (
     refuse,
     write_manifest,
     write_part,
-)  # fmt: skip
+)
 from ray_jobs.checkpoint.rng import rng_state, set_rng_state
 from ray_jobs.checkpoint.state import (
     HostStaging,
@@ -80,7 +80,7 @@ from ray_jobs.checkpoint.state import (
     tied_aliases,
     trainable_names,
     unwrap,
-)  # fmt: skip
+)
 from ray_jobs.checkpoint.writer import AsyncWriter
 
 __all__ = [

@@ -49,8 +49,9 @@ class Ranks(Protocol):
 class Checkpointer:
     """One rank's checkpoints: ``snapshot`` makes this rank's part (host copies), ``phase`` tells the heartbeat."""
 
-    def __init__(self, cfg: Config, rt: Ranks, checkpoints_dir: str, snapshot: Callable[[], Part],
-                 phase: Callable[[Phase], None]):  # fmt: skip
+    def __init__(
+        self, cfg: Config, rt: Ranks, checkpoints_dir: str, snapshot: Callable[[], Part], phase: Callable[[Phase], None]
+    ):
         self.cfg, self.rt, self.dir = cfg, rt, checkpoints_dir
         self.snapshot, self.phase = snapshot, phase
         self.fsdp = cfg.train.parallelism == "fsdp"

@@ -136,12 +136,19 @@ def write_part(part: Part, url: str) -> dict[str, FileMeta]:
     return entries
 
 
-def write_manifest(url: str, step: int, world_size: int, sharded: bool,
-                   entries: list[dict[str, FileMeta]]) -> CheckpointManifest:  # fmt: skip
+def write_manifest(
+    url: str, step: int, world_size: int, sharded: bool, entries: list[dict[str, FileMeta]]
+) -> CheckpointManifest:
     """Rank 0, once every rank's files are on storage: the manifest that makes the checkpoint exist."""
     files = {name: meta for rank_entries in entries for name, meta in rank_entries.items()}
-    manifest = CheckpointManifest(format=FORMAT, step=step, written_at=time.time(), world_size=world_size,
-                                  sharded=sharded, files=dict(sorted(files.items())))  # fmt: skip
+    manifest = CheckpointManifest(
+        format=FORMAT,
+        step=step,
+        written_at=time.time(),
+        world_size=world_size,
+        sharded=sharded,
+        files=dict(sorted(files.items())),
+    )
     write_json_atomic(join(url, MANIFEST_FILE), manifest.dump())
     return manifest
 

@@ -270,8 +270,7 @@ def _full(pieces: list[Any]) -> Any:
     return torch.cat([p for p in pieces if p.numel()], dim=0) if any(p.numel() for p in pieces) else pieces[0]
 
 
-def load_resharded_model_state(model, parts: list[StateDict], replicated: StateDict,
-                               trainable_only: bool) -> None:  # fmt: skip
+def load_resharded_model_state(model, parts: list[StateDict], replicated: StateDict, trainable_only: bool) -> None:
     """Load weights saved as ``len(parts)`` ranks' shards into this world's shards."""
     full = {name: _full([p[name] for p in parts]) for name in parts[0]}
     load_model_state(model, full | replicated, True, trainable_only)
@@ -294,8 +293,9 @@ def load_resharded_optimizer_state(optimizer, parts: list[StateDict]) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": parts[0]["param_groups"]})
 
 
-def loop_state_file(loop: LoopState, scheduler, last_eval: float | None, cfg: Any, data_ranks: int,
-                    cursors: list[Cursor]) -> StateFile:  # fmt: skip
+def loop_state_file(
+    loop: LoopState, scheduler, last_eval: float | None, cfg: Any, data_ranks: int, cursors: list[Cursor]
+) -> StateFile:
     """``state.json``: everything but tensors that resuming exactly needs (nanochat's ``meta``)."""
     return {
         "loop": cast(LoopDict, asdict(loop)),  # LoopState is the one definition of its fields
@@ -308,8 +308,9 @@ def loop_state_file(loop: LoopState, scheduler, last_eval: float | None, cfg: An
 
 
 # -- a rank's tensor files, both ways ---------------------------------------------------------------------------
-def tensor_files(rank: int, model, optimizer, staging: HostStaging, fsdp: bool,
-                 lora: bool) -> dict[str, tuple[str, StateDict]]:  # fmt: skip
+def tensor_files(
+    rank: int, model, optimizer, staging: HostStaging, fsdp: bool, lora: bool
+) -> dict[str, tuple[str, StateDict]]:
     """This rank's weights and optimizer state as checkpoint files (host copies, ``{name: (codec, state)}``)."""
     files: dict[str, tuple[str, StateDict]] = {}
     if fsdp:  # each rank its own shards, nothing gathered
@@ -324,8 +325,17 @@ def tensor_files(rank: int, model, optimizer, staging: HostStaging, fsdp: bool,
     return files
 
 
-def load_tensor_files(model, optimizer, files: dict[str, bytes], manifest: CheckpointManifest, written_by: int,
-                      rank: int, world_size: int, fsdp: bool, lora: bool) -> None:  # fmt: skip
+def load_tensor_files(
+    model,
+    optimizer,
+    files: dict[str, bytes],
+    manifest: CheckpointManifest,
+    written_by: int,
+    rank: int,
+    world_size: int,
+    fsdp: bool,
+    lora: bool,
+) -> None:
     """Weights and optimizer state into this rank's model: the replicated state (DDP, format 1), its own FSDP
     shards, or every rank's shards cut to this world's (an FSDP checkpoint of ``written_by`` ranks)."""
     from safetensors.torch import load

@@ -18,7 +18,7 @@ from ray_jobs.config.cluster import (
     RayUpConfig,
     WorkerRange,
     cluster_problems,
-)  # fmt: skip
+)
 from ray_jobs.config.data import DataConfig
 from ray_jobs.config.fault_tolerance import FaultToleranceConfig, PhaseStallConfig
 from ray_jobs.config.loading import absolute_url, from_json, job_spec, load_config, parse_overrides, validate
@@ -32,7 +32,7 @@ from ray_jobs.config.series import (
     name_values,
     render_name,
     series_of,
-)  # fmt: skip
+)
 from ray_jobs.config.tracking import MLflowConfig, TensorBoardConfig, TrackingConfig, WandbConfig
 from ray_jobs.config.train import TrainConfig
 from ray_jobs.config.tune import TuneConfig, fitting_trials, trial_name, trial_values

@@ -199,8 +199,10 @@ def cluster_problems(c: ClusterConfig, storage: str) -> list[str]:
     if name == "local" and c.metrics_port in (c.head_port, c.dashboard_port):
         out.append(f"cluster.metrics_port: {c.metrics_port} is also the head's GCS or dashboard port")
     elif name != "local" and c.metrics_port:
-        out.append(f"cluster.metrics_port: set, but cluster.backend is {name} (only a local head is started with "
-                   "it; give your cluster's `ray start` --metrics-export-port)")  # fmt: skip
+        out.append(
+            f"cluster.metrics_port: set, but cluster.backend is {name} (only a local head is started with "
+            "it; give your cluster's `ray start` --metrics-export-port)"
+        )
     for section, owner in (("ray_up", "ray-up"), ("kuberay", "kuberay")):
         if name != owner and getattr(c, section) != type(getattr(c, section))():  # not its defaults
             out.append(f"cluster.{section}: set, but cluster.backend is {name} (set cluster.backend: {owner})")

@@ -84,8 +84,9 @@ def engine_problems(cfg: Any) -> list[str]:
     t, problems = cfg.train, []
     if cfg.data.format == "preference":
         if t.engine != "hf":
-            problems.append("data.format: preference records are trained by DPO (TRL's DPOTrainer), which needs "
-                            "train.engine=hf")  # fmt: skip
+            problems.append(
+                "data.format: preference records are trained by DPO (TRL's DPOTrainer), which needs train.engine=hf"
+            )
         if cfg.data.too_long == "truncate":
             problems.append("data.too_long: truncate cannot cut a preference pair; use reject or drop")
     if t.export == "adapter" and cfg.model.lora is None:
@@ -129,11 +130,15 @@ def quantization_problems(cfg: Any) -> list[str]:
     base; the workers need ``bitsandbytes``."""
     problems = []
     if cfg.model.lora is None:
-        problems.append("4bit keeps the base model frozen in 4-bit: only LoRA adapters train on it (QLoRA); "
-                        "set model.lora (or model.quantization=none)")  # fmt: skip
+        problems.append(
+            "4bit keeps the base model frozen in 4-bit: only LoRA adapters train on it (QLoRA); "
+            "set model.lora (or model.quantization=none)"
+        )
     if cfg.fault_tolerance.live_recovery:
-        problems.append("4bit is not supported with fault_tolerance.live_recovery yet (a replica is healed from its "
-                        "peer's state; not shown for a 4-bit base): the watchdog and Ray Train's restarts cover it")  # fmt: skip
+        problems.append(
+            "4bit is not supported with fault_tolerance.live_recovery yet (a replica is healed from its "
+            "peer's state; not shown for a 4-bit base): the watchdog and Ray Train's restarts cover it"
+        )
     if missing_here(cfg.cluster.backend_name, "bitsandbytes"):
         problems.append("4bit needs the bitsandbytes package: pip install 'unbroken[qlora]'")
     return problems

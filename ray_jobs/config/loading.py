@@ -173,6 +173,8 @@ def job_spec(prog: str, kind: type[S], argv: list[str] | None = None) -> tuple[S
     if missing := still_masked(json.loads(cfg.model_dump_json())):
         logging.getLogger(prog).warning(
             "the credentials of %s did not reach this job (%s is not set: a restart by a watchdog that had neither "
-            "them nor the previous job to take them from); what needs them runs without", ", ".join(missing),
-            CREDENTIALS_ENV)  # fmt: skip
+            "them nor the previous job to take them from); what needs them runs without",
+            ", ".join(missing),
+            CREDENTIALS_ENV,
+        )
     return spec, cfg

@@ -44,9 +44,14 @@ def markdown(model: type[BaseModel], title: str = "Config reference") -> str:
     by_section: dict[str, list[FieldDoc]] = {}
     for f in fields(model):
         by_section.setdefault(f.name.rpartition(".")[0] or "(top level)", []).append(f)
-    out = [f"# {title}", "", "Generated from the typed config (`ray_jobs/config/`, `ray_jobs/config/reference.py`) on "
-           "every build: each field, its type, default and description. A YAML file sets any of them; `--set "
-           "section.field=value` overrides one.", ""]  # fmt: skip
+    out = [
+        f"# {title}",
+        "",
+        "Generated from the typed config (`ray_jobs/config/`, `ray_jobs/config/reference.py`) on "
+        "every build: each field, its type, default and description. A YAML file sets any of them; `--set "
+        "section.field=value` overrides one.",
+        "",
+    ]
     for section, docs in by_section.items():
         out += [f"## `{section}`", "", "| field | type | default | description |", "|---|---|---|---|"]
         out += [f"| `{d.name}` | {_cell(d.type)} | {_cell(d.default)} | {_cell(d.description)} |" for d in docs]

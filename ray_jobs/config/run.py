@@ -124,16 +124,20 @@ class Config(Section):
         if self.fault_tolerance.live_recovery and (p := live_recovery_problem(self)):
             raise ValueError(f"fault_tolerance.live_recovery: {p}")
         if self.fault_tolerance.standby_replicas and not self.fault_tolerance.live_recovery:
-            raise ValueError("fault_tolerance.standby_replicas: needs fault_tolerance.live_recovery=true (a standby is "
-                             "a live replica that steps with the others)")  # fmt: skip
+            raise ValueError(
+                "fault_tolerance.standby_replicas: needs fault_tolerance.live_recovery=true (a standby is "
+                "a live replica that steps with the others)"
+            )
         problem = batch_split_problem(self.cluster.min_workers, self.cluster.max_workers, self.train.grad_accum_steps)
         if problem:
             raise ValueError(f"cluster.num_workers: {problem}")
         from ray_jobs.storage import is_local  # fsspec, which validating ``storage`` (_check_url) imported already
 
         if self.tracking.mlflow is not None and not self.tracking.mlflow.tracking_uri and not is_local(self.storage):
-            raise ValueError("tracking.mlflow.tracking_uri: required when storage is an object store (MLflow's default "
-                             "store is a SQLite file under a local storage root)")  # fmt: skip
+            raise ValueError(
+                "tracking.mlflow.tracking_uri: required when storage is an object store (MLflow's default "
+                "store is a SQLite file under a local storage root)"
+            )
         builtin = self.model.name_or_path.startswith(BUILTIN_PREFIX)
         if builtin and self.data.seq_len > self.model.tiny.max_position_embeddings:
             raise ValueError(

@@ -50,5 +50,8 @@ def name_values(dataset_id: str, at: float) -> dict[str, str]:
     import time
 
     t = time.gmtime(at)
-    return {"dataset": dataset_id.removeprefix("ds-")[:8], "date": time.strftime("%Y%m%d", t),
-            "time": time.strftime("%H%M%S", t)}  # fmt: skip
+    return {
+        "dataset": dataset_id.removeprefix("ds-")[:8],
+        "date": time.strftime("%Y%m%d", t),
+        "time": time.strftime("%H%M%S", t),
+    }

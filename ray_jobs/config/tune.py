@@ -132,13 +132,17 @@ def tune_problems(cfg: Any) -> list[str]:
             problems.append(str(e))
     if t.scheduler == "asha":
         if t.grace_period_steps > cfg.train.max_steps:
-            problems.append(f"tune.grace_period_steps: {t.grace_period_steps} is above train.max_steps "
-                            f"({cfg.train.max_steps}); no trial could ever be stopped early")  # fmt: skip
+            problems.append(
+                f"tune.grace_period_steps: {t.grace_period_steps} is above train.max_steps "
+                f"({cfg.train.max_steps}); no trial could ever be stopped early"
+            )
         every, evals = cfg.checkpoint.every_steps, cfg.train.eval_every_steps
         if every == 0 or every % evals:
-            problems.append(f"checkpoint.every_steps: {every} must be a multiple of train.eval_every_steps ({evals}) "
-                            "with tune.scheduler asha: ASHA judges a trial by the eval loss it reports with each "
-                            "checkpoint, which must be that step's")  # fmt: skip
+            problems.append(
+                f"checkpoint.every_steps: {every} must be a multiple of train.eval_every_steps ({evals}) "
+                "with tune.scheduler asha: ASHA judges a trial by the eval loss it reports with each "
+                "checkpoint, which must be that step's"
+            )
     return problems
 
 
@@ -146,8 +150,10 @@ def _check_field(cfg: Any, field: str, kind: str, args: list[Any]) -> None:
     """ValueError naming ``tune.space.<field>`` when the field cannot be searched or a value does not fit it."""
     where = f"tune.space.{field}"
     if field.startswith("data."):
-        raise ValueError(f"{where}: data fields cannot be searched: each one that shapes training rows changes the "
-                         "dataset id, and every trial trains on the one dataset staged for the search")  # fmt: skip
+        raise ValueError(
+            f"{where}: data fields cannot be searched: each one that shapes training rows changes the "
+            "dataset id, and every trial trains on the one dataset staged for the search"
+        )
     if field in NOT_SEARCHABLE:
         raise ValueError(f"{where}: cannot be searched: {NOT_SEARCHABLE[field]}")
     if not field.startswith(SEARCHABLE):
@@ -182,9 +188,11 @@ def concurrency_problem(cfg: Any, cpus: float) -> str | None:
     each = c.min_workers * c.cpus_per_worker
     if t.max_concurrent_trials is None or t.max_concurrent_trials * each <= cpus:
         return None
-    return (f"tune.max_concurrent_trials: {t.max_concurrent_trials} trials x cluster.num_workers={c.min_workers} x "
-            f"cluster.cpus_per_worker={c.cpus_per_worker:g} need {t.max_concurrent_trials * each:g} CPUs; the cluster "
-            f"has {cpus:g}, so at most {int(cpus // each)} can train at once")  # fmt: skip
+    return (
+        f"tune.max_concurrent_trials: {t.max_concurrent_trials} trials x cluster.num_workers={c.min_workers} x "
+        f"cluster.cpus_per_worker={c.cpus_per_worker:g} need {t.max_concurrent_trials * each:g} CPUs; the cluster "
+        f"has {cpus:g}, so at most {int(cpus // each)} can train at once"
+    )
 
 
 def fitting_trials(cfg: Any, cpus: float) -> int:

@@ -76,8 +76,10 @@ class Record(Part):
         if type(version) is not int:  # a garbled or hand-edited file: refused like any bad field, never a TypeError
             raise RecordError(f"{where}: schema_version: not a version number ({version!r})")
         if version > cls.SCHEMA:
-            raise RecordError(f"{where}: schema_version {tree['schema_version']} is newer than this unbroken "
-                              f"reads ({cls.SCHEMA}); upgrade unbroken")  # fmt: skip
+            raise RecordError(
+                f"{where}: schema_version {tree['schema_version']} is newer than this unbroken "
+                f"reads ({cls.SCHEMA}); upgrade unbroken"
+            )
         try:
             record = cls.model_validate(tree)
         except ValidationError as e:

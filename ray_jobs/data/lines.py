@@ -43,8 +43,10 @@ class LongLine:
 
     @property
     def reason(self) -> str:
-        return (f"line is {self.size} bytes, over the {line_byte_cap(self.max_chars)}-byte limit for "
-                f"data.max_record_chars={self.max_chars}")  # fmt: skip
+        return (
+            f"line is {self.size} bytes, over the {line_byte_cap(self.max_chars)}-byte limit for "
+            f"data.max_record_chars={self.max_chars}"
+        )
 
 
 def capped(raw: bytes, max_chars: int | None) -> bytes | LongLine:

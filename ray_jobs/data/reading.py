@@ -144,8 +144,19 @@ class StepPlan:
     ``cursors`` (one per data rank, the global cursor) advance together on every worker; a worker builds only its
     own micro-batches' rows, and memory-maps only the shards of the data ranks it serves."""
 
-    def __init__(self, cache: ShardCache, entries: list[Shard], seq_len: int, *, data_ranks: int,
-                 grad_accum_steps: int, micro_batch_size: int, seed: int, rank: int, world_size: int):  # fmt: skip
+    def __init__(
+        self,
+        cache: ShardCache,
+        entries: list[Shard],
+        seq_len: int,
+        *,
+        data_ranks: int,
+        grad_accum_steps: int,
+        micro_batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+    ):
         slots = data_ranks * grad_accum_steps
         if slots % world_size:
             raise ValueError(f"{slots} micro-batches per step cannot be split evenly over {world_size} workers")

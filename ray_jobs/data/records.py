@@ -84,9 +84,11 @@ class Reject:
         # rejects.jsonl names the source file masked (a URL's credentials are never written); the record's own
         # text is the data's, quoted as it is
         file = mask(self.file, ())
-        out: RejectJson = ({"file": file, "row": self.line, "reason": self.reason, "text": self.text}
-                           if self.unit == "row" else
-                           {"file": file, "line": self.line, "reason": self.reason, "text": self.text})  # fmt: skip
+        out: RejectJson = (
+            {"file": file, "row": self.line, "reason": self.reason, "text": self.text}
+            if self.unit == "row"
+            else {"file": file, "line": self.line, "reason": self.reason, "text": self.text}
+        )
         if self.dropped:
             out["dropped"] = True
         return out
@@ -189,13 +191,31 @@ def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos:
     return rec
 
 
-def _shaped(msgs: list[dict] | None, prompt: str, target: str, shown: str, render: Renderer | None, file: str,
-            pos: int, split: str) -> Record:  # fmt: skip
+def _shaped(
+    msgs: list[dict] | None,
+    prompt: str,
+    target: str,
+    shown: str,
+    render: Renderer | None,
+    file: str,
+    pos: int,
+    split: str,
+) -> Record:
     """The Record of a shaped record: a conversation rendered by the chat template, else prompt + target."""
     if msgs is not None:
         r = _render(render, msgs)
-        return Record(file, pos, r.prompt, msgs[-1]["content"], r.text, r.learn, split, shown=msgs[-2]["content"],
-                      messages=msgs, templated=True)  # fmt: skip
+        return Record(
+            file,
+            pos,
+            r.prompt,
+            msgs[-1]["content"],
+            r.text,
+            r.learn,
+            split,
+            shown=msgs[-2]["content"],
+            messages=msgs,
+            templated=True,
+        )
     end = len(prompt) + len(target)
     return Record(file, pos, prompt, target, prompt + target, [(len(prompt), end)], split, shown)
 

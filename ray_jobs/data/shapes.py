@@ -141,8 +141,7 @@ def _alpaca(obj: dict, templated: bool) -> Shaped:
     question = instruction + ("\n\n" + extra if extra else "")
     if templated:
         head = [{"role": "system", "content": system}] if system else []
-        return Shaped(messages=[*head, {"role": "user", "content": question},
-                                {"role": "assistant", "content": output}])  # fmt: skip
+        return Shaped(messages=[*head, {"role": "user", "content": question}, {"role": "assistant", "content": output}])
     preamble = system or (ALPACA_INPUT_HEAD if extra else ALPACA_HEAD)
     body = f"### Instruction:\n{instruction}\n\n" + (f"### Input:\n{extra}\n\n" if extra else "")
     return Shaped(prompt=f"{preamble}\n\n{body}### Response:\n", target=output, shown=question)
@@ -162,8 +161,9 @@ def _sharegpt(obj: dict) -> list[dict]:
         if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
             raise RecordProblem(f"conversations[{i}] must be an object with string 'from' and 'value'")
         if t["from"] not in SHAREGPT_ROLES:
-            raise RecordProblem(f"conversations[{i}].from is {t['from']!r}; expected one of "
-                                f"{', '.join(SHAREGPT_ROLES)}")  # fmt: skip
+            raise RecordProblem(
+                f"conversations[{i}].from is {t['from']!r}; expected one of {', '.join(SHAREGPT_ROLES)}"
+            )
         if not t["value"].strip():
             raise RecordProblem(f"conversations[{i}] has empty value")
         msgs.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
@@ -178,13 +178,16 @@ def _prompt_completion(obj: dict, templated: bool) -> Shaped:
     prompt, completion = obj["prompt"], obj["completion"]
     if isinstance(prompt, list) and isinstance(completion, list):
         if not templated:
-            raise RecordProblem("a conversational prompt/completion (lists of messages) needs a tokenizer with a "
-                                "chat template")  # fmt: skip
+            raise RecordProblem(
+                "a conversational prompt/completion (lists of messages) needs a tokenizer with a chat template"
+            )
         return Shaped(messages=conversation(message_list(obj, "prompt") + message_list(obj, "completion")))
     if isinstance(prompt, str) and isinstance(completion, str):
         return Shaped(prompt=string_field(obj, "prompt"), target=string_field(obj, "completion"))
-    raise RecordProblem("fields 'prompt' and 'completion' must both be strings or both lists of messages, got "
-                        f"{type(prompt).__name__} and {type(completion).__name__}")  # fmt: skip
+    raise RecordProblem(
+        "fields 'prompt' and 'completion' must both be strings or both lists of messages, got "
+        f"{type(prompt).__name__} and {type(completion).__name__}"
+    )
 
 
 def _preference(obj: dict, templated: bool) -> Shaped:
@@ -200,13 +203,15 @@ def _preference(obj: dict, templated: bool) -> Shaped:
         return Shaped(prompt=p, target=c, rejected=r)
     if kinds == {list}:
         if not templated:
-            raise RecordProblem("a conversational preference record (lists of messages) needs a tokenizer with a chat "
-                                "template")  # fmt: skip
+            raise RecordProblem(
+                "a conversational preference record (lists of messages) needs a tokenizer with a chat template"
+            )
         p, c, r = (message_list(obj, k) for k in keys)
         return Shaped(messages=conversation(p + c), rejected_messages=conversation(p + r))
     got = ", ".join(type(obj[k]).__name__ for k in keys)
-    raise RecordProblem(f"fields 'prompt', 'chosen' and 'rejected' must all be strings or all lists of messages, got "
-                        f"{got}")  # fmt: skip
+    raise RecordProblem(
+        f"fields 'prompt', 'chosen' and 'rejected' must all be strings or all lists of messages, got {got}"
+    )
 
 
 # Detection (data.format=auto) ------------------------------------------------------------------------------------
@@ -217,10 +222,15 @@ SNIFF_RECORDS = 5
 
 def _rules(data: DataConfig) -> list[tuple[str, tuple[str, ...]]]:
     """(format, the fields that tell it), first match wins."""
-    return [("preference", ("prompt", "chosen", "rejected")), ("chat", (data.messages_field,)),
-            ("sharegpt", ("conversations",)), ("alpaca", ("instruction", "output")),
-            ("prompt_completion", ("prompt", "completion")), ("pairs", (data.input_field, data.target_field)),
-            ("text", (data.text_field,))]  # fmt: skip
+    return [
+        ("preference", ("prompt", "chosen", "rejected")),
+        ("chat", (data.messages_field,)),
+        ("sharegpt", ("conversations",)),
+        ("alpaca", ("instruction", "output")),
+        ("prompt_completion", ("prompt", "completion")),
+        ("pairs", (data.input_field, data.target_field)),
+        ("text", (data.text_field,)),
+    ]
 
 
 def fields_of(fmt: str, data: DataConfig) -> tuple[str, ...]:

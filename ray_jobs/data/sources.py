@@ -91,8 +91,9 @@ def read_sources(url: str, field_name: str) -> list[SourceFile]:
     return out
 
 
-def read_batches(url: str, start: Position = FROM_THE_START, batch_bytes: int = 4 << 20,
-                 max_chars: int | None = None) -> Iterator[SourceBatch]:  # fmt: skip
+def read_batches(
+    url: str, start: Position = FROM_THE_START, batch_bytes: int = 4 << 20, max_chars: int | None = None
+) -> Iterator[SourceBatch]:
     """The records of one file from ``start`` on: about ``batch_bytes`` of JSONL, or one record batch of rows. A
     JSONL line over ``line_byte_cap(max_chars)`` is a LongLine."""
     fs, path = fs_and_path(url)

@@ -213,6 +213,12 @@ class Spill:
     def _fresh(dataset_id: str) -> SpillProgress:
         names = [f"{s}.rows" for s in SPLITS] + [f"rejects-{k}.jsonl" for k in REJECT_KINDS]
         return {
-            "dataset_id": dataset_id, "phase": "read", "file": 0, "position": asdict(Position()), "packers": {},
-            "sizes": dict.fromkeys(names, 0), "counts": dict.fromkeys(_COUNTS, 0), "shards": {},
-        }  # fmt: skip
+            "dataset_id": dataset_id,
+            "phase": "read",
+            "file": 0,
+            "position": asdict(Position()),
+            "packers": {},
+            "sizes": dict.fromkeys(names, 0),
+            "counts": dict.fromkeys(_COUNTS, 0),
+            "shards": {},
+        }

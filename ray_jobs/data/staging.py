@@ -77,8 +77,15 @@ class StageResult:
     sources_read: int = 0  # source files whose bytes were read to learn their sha256 (0: fingerprints sufficed)
 
 
-def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: str = "local",
-          progress: ProgressFn | None = None, writing: ProgressFn | None = None) -> StageResult:  # fmt: skip
+def stage(
+    data: DataConfig,
+    tokenizer,
+    tokenizer_name: str,
+    storage: str,
+    on: str = "local",
+    progress: ProgressFn | None = None,
+    writing: ProgressFn | None = None,
+) -> StageResult:
     """Stage ``data`` onto ``storage`` with ``tokenizer``; a cache hit when the same inputs were staged before.
     ``on="cluster"``: from a driver on a Ray cluster, its sources hashed and its pieces tokenized by Ray tasks and
     actors across the nodes (the same shards, manifest and dataset id as ``local``). ``data.format: auto`` is
@@ -101,8 +108,7 @@ def stage(data: DataConfig, tokenizer, tokenizer_name: str, storage: str, on: st
         if exists(manifest_url):
             return StageResult(ds_id, manifest_url, True, read_manifest(manifest_url), read)
         out_dir = layout.dataset_dir(ds_id)
-        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress,
-                                writing)  # fmt: skip
+        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress, writing)
         write_json_atomic(manifest_url, manifest.dump())
     return StageResult(ds_id, manifest_url, False, manifest, read)
 
@@ -153,9 +159,17 @@ def dataset_id(sources: dict[str, list[Source]], tok_fp: str, data: DataConfig) 
 def staging_config(data: DataConfig) -> dict[str, JsonValue]:
     """The config fields that change what staging writes (and so the dataset id)."""
     keys = (
-        "format", "input_field", "target_field", "text_field", "messages_field", "eval_fraction", "seq_len",
-        "max_record_chars", "shard_mb", "min_shards",
-    )  # fmt: skip
+        "format",
+        "input_field",
+        "target_field",
+        "text_field",
+        "messages_field",
+        "eval_fraction",
+        "seq_len",
+        "max_record_chars",
+        "shard_mb",
+        "min_shards",
+    )
     out: dict[str, JsonValue] = {k: getattr(data, k) for k in keys}
     out["separate_eval"] = data.eval is not None
     if data.format == "text":  # fields only some formats read: the others keep their id when these change
@@ -167,8 +181,9 @@ def staging_config(data: DataConfig) -> dict[str, JsonValue]:
     return out
 
 
-def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress=None,
-                 writing=None) -> DatasetManifest:  # fmt: skip
+def _stage_fresh(
+    data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress=None, writing=None
+) -> DatasetManifest:
     if tokenizer.eos_token_id is None:
         raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -190,8 +205,13 @@ def _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_di
     _remove_unfinished(out_dir)
     shards = _write_shards(spill, data, out_dir, writing)
     upload_file(spill.rejects_file(), join(out_dir, "rejects.jsonl"))
-    tok = TokenizerInfo(name_or_path=tokenizer_name, fingerprint=tok_fp, vocab_size=len(tokenizer), pad_token_id=pad,
-                        eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    tok = TokenizerInfo(
+        name_or_path=tokenizer_name,
+        fingerprint=tok_fp,
+        vocab_size=len(tokenizer),
+        pad_token_id=pad,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     manifest = _manifest(ds_id, data, sources, tok, _counts(spill), shards)
     spill.remove()
     logging.getLogger("unbroken.staging").info("staged %s: %s", ds_id, summary(manifest))
@@ -207,8 +227,14 @@ def _remove_unfinished(out_dir: str) -> None:
         log.info("removed %d unfinished file(s) a killed staging left in %s: %s", len(orphans), out_dir, orphans)
 
 
-def _manifest(ds_id: str, data: DataConfig, sources: dict[str, list[Source]], tok: TokenizerInfo, counts: Counts,
-              shards: dict[str, list[Shard]]) -> DatasetManifest:  # fmt: skip
+def _manifest(
+    ds_id: str,
+    data: DataConfig,
+    sources: dict[str, list[Source]],
+    tok: TokenizerInfo,
+    counts: Counts,
+    shards: dict[str, list[Shard]],
+) -> DatasetManifest:
     return DatasetManifest(
         dataset_id=ds_id,
         staging_version=STAGING_VERSION,
@@ -221,8 +247,14 @@ def _manifest(ds_id: str, data: DataConfig, sources: dict[str, list[Source]], to
     )
 
 
-def _read_all(spill: Spill, work: BatchWork, sources: dict[str, list[Source]], data: DataConfig, on: str,
-              progress: ProgressFn | None = None) -> None:  # fmt: skip
+def _read_all(
+    spill: Spill,
+    work: BatchWork,
+    sources: dict[str, list[Source]],
+    data: DataConfig,
+    on: str,
+    progress: ProgressFn | None = None,
+) -> None:
     """Every source piece through the workers into the spill, recording progress as it goes (and telling
     ``progress`` the source bytes read, from where a resumed staging starts)."""
     files = [(split, f) for split, fs in sources.items() for f in fs]
@@ -251,8 +283,10 @@ def _unchanged(src: Source) -> None:
     """The file read is the file the dataset id was computed from (a writer may have replaced it meanwhile)."""
     (now,) = describe(src.url, "data")
     if (now.size, now.version) != (src.size, src.version):
-        raise StagingError(f"{src.url} changed while it was being staged (size/version {src.size}/{src.version} -> "
-                           f"{now.size}/{now.version}); stage again once it is complete")  # fmt: skip
+        raise StagingError(
+            f"{src.url} changed while it was being staged (size/version {src.size}/{src.version} -> "
+            f"{now.size}/{now.version}); stage again once it is complete"
+        )
 
 
 def _pieces(files: list[tuple[str, Source]], first: int, at: Position) -> Iterator[tuple[tuple, str, Any]]:
@@ -301,8 +335,10 @@ def summary(manifest: DatasetManifest) -> str:
     """What staging made of the records, in one line (the staging log's, and the flow's)."""
     counts, conf = manifest.counts, manifest.staging_config
     if manifest.format == "text":
-        return (f"{counts.documents} documents -> {counts.pieces} pieces ({counts.cut_documents} cut into "
-                f"pieces of at most {conf['seq_len']} tokens), {counts.train_tokens} train tokens")  # fmt: skip
+        return (
+            f"{counts.documents} documents -> {counts.pieces} pieces ({counts.cut_documents} cut into "
+            f"pieces of at most {conf['seq_len']} tokens), {counts.train_tokens} train tokens"
+        )
     out = f"{counts.records} records ({counts.rejects} rejected"
     if counts.dropped or counts.truncated:
         out += f", {counts.dropped} dropped and {counts.truncated} truncated by data.too_long={conf['too_long']}"

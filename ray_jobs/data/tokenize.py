@@ -121,8 +121,12 @@ class Tokenized:
         ids, labels = [], []
         for k, rec in enumerate(records):
             pair = [self._example(r, *encoded[2 * k + j]) for j, r in enumerate((rec, _rejected(rec)))]
-            problem = next(filter(None, (self._pair_problem(*x, side) for x, side in zip(pair, ("chosen", "rejected"),
-                                                                                      strict=True))), None)  # fmt: skip
+            problem = next(
+                filter(
+                    None, (self._pair_problem(*x, side) for x, side in zip(pair, ("chosen", "rejected"), strict=True))
+                ),
+                None,
+            )
             if problem:
                 if self.too_long == "truncate" and "longer than" in problem:
                     problem += " (data.too_long=truncate cannot cut a preference pair: rejected)"

@@ -100,8 +100,9 @@ class BatchWork:
         counts = {"documents": 0, "pieces": 0, "cut_documents": 0, "truncated": 0}
         for name, recs in zip(("train", "eval"), self._split(records), strict=True):
             if self.data.format == "text":
-                docs = Documents(self.tokenizer, recs, self.data.seq_len, self.data.text_overlap_tokens,
-                                 DocSink(self.doc_dir))  # fmt: skip
+                docs = Documents(
+                    self.tokenizer, recs, self.data.seq_len, self.data.text_overlap_tokens, DocSink(self.doc_dir)
+                )
                 out.long[name] = docs.long
                 counts["documents"] += docs.counts.documents
                 counts["pieces"] += docs.counts.pieces
@@ -204,16 +205,23 @@ def ray_results(work: BatchWork, pieces: Pieces, workers: int) -> Iterator[tuple
     import ray
 
     actor = ray.remote(StageActor).options(
-        num_cpus=1, max_restarts=3, max_task_retries=3, scheduling_strategy="SPREAD",
+        num_cpus=1,
+        max_restarts=3,
+        max_task_retries=3,
+        scheduling_strategy="SPREAD",
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
-    )  # fmt: skip
+    )
     work_ref = ray.put(work)
     # Ray types a new actor as "its handle or the class" (so that @ray.method-decorated methods type-check); it is
     # always the handle, whose methods are looked up at run time
     actors = [cast("ActorHandle[StageActor]", actor.remote(work_ref)) for _ in range(workers)]
     nodes = ray_get([a.node.remote() for a in actors])  # every actor up (its tokenizer loaded) before the first piece
-    log.info("staging with %d actors on %d nodes: %s", workers, len(set(nodes)),
-             ", ".join(f"{n[:12]} x{nodes.count(n)}" for n in sorted(set(nodes))))  # fmt: skip
+    log.info(
+        "staging with %d actors on %d nodes: %s",
+        workers,
+        len(set(nodes)),
+        ", ".join(f"{n[:12]} x{nodes.count(n)}" for n in sorted(set(nodes))),
+    )
     turn = iter(range(1 << 62))
 
     def submit(piece, split):  # round robin: every actor gets pieces; the window keeps each at most two ahead

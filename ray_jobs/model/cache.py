@@ -83,8 +83,9 @@ def cached_folder(url: str, cache_root: str | os.PathLike) -> Path:
         if why is None:
             return final
         if final.exists():
-            log.warning("the node's copy of %s at %s is not to be used (%s): removing it and fetching it again", url,
-                        final, why)  # fmt: skip
+            log.warning(
+                "the node's copy of %s at %s is not to be used (%s): removing it and fetching it again", url, final, why
+            )
             _remove(final, root, digest)
         _download(url, root, digest, source)
     return final
@@ -142,8 +143,9 @@ def _download(url: str, root: Path, digest: str, source: dict[str, list[int | st
     try:
         for p in local:
             p.parent.mkdir(parents=True, exist_ok=True)
-        with polled(Reporter(f"model download of {url}", total, quiet_s=every_s(), log=log, tty=False),
-                    lambda: tree_bytes(tmp)):  # fmt: skip
+        with polled(
+            Reporter(f"model download of {url}", total, quiet_s=every_s(), log=log, tty=False), lambda: tree_bytes(tmp)
+        ):
             fs.get([join(path, rel) for rel in sizes], [str(p) for p in local])
         record = _verify(tmp, url, sizes, expected, source)
         (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")  # last: it vouches for the rest
@@ -174,8 +176,9 @@ def _source_manifest(fs, path: str, url: str, sizes: dict[str, int]) -> dict[str
     expected = json.loads(fs.cat_file(join(path, SOURCE_MANIFEST)))
     listed = set(sizes) - {SOURCE_MANIFEST}
     if set(expected) != listed:
-        raise ModelCacheError(f"{url}: {SOURCE_MANIFEST} does not match the folder: "
-                              f"{_difference(SOURCE_MANIFEST, set(expected), listed)}")  # fmt: skip
+        raise ModelCacheError(
+            f"{url}: {SOURCE_MANIFEST} does not match the folder: {_difference(SOURCE_MANIFEST, set(expected), listed)}"
+        )
     return expected
 
 
@@ -184,8 +187,11 @@ def _verify(
 ) -> Marker:
     """The marker's record of the downloaded copy, after checking every file's size against the listing and its
     sha256 against the source's manifest (when there is one; otherwise the sha256 is recorded as computed here)."""
-    wrong = [f"{rel}: {(tmp / rel).stat().st_size} bytes, storage lists {n}" for rel, n in sizes.items()
-             if (tmp / rel).stat().st_size != n]  # fmt: skip
+    wrong = [
+        f"{rel}: {(tmp / rel).stat().st_size} bytes, storage lists {n}"
+        for rel, n in sizes.items()
+        if (tmp / rel).stat().st_size != n
+    ]
     if wrong:
         raise ModelCacheError(f"{url}: the copy does not match the listing: {'; '.join(wrong)}")
     with ThreadPoolExecutor(min(HASH_THREADS, len(sizes))) as pool:
@@ -194,8 +200,9 @@ def _verify(
         wrong = [rel for rel, h in expected.items() if digests[rel] != h]
         if wrong:
             raise ModelCacheError(f"{url}: sha256 of {', '.join(wrong)} does not match {SOURCE_MANIFEST}")
-    files: dict[str, CachedFile] = {rel: {"bytes": sizes[rel], "sha256": digests[rel],
-                                          "mtime_ns": (tmp / rel).stat().st_mtime_ns} for rel in sizes}  # fmt: skip
+    files: dict[str, CachedFile] = {
+        rel: {"bytes": sizes[rel], "sha256": digests[rel], "mtime_ns": (tmp / rel).stat().st_mtime_ns} for rel in sizes
+    }
     sha256_from = SOURCE_MANIFEST if expected is not None else "computed on this node after the download"
     return {
         "url": mask(url, ()),

@@ -87,8 +87,12 @@ def quantized_loading(quantization: str, device, bf16: bool) -> QuantizedLoading
     import torch
     from transformers import BitsAndBytesConfig
 
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                           bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32)  # fmt: skip
+    q = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
     return {"quantization_config": q, "device_map": {"": str(device)}}
 
 

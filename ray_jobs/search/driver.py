@@ -70,7 +70,7 @@ def build_tuner(cfg: Config, trials: list[Trial], loops: list[WorkerSpec], cpus:
             scheduler=make_scheduler(cfg),
             max_concurrent_trials=t.max_concurrent_trials or fitting_trials(cfg, cpus),
             reuse_actors=False,
-        ),  # fmt: skip
+        ),
         run_config=tune.RunConfig(
             name=cfg.name,
             storage_path=strip_protocol(root) if fs is not None else root,

@@ -116,9 +116,18 @@ class SearchHeartbeat:
 
     def state(self, beats: list[Beat]) -> Beat:
         assert self.cfg.tune is not None, "a search's heartbeat starts after its trials, which need a tune section"
-        return combine(beats, self.started_at, Beat(schema_version=Beat.SCHEMA, run=self.cfg.name,
-                                                    attempt=self.attempt, time=time.time(), last_step_at=self.started_at,
-                                                    max_steps=self.cfg.train.max_steps * self.cfg.tune.num_trials))  # fmt: skip
+        return combine(
+            beats,
+            self.started_at,
+            Beat(
+                schema_version=Beat.SCHEMA,
+                run=self.cfg.name,
+                attempt=self.attempt,
+                time=time.time(),
+                last_step_at=self.started_at,
+                max_steps=self.cfg.train.max_steps * self.cfg.tune.num_trials,
+            ),
+        )
 
 
 def combine(beats: list[Beat], started_at: float, search: Beat) -> Beat:
@@ -126,9 +135,12 @@ def combine(beats: list[Beat], started_at: float, search: Beat) -> Beat:
     while any trial trains (the newest step of any), else the phase of the trial that entered its phase last;
     ``loading`` from the search's start before any trial wrote one."""
     firsts = [b.first_step_at for b in beats if b.first_step_at]
-    search.set(step=sum(b.step for b in beats), started_step=sum(b.started_step for b in beats),
-               first_step_at=min(firsts) if firsts else None,
-               tokens_per_s=sum(b.tokens_per_s for b in beats if b.phase == "training"))  # fmt: skip
+    search.set(
+        step=sum(b.step for b in beats),
+        started_step=sum(b.started_step for b in beats),
+        first_step_at=min(firsts) if firsts else None,
+        tokens_per_s=sum(b.tokens_per_s for b in beats if b.phase == "training"),
+    )
     training = [b for b in beats if b.phase == "training"]
     if training:
         last = max(b.last_step_at for b in training)

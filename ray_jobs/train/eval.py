@@ -37,8 +37,15 @@ def eval_batches(num_rows: int, world_size: int, micro_batch_size: int, max_batc
     return min(batches, max_batches) if max_batches else batches
 
 
-def eval_loss(model, rows: ShardRows, rt: Ranks, device, autocast: Callable[[], AbstractContextManager],
-              micro_batch_size: int, max_batches: int) -> float:  # fmt: skip
+def eval_loss(
+    model,
+    rows: ShardRows,
+    rt: Ranks,
+    device,
+    autocast: Callable[[], AbstractContextManager],
+    micro_batch_size: int,
+    max_batches: int,
+) -> float:
     """Mean loss per target token over ``rows``; each rank reads only its slice of the rows (every
     ``world_size``-th), and all run equally many batches."""
     import torch

@@ -26,8 +26,15 @@ from ray_jobs.train.runtime import Runtime
 log = logging.getLogger("unbroken.train")
 
 
-def write_final(cfg: Config, rt: Runtime, model, model_path: str, manifest: DatasetManifest, loop: LoopState,
-                metrics: MetricsLog | None) -> str | None:  # fmt: skip
+def write_final(
+    cfg: Config,
+    rt: Runtime,
+    model,
+    model_path: str,
+    manifest: DatasetManifest,
+    loop: LoopState,
+    metrics: MetricsLog | None,
+) -> str | None:
     """The final HF folder (merged weights -- or the adapters, ``train.export: adapter`` -- in
     ``train.export_dtype``, tokenizer, model card) at
     ``runs/<run>/final``, made from the trained model itself: in place under DDP (rank 0), gathered a tensor at

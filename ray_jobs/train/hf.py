@@ -179,8 +179,12 @@ def hf_trainer(owner: HfTrainer, steps: int):
             owner._grad_norm = float(norm) if norm is not None else 0.0
             return norm
 
-    kwargs = dict(model=owner.model, args=training_arguments(owner, steps), callbacks=[Hooks(owner)],
-                  optimizers=(owner.optimizer, owner.scheduler))  # fmt: skip
+    kwargs = dict(
+        model=owner.model,
+        args=training_arguments(owner, steps),
+        callbacks=[Hooks(owner)],
+        optimizers=(owner.optimizer, owner.scheduler),
+    )
     if owner.preference:
         kwargs |= _dpo_kwargs(owner)
     engine = Engine(**kwargs)
@@ -204,8 +208,10 @@ def _dpo_kwargs(owner: HfTrainer) -> dict[str, Any]:
 
     from ray_jobs.model.loading import load_model_fp32, load_tokenizer
 
-    out = {"processing_class": load_tokenizer(owner.model_path, owner.cfg.data.cache_dir),  # the node's copy
-           "train_dataset": Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}])}  # fmt: skip
+    out = {
+        "processing_class": load_tokenizer(owner.model_path, owner.cfg.data.cache_dir),  # the node's copy
+        "train_dataset": Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}]),
+    }
     if not owner.lora:
         ref = load_model_fp32(owner.model_path, owner.cfg.data.cache_dir).to(owner.device).eval()
         out["ref_model"] = ref.requires_grad_(False)
@@ -234,14 +240,25 @@ def training_arguments(owner: HfTrainer, steps: int):
         from trl import DPOConfig as TrainingArguments
     return TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="unbroken-hf-"),  # HF writes nothing there: saving is unbroken's
-        max_steps=steps, per_device_train_batch_size=cfg.train.micro_batch_size,
-        gradient_accumulation_steps=owner.plan.micro_batches, max_grad_norm=cfg.train.max_grad_norm,
-        learning_rate=cfg.train.lr, seed=cfg.train.seed, bf16=bf16, use_cpu=device.type == "cpu",
-        save_strategy="no", eval_strategy="no", logging_strategy="no", report_to="none", disable_tqdm=True,
-        remove_unused_columns=False, dataloader_num_workers=0, ignore_data_skip=True,
+        max_steps=steps,
+        per_device_train_batch_size=cfg.train.micro_batch_size,
+        gradient_accumulation_steps=owner.plan.micro_batches,
+        max_grad_norm=cfg.train.max_grad_norm,
+        learning_rate=cfg.train.lr,
+        seed=cfg.train.seed,
+        bf16=bf16,
+        use_cpu=device.type == "cpu",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        ignore_data_skip=True,
         gradient_checkpointing=False,  # build_model applies train.gradient_checkpointing (DPOConfig defaults to on)
         **_known(TrainingArguments, cfg.train.hf_args),
-    )  # fmt: skip
+    )
 
 
 def _known(args_class, hf_args: dict[str, Any]) -> dict[str, Any]:
@@ -251,8 +268,10 @@ def _known(args_class, hf_args: dict[str, Any]) -> dict[str, Any]:
 
     fields = {f.name for f in dataclasses.fields(args_class)}
     if unknown := sorted(set(hf_args) - fields):
-        raise ValueError(f"train.hf_args: {', '.join(unknown)}: DPO's only, and data.format=auto found records that "
-                         "are not preference pairs")  # fmt: skip
+        raise ValueError(
+            f"train.hf_args: {', '.join(unknown)}: DPO's only, and data.format=auto found records that "
+            "are not preference pairs"
+        )
     return hf_args
 
 

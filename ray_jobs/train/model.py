@@ -26,8 +26,9 @@ class Placement(Protocol):
 
 def build_model(cfg: Config, model_path: str, rt: Placement):
     device = rt.device()
-    model = load_model_fp32(model_path, cfg.data.cache_dir,
-                            **quantized_loading(cfg.model.quantization, device, bf16_training(cfg, device)))  # fmt: skip
+    model = load_model_fp32(
+        model_path, cfg.data.cache_dir, **quantized_loading(cfg.model.quantization, device, bf16_training(cfg, device))
+    )
     if cfg.train.gradient_checkpointing:
         kwargs = {"use_reentrant": False}  # torch.utils.checkpoint, non-reentrant
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name (the old one warns)
@@ -155,10 +156,13 @@ def plan_export_files(sizes: dict[str, int], shard_mb: float):
     from huggingface_hub import split_state_dict_into_shards_factory
 
     # An integer byte count L exceeds shard_mb * 1e6 exactly when it exceeds its floor: the cut is the same.
-    return split_state_dict_into_shards_factory(sizes, get_storage_size=lambda size: size,
-                                                get_storage_id=lambda size: None,  # tied aliases are left out
-                                                filename_pattern="model{suffix}.safetensors",
-                                                max_shard_size=int(shard_mb * 1e6))  # fmt: skip
+    return split_state_dict_into_shards_factory(
+        sizes,
+        get_storage_size=lambda size: size,
+        get_storage_id=lambda size: None,  # tied aliases are left out
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=int(shard_mb * 1e6),
+    )
 
 
 def _write_export_file(state: StateDict, names: list[str], dtype, rank: int, path: str) -> None:

@@ -149,8 +149,14 @@ def checkpoint_and_raise(checkpoint: Callable[[], float], rank: int, step: int) 
     raise Preempted(f"preempted: just-in-time checkpoint at step {step} saved")
 
 
-def checkpoint_and_wait(notice: DrainNotice, checkpoint: Callable[[], float], rank: int, step: int,
-                        grace_s: float, phase: Callable[[Phase], None]) -> None:  # fmt: skip
+def checkpoint_and_wait(
+    notice: DrainNotice,
+    checkpoint: Callable[[], float],
+    rank: int,
+    step: int,
+    grace_s: float,
+    phase: Callable[[Phase], None],
+) -> None:
     """A node of this group is being drained (a spot reclaim, ``ray drain-node``): checkpoint this step now, on
     every rank, then wait for Ray Train to restart the group without that node.
 
@@ -160,9 +166,14 @@ def checkpoint_and_wait(notice: DrainNotice, checkpoint: Callable[[], float], ra
     make steps that the restart throws away; waiting loses none."""
     checkpoint()
     deadline = drain_deadline(notice)
-    train_log.warning("rank %d: just-in-time checkpoint at step %d saved (drain notice for node(s) %s, deadline in "
-                      "%.0f s); waiting for Ray Train to restart the group", rank, step,
-                      ", ".join(n[:12] for n in notice.nodes), deadline - time.time())  # fmt: skip
+    train_log.warning(
+        "rank %d: just-in-time checkpoint at step %d saved (drain notice for node(s) %s, deadline in "
+        "%.0f s); waiting for Ray Train to restart the group",
+        rank,
+        step,
+        ", ".join(n[:12] for n in notice.nodes),
+        deadline - time.time(),
+    )
     phase("preempted")
     wait_for_restart(deadline, grace_s)
     # Still here long past the deadline: the drain went nowhere. Carry on rather than idle for ever.

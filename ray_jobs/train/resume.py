@@ -91,8 +91,9 @@ def agreed_choice(
     return url, reason, manifest
 
 
-def resume_agreed(rt: Runtime, checkpoints_dir: str, explicit: str | None,
-                  load: Callable[[str, CheckpointManifest], bool]) -> tuple[str | None, str]:  # fmt: skip
+def resume_agreed(
+    rt: Runtime, checkpoints_dir: str, explicit: str | None, load: Callable[[str, CheckpointManifest], bool]
+) -> tuple[str | None, str]:
     """The checkpoint every rank resumed from, and why (None: start fresh). ``load`` reads and loads one on every
     rank, False when some rank found its part bad: then every rank falls back to the previous one together, and the
     bad one is refused so that no later start (nor the watchdog) picks it again."""
@@ -129,8 +130,9 @@ def read_part(rt: Runtime, url: str, manifest: CheckpointManifest) -> tuple[dict
         return None, 0.0, f"rank {rt.rank} could not read checkpoint {url}: {type(e).__name__}: {e}"
 
 
-def check_resumable(state: StateFile, manifest: CheckpointManifest, data_ranks: int, world_size: int,
-                    fsdp: bool) -> None:  # fmt: skip
+def check_resumable(
+    state: StateFile, manifest: CheckpointManifest, data_ranks: int, world_size: int, fsdp: bool
+) -> None:
     """Refuse (``CheckpointInvalid``) a checkpoint this run cannot resume exactly: another data layout, a world
     size it cannot be resharded to, another parallelism."""
     loop = LoopState(**state["loop"])
@@ -170,8 +172,9 @@ class Restored:
     last_eval: float | None
 
 
-def load_checkpoint(rt: Runtime, cfg: Config, url: str, manifest: CheckpointManifest, model, optimizer, scheduler,
-                    data_ranks: int) -> tuple[Restored | None, int]:  # fmt: skip
+def load_checkpoint(
+    rt: Runtime, cfg: Config, url: str, manifest: CheckpointManifest, model, optimizer, scheduler, data_ranks: int
+) -> tuple[Restored | None, int]:
     """Read, verify and load this rank's part of a checkpoint, every rank deciding together (collectives), and the
     bytes this rank read. None when some rank found its part bad (all fall back); an error that is not the
     checkpoint's fault (a read that failed, a checkpoint that does not fit this run) fails every rank, never a
@@ -194,16 +197,25 @@ def load_checkpoint(rt: Runtime, cfg: Config, url: str, manifest: CheckpointMani
     return restored, read
 
 
-def restore(rt: Runtime, cfg: Config, files: dict[str, bytes], manifest: CheckpointManifest, model, optimizer,
-            scheduler, data_ranks: int) -> tuple[Restored, CursorDict | None]:  # fmt: skip
+def restore(
+    rt: Runtime,
+    cfg: Config,
+    files: dict[str, bytes],
+    manifest: CheckpointManifest,
+    model,
+    optimizer,
+    scheduler,
+    data_ranks: int,
+) -> tuple[Restored, CursorDict | None]:
     """Load a checkpoint's verified files into this rank's model, optimizer and scheduler; the rest of its state,
     and this rank's own cursor when the checkpoint predates the global one (its ``cursors`` then None)."""
     fsdp = cfg.train.parallelism == "fsdp"
     state: StateFile = json.loads(files[ckpt.STATE_FILE])
     check_resumable(state, manifest, data_ranks, rt.world_size, fsdp)
     loop = LoopState(**state["loop"])
-    ckpt.load_tensor_files(model, optimizer, files, manifest, loop.world_size, rt.rank, rt.world_size, fsdp,
-                           cfg.model.lora is not None)  # fmt: skip
+    ckpt.load_tensor_files(
+        model, optimizer, files, manifest, loop.world_size, rt.rank, rt.world_size, fsdp, cfg.model.lora is not None
+    )
     scheduler.load_state_dict(state["scheduler"])
     mine = rank_part(files, state, manifest, rt.rank)
     data = state.get("data") or {}

@@ -55,8 +55,12 @@ def run_worker(spec: WorkerSpec, rt: Runtime) -> Trainer:
         if close is not None:
             close()
     after = {k: v - trainer.warmup[k] for k, v in trainer.cache.counters().items()}  # what training itself read
-    log.info("rank %d shard cache after warm-up: %s; checkpoint stalls (s): %s", trainer.rt.rank, after,
-             [round(s, 4) for s in trainer.checkpointer.stalls_s])  # fmt: skip
+    log.info(
+        "rank %d shard cache after warm-up: %s; checkpoint stalls (s): %s",
+        trainer.rt.rank,
+        after,
+        [round(s, 4) for s in trainer.checkpointer.stalls_s],
+    )
     return trainer
 
 
@@ -64,8 +68,10 @@ def make_trainer(cfg: Config, spec: WorkerSpec, rt: Runtime, heartbeat: Heartbea
     """The trainer of this rank for ``cfg``'s engine and fault-tolerance mode."""
     manifest, model_path = spec.manifest, spec.model_path
     if manifest.format == "preference" and cfg.train.engine != "hf":  # data.format=auto found it
-        raise ValueError("data.format: the records are preference pairs, trained by DPO (TRL's DPOTrainer), which "
-                         "needs train.engine=hf")  # fmt: skip
+        raise ValueError(
+            "data.format: the records are preference pairs, trained by DPO (TRL's DPOTrainer), which "
+            "needs train.engine=hf"
+        )
     if cfg.fault_tolerance.live_recovery:
         from ray_jobs.train.live_trainer import LiveTrainer
 

@@ -19,15 +19,17 @@ class ArrowStream:
     listed: bool = False
     splittable: bool = False
 
-    def batches(self, url: str, f: IO[bytes], start: Position, batch_bytes: int,
-                max_chars: int | None) -> Iterator[SourceBatch]:  # fmt: skip
+    def batches(
+        self, url: str, f: IO[bytes], start: Position, batch_bytes: int, max_chars: int | None
+    ) -> Iterator[SourceBatch]:
         import pyarrow as pa
 
         with readable(url, "Arrow"):
             yield from row_batches(url, pa.ipc.open_stream(f), start)
 
-    def read_range(self, url: str, f: IO[bytes], start: int, stop: int | None,
-                   max_chars: int | None) -> tuple[list[tuple[int, Any]], int]:  # fmt: skip
+    def read_range(
+        self, url: str, f: IO[bytes], start: int, stop: int | None, max_chars: int | None
+    ) -> tuple[list[tuple[int, Any]], int]:
         raise TypeError(f"{url}: an Arrow stream cannot be entered mid-way; the planner reads it in batches")
 
     def bounds(self, url: str, start: int, size: int, piece_bytes: int) -> list[int]:

@@ -89,13 +89,15 @@ class SourceReader(Protocol):
     listed: bool
     splittable: bool
 
-    def batches(self, url: str, f: IO[bytes], start: Position, batch_bytes: int,
-                max_chars: int | None) -> Iterator[SourceBatch]:  # fmt: skip
+    def batches(
+        self, url: str, f: IO[bytes], start: Position, batch_bytes: int, max_chars: int | None
+    ) -> Iterator[SourceBatch]:
         """The records from ``start`` on, about ``batch_bytes`` of source (or one record batch of rows) at a time."""
         ...
 
-    def read_range(self, url: str, f: IO[bytes], start: int, stop: int | None,
-                   max_chars: int | None) -> tuple[list[tuple[int, Any]], int]:  # fmt: skip
+    def read_range(
+        self, url: str, f: IO[bytes], start: int, stop: int | None, max_chars: int | None
+    ) -> tuple[list[tuple[int, Any]], int]:
         """The records of [start, stop), numbered from 1, and where the next range begins."""
         ...
 

@@ -17,8 +17,9 @@ class JsonLines:
     listed: bool = True
     splittable: bool = True
 
-    def batches(self, url: str, f: IO[bytes], start: Position, batch_bytes: int,
-                max_chars: int | None) -> Iterator[SourceBatch]:  # fmt: skip
+    def batches(
+        self, url: str, f: IO[bytes], start: Position, batch_bytes: int, max_chars: int | None
+    ) -> Iterator[SourceBatch]:
         """Whole lines only: a batch is the lines that begin in the next ``batch_bytes`` (``start`` begins a line)."""
         at, lineno = start.offset, start.next
         while True:
@@ -28,8 +29,9 @@ class JsonLines:
             yield SourceBatch(url, [(lineno + n - 1, x) for n, x in items], Position(end, lineno + len(items)))
             at, lineno = end, lineno + len(items)
 
-    def read_range(self, url: str, f: IO[bytes], start: int, stop: int | None,
-                   max_chars: int | None) -> tuple[list[tuple[int, Any]], int]:  # fmt: skip
+    def read_range(
+        self, url: str, f: IO[bytes], start: int, stop: int | None, max_chars: int | None
+    ) -> tuple[list[tuple[int, Any]], int]:
         return line_range(f, start, stop, max_chars)
 
     def bounds(self, url: str, start: int, size: int, piece_bytes: int) -> list[int]:

@@ -18,15 +18,17 @@ class Parquet:
     listed: bool = True
     splittable: bool = True
 
-    def batches(self, url: str, f: IO[bytes], start: Position, batch_bytes: int,
-                max_chars: int | None) -> Iterator[SourceBatch]:  # fmt: skip
+    def batches(
+        self, url: str, f: IO[bytes], start: Position, batch_bytes: int, max_chars: int | None
+    ) -> Iterator[SourceBatch]:
         import pyarrow.parquet as pq
 
         with readable(url, "Parquet"):
             yield from row_batches(url, pq.ParquetFile(f).iter_batches(batch_size=8192), start)
 
-    def read_range(self, url: str, f: IO[bytes], start: int, stop: int | None,
-                   max_chars: int | None) -> tuple[list[tuple[int, Any]], int]:  # fmt: skip
+    def read_range(
+        self, url: str, f: IO[bytes], start: int, stop: int | None, max_chars: int | None
+    ) -> tuple[list[tuple[int, Any]], int]:
         """Rows [start, stop), decoding only the row groups they lie in."""
         import pyarrow.parquet as pq
 

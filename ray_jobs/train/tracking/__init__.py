@@ -18,8 +18,16 @@ __all__ = ["METRICS", "RunInfo", "Tracker", "Trackers", "end_runs", "flat_params
 log = logging.getLogger("unbroken.tracking")
 
 
-def open_trackers(cfg, attempt: int, dataset_id: str, resumed_step: int | None, model: Any = None, seq_len: int = 0,
-                  world_size: int = 1, parent: str | None = None) -> Trackers | None:  # fmt: skip
+def open_trackers(
+    cfg,
+    attempt: int,
+    dataset_id: str,
+    resumed_step: int | None,
+    model: Any = None,
+    seq_len: int = 0,
+    world_size: int = 1,
+    parent: str | None = None,
+) -> Trackers | None:
     """The trackers ``cfg.tracking`` names, and Prometheus gauges whenever this process is a Ray worker (``model``,
     ``seq_len`` and ``world_size`` give them an MFU on a GPU), each opening its run on its own thread (None when
     none is on)."""
@@ -40,13 +48,23 @@ def _module(name: str) -> ModuleType:
     return importlib.import_module(f"ray_jobs.train.tracking.{name}")
 
 
-def run_info(cfg, attempt: int = 0, dataset_id: str = "", resumed_step: int | None = None,
-             parent: str | None = None) -> RunInfo:  # fmt: skip
+def run_info(
+    cfg, attempt: int = 0, dataset_id: str = "", resumed_step: int | None = None, parent: str | None = None
+) -> RunInfo:
     """What every tracker is told of the run; its params are the config masked (a tracker stores and shows them)."""
     from ray_jobs.storage import Layout
 
-    return RunInfo(cfg.name, cfg.series_name, cfg.storage, Layout(cfg.storage).run_dir(cfg.name), attempt, dataset_id,
-                   parent, resumed_step, flat_params(mask_tree(cfg.model_dump(mode="json"))))  # fmt: skip
+    return RunInfo(
+        cfg.name,
+        cfg.series_name,
+        cfg.storage,
+        Layout(cfg.storage).run_dir(cfg.name),
+        attempt,
+        dataset_id,
+        parent,
+        resumed_step,
+        flat_params(mask_tree(cfg.model_dump(mode="json"))),
+    )
 
 
 def end_runs(cfg, status: str) -> list[str]:

@@ -125,8 +125,9 @@ class _Lane:
             (self.record_links if what == "links" else getattr(self.tracker, what))(*args)
         except Exception as e:  # any failure of a tracker: logged once, never the run's
             self.failed = f"{type(e).__name__}: {e}"
-            log.warning("tracker %s failed to %s (%s); the run goes on without it", self.tracker.name, what,
-                        self.failed)  # fmt: skip
+            log.warning(
+                "tracker %s failed to %s (%s); the run goes on without it", self.tracker.name, what, self.failed
+            )
 
     def close(self, status: str, final_model: str | None) -> None:
         self._closing = (status, final_model)
@@ -166,8 +167,7 @@ class Trackers:
         for lane in self.lanes:
             lane.close(status, final_model)
         deadline = time.monotonic() + timeout_s
-        late = [lane.tracker.name for lane in self.lanes
-                if not lane.closed.wait(max(0.0, deadline - time.monotonic()))]  # fmt: skip
+        late = [lane.tracker.name for lane in self.lanes if not lane.closed.wait(max(0.0, deadline - time.monotonic()))]
         for name in late:
             log.warning("tracker %s did not finish within %.0f s; its last points may be missing", name, timeout_s)
         return late

@@ -59,14 +59,18 @@ def tracking_uri(cfg: MLflowConfig, storage: str) -> str:
     """``cfg.tracking_uri``, else the SQLite file under a local storage root. A URI whose credentials did not reach
     this process (still masked: ray_jobs/secrets.py) is refused, saying so, rather than sent to the server."""
     if cfg.tracking_uri and is_masked(cfg.tracking_uri):
-        raise ValueError(f"tracking.mlflow.tracking_uri {cfg.tracking_uri}: its credentials were not available here "
-                         f"({CREDENTIALS_ENV} does not hold them), so MLflow is not asked")  # fmt: skip
+        raise ValueError(
+            f"tracking.mlflow.tracking_uri {cfg.tracking_uri}: its credentials were not available here "
+            f"({CREDENTIALS_ENV} does not hold them), so MLflow is not asked"
+        )
     if cfg.tracking_uri:
         return cfg.tracking_uri
     if is_local(storage):
         return "sqlite:///" + os.path.join(local_path(storage), "mlflow.db")
-    raise ValueError(f"tracking.mlflow.tracking_uri is not set and storage {storage!r} is an object store, where "
-                     "MLflow's default (a SQLite file under the storage root) cannot live; set it")  # fmt: skip
+    raise ValueError(
+        f"tracking.mlflow.tracking_uri is not set and storage {storage!r} is an object store, where "
+        "MLflow's default (a SQLite file under the storage root) cannot live; set it"
+    )
 
 
 def whole_store(uri: str) -> None:
@@ -134,14 +138,22 @@ def experiment_id(mc, name: str, location: str | None) -> str:
 def find_run(mc, exp_id: str, run: str):
     """The MLflow run of our run ``run`` (the first made, should there be more), or None."""
     escaped = run.replace("'", "\\'")
-    found = mc.search_runs([exp_id], filter_string=f"tags.\"{RUN_TAG}\" = '{escaped}'", max_results=1,
-                           order_by=["attributes.start_time ASC"])  # fmt: skip
+    found = mc.search_runs(
+        [exp_id],
+        filter_string=f"tags.\"{RUN_TAG}\" = '{escaped}'",
+        max_results=1,
+        order_by=["attributes.start_time ASC"],
+    )
     return found[0] if found else None
 
 
 def run_tags(info: RunInfo) -> dict[str, str]:
-    tags = {RUN_TAG: info.run, "unbroken.series": info.series, "unbroken.dataset": info.dataset_id,
-            "unbroken.attempt": str(info.attempt)}  # fmt: skip
+    tags = {
+        RUN_TAG: info.run,
+        "unbroken.series": info.series,
+        "unbroken.dataset": info.dataset_id,
+        "unbroken.attempt": str(info.attempt),
+    }
     if info.parent:
         tags["unbroken.parent"] = info.parent
     return tags

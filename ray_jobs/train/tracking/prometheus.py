@@ -79,8 +79,13 @@ class PrometheusTracker:
         self._gauges = {name: Gauge(name, description, tag_keys=TAGS) for name, (_, description) in GAUGES.items()}
         attempt = max(info.attempt, 1)
         in_job = count_start(Layout(info.storage).train_starts(info.run), attempt)
-        self._set({"unbroken_restarts": attempt - 1 + in_job, "unbroken_job_attempt": attempt,
-                   "unbroken_train_step": info.resumed_step or 0})  # fmt: skip
+        self._set(
+            {
+                "unbroken_restarts": attempt - 1 + in_job,
+                "unbroken_job_attempt": attempt,
+                "unbroken_train_step": info.resumed_step or 0,
+            }
+        )
         self._keeper = threading.Thread(target=self._keep_alive, name="tracker-prometheus-refresh", daemon=True)
         self._keeper.start()
 

@@ -50,8 +50,11 @@ class TensorBoardTracker:
         self.writer = SummaryWriter(folder, purge_step=0, flush_secs=5, filename_suffix=f".{time.time_ns()}")
         self.folder = folder
         self.links = {"dir": self.target, "view": f"tensorboard --logdir {self.target}"}
-        self.writer.add_text("run", f"{info.run} (series {info.series}, dataset {info.dataset_id}, attempt "
-                             f"{info.attempt})", global_step=0)  # fmt: skip
+        self.writer.add_text(
+            "run",
+            f"{info.run} (series {info.series}, dataset {info.dataset_id}, attempt {info.attempt})",
+            global_step=0,
+        )
         for step, metrics in kept(info):
             self.log(step, metrics)
 

@@ -69,8 +69,15 @@ def settings(mode: Literal["offline", "online"]):
     os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
 
-    made = wandb.Settings(mode=mode, silent=True, console="off", disable_git=True, save_code=False,
-                          x_save_requirements=False, reinit="create_new")  # fmt: skip
+    made = wandb.Settings(
+        mode=mode,
+        silent=True,
+        console="off",
+        disable_git=True,
+        save_code=False,
+        x_save_requirements=False,
+        reinit="create_new",
+    )
     wandb.setup(settings=made)
     return made
 
@@ -92,17 +99,30 @@ class WandbTracker:
         rid = run_id(info.run, info.storage)
         again = info.resumed_step is not None or info.attempt > 0 or bool(offline_parts(self.dir, rid))
         resume_from, first_id = (f"{rid}?_step=0", None) if again else (None, rid)  # None: wandb.init's default
-        config = info.params | {"unbroken.run": info.run, "unbroken.series": info.series,
-                                "unbroken.dataset": info.dataset_id, "unbroken.attempt": info.attempt,
-                                "unbroken.parent": info.parent}  # fmt: skip
+        config = info.params | {
+            "unbroken.run": info.run,
+            "unbroken.series": info.series,
+            "unbroken.dataset": info.dataset_id,
+            "unbroken.attempt": info.attempt,
+            "unbroken.parent": info.parent,
+        }
         tags = [t[:MAX_TAG] for t in (info.series, info.dataset_id and f"dataset:{info.dataset_id}") if t]
-        self.run = wandb.init(project=self.cfg.project or info.series, dir=self.dir, name=info.run, config=config,
-                              tags=tags, allow_val_change=True, settings=quiet, id=first_id,
-                              resume_from=resume_from)  # fmt: skip
+        self.run = wandb.init(
+            project=self.cfg.project or info.series,
+            dir=self.dir,
+            name=info.run,
+            config=config,
+            tags=tags,
+            allow_val_change=True,
+            settings=quiet,
+            id=first_id,
+            resume_from=resume_from,
+        )
         sync = f"wandb sync --include-offline {os.path.join(self.dir, 'wandb', f'offline-run-*-{rid}*')}"
         online = getattr(self.run, "url", None) if self.cfg.mode == "online" else None
-        self.links = {"run_id": rid, "dir": os.path.join(self.dir, "wandb")} | ({"url": online} if online else
-                                                                                 {"sync": sync})  # fmt: skip
+        self.links = {"run_id": rid, "dir": os.path.join(self.dir, "wandb")} | (
+            {"url": online} if online else {"sync": sync}
+        )
         for step, metrics in kept(info):
             self.run.log(metrics, step=step)
 
@@ -148,8 +168,11 @@ class OfflinePart:
 def offline_parts(root: str, rid: str) -> list[OfflinePart]:
     """The offline folders of W&B run ``rid`` under ``root`` (as given to ``wandb.init(dir=)``), in start order."""
     name = re.compile(r"offline-run-\d{8}_\d{6}-" + re.escape(rid) + r"(-\d+)?")
-    found = [f for f in glob.glob(os.path.join(root, "wandb", "offline-run-*", f"run-{rid}.wandb"))
-             if name.fullmatch(os.path.basename(os.path.dirname(f)))]  # fmt: skip
+    found = [
+        f
+        for f in glob.glob(os.path.join(root, "wandb", "offline-run-*", f"run-{rid}.wandb"))
+        if name.fullmatch(os.path.basename(os.path.dirname(f)))
+    ]
     return sorted((_part(f) for f in found), key=lambda p: p.start)
 
 
@@ -221,8 +244,7 @@ def end_run(cfg: WandbConfig, info: RunInfo, status: str) -> bool:
     import wandb
 
     last = max(offline_history(root, rid), default=0)
-    run = wandb.init(project=cfg.project or info.series, dir=root, settings=quiet,
-                     resume_from=f"{rid}?_step={last}")  # fmt: skip
+    run = wandb.init(project=cfg.project or info.series, dir=root, settings=quiet, resume_from=f"{rid}?_step={last}")
     run.finish(exit_code=0 if status == "FINISHED" else 1)
     _wait_written()  # and no W&B service left in this process, nor its address in the environment children inherit
     return True
