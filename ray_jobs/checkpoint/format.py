@@ -9,7 +9,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,15 +236,20 @@ def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def find_latest_valid(checkpoints_dir: str) -> tuple[str, CheckpointManifest] | None:
-    """The newest checkpoint whose manifest lists files all present at their size (older ones are tried in turn),
-    as (url, manifest), or None. Reads manifests and listings only, never a tensor."""
+def sealed_checkpoints(checkpoints_dir: str, say: bool = True) -> Iterator[tuple[str, CheckpointManifest]]:
+    """Newest first, each checkpoint whose manifest lists files all present at their size, as (url, manifest); a
+    torn or unreadable one is skipped (said, unless ``say`` is false). Reads manifests and listings only, lazily."""
     for step, url in list_checkpoints(checkpoints_dir):
         try:
-            return url, check(url)
+            yield url, check(url)
         except CheckpointInvalid as e:
-            log.warning("skipping checkpoint %s (step %d): %s; trying the previous one", url, step, e)
-    return None
+            if say:
+                log.warning("skipping checkpoint %s (step %d): %s; trying the previous one", url, step, e)
+
+
+def find_latest_valid(checkpoints_dir: str) -> tuple[str, CheckpointManifest] | None:
+    """The newest sealed checkpoint (:func:`sealed_checkpoints`: older ones are tried in turn), or None."""
+    return next(sealed_checkpoints(checkpoints_dir), None)
 
 
 def decode(files: dict[str, bytes]) -> tuple[StateDict, StateDict, StateFile]:

@@ -62,17 +62,11 @@ class Solo(LocalRuntime):
     def report(self, metrics: Reported, checkpoint_url: str | None) -> None:
         if checkpoint_url is None:
             return
-        from ray_jobs.checkpoint.format import CheckpointInvalid, check, list_checkpoints
+        from ray_jobs.checkpoint.format import sealed_checkpoints
         from ray_jobs.storage import fs_and_path
 
-        def sealed(url: str) -> bool:
-            try:
-                return check(url) is not None
-            except CheckpointInvalid:
-                return False
-
         try:
-            for url in [url for _, url in list_checkpoints(self.dir) if sealed(url)][self.keep :]:  # newest first
+            for url, _ in list(sealed_checkpoints(self.dir, say=False))[self.keep :]:  # newest first
                 fs, path = fs_and_path(url)
                 fs.rm(path, recursive=True)
         except OSError as e:  # storage away: the old checkpoints go next time, the training goes on
