@@ -12,6 +12,7 @@ import os
 
 from control.backends import backend_problems
 from ray_jobs.config import Config, ConfigError, from_json, loading
+from ray_jobs.config.epochs import steps_problems
 
 __all__ = ["Config", "ConfigError", "from_json", "load_config", "validate"]
 
@@ -30,6 +31,7 @@ def validate(raw: loading.RawTree, source: str = "config") -> Config:
         cfg = loading.validate(raw, source)
     except ConfigError as e:
         problems = list(e.problems)
+    problems += steps_problems(raw)
     cluster = loading.cluster_alone(raw)
     if cluster is not None:  # judged as written (paths not yet made absolute): messages quote what the user wrote
         problems += backend_problems(cluster, str(raw.get("storage") or ""))

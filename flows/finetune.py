@@ -26,6 +26,7 @@ from control.summaries import NothingNew, RunSummary, SearchSummary
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
 from flows.params import run_config
 from flows.stage import stage_for
+from ray_jobs.config.epochs import resolve_epochs
 from ray_jobs.contracts.dataset import read_manifest
 from ray_jobs.model.builtin import base_model_ready
 from tasks.cluster import ClusterHandle, begin_cluster, check_cluster_fits, provision_cluster, stop_cluster
@@ -103,7 +104,7 @@ async def _finetune(cfg: Config) -> RunSummary | SearchSummary | State:
             handle = early.result() if early is not None else provision_cluster(cfg)
         early = None
         staged_as = cfg.name
-        cfg = cfg.resolved(staged.dataset_id, _started_at())
+        cfg = resolve_epochs(cfg.resolved(staged.dataset_id, _started_at()), read_manifest(staged.manifest_url))
         if not search and (done := find_trained_run(cfg, staged.dataset_id)):
             return nothing_new(cfg, done)
         check_run_compatible(cfg, staged.dataset_id)

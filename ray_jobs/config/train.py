@@ -13,7 +13,11 @@ class TrainConfig(Section):
     seed: int = 0
     """Seed for model init, data order and every RNG; same seed + same world size = same weights."""
     max_steps: int = Field(200, ge=1)
-    """Optimizer steps to train for."""
+    """Optimizer steps to train for (or set ``epochs`` instead: one of the two)."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the training data, instead of ``max_steps``: every training row is trained on exactly this many
+    times. The steps follow from the staged dataset (the data rank with the most rows sets them; the last step's
+    rows past the final pass are masked from the loss), and the plan shows both."""
     micro_batch_size: int = Field(8, ge=1)
     """Packed sequences per worker per forward pass."""
     grad_accum_steps: int = Field(1, ge=1)

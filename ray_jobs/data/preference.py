@@ -54,13 +54,19 @@ class PairPacker:
         return np.empty((0, 3, self.seq_len), dtype=np.int32)
 
 
-def pair_batch(ids: np.ndarray, labels: np.ndarray, coded: np.ndarray, pad_id: int) -> dict[str, torch.Tensor]:
+def pair_batch(
+    ids: np.ndarray, labels: np.ndarray, coded: np.ndarray, pad_id: int, *, keep: np.ndarray | None = None
+) -> dict[str, torch.Tensor]:
     """TRL's DPO batch of rows ``[B, seq_len]`` each (the three row parts): ``[2B, L]`` tensors, the chosen
-    sequences first, cut to the longest sequence of the batch."""
+    sequences first, cut to the longest sequence of the batch. A pair ``keep`` says False of (past ``train.epochs``'
+    last pass) has no completion token: it moves nothing."""
     import torch
 
     chosen_completion = labels != IGNORE_INDEX
     chosen_len = np.where(chosen_completion.any(1), ids.shape[1] - np.argmax(chosen_completion[:, ::-1], 1), 0)
+    if keep is not None:  # both completions read as prompt: attended to, never learned
+        chosen_completion &= keep[:, None]
+        coded = np.where(keep[:, None] | (coded < 0), coded, -coded - 2)
     chosen_attention = np.arange(ids.shape[1])[None, :] < chosen_len[:, None]
     rejected_attention = coded != PAD_CODE
     rejected_ids = np.where(coded >= 0, coded, np.where(rejected_attention, -coded - 2, pad_id))

@@ -20,11 +20,14 @@ data rank ``r``, as before there were data ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from ray_jobs.contracts.dataset import Shard
 from ray_jobs.data.cache import ShardCache
+
+IGNORE_INDEX = -100  # a label the loss skips (transformers' and torch's cross-entropy default)
 
 
 def rank_shards(entries: list[Shard], rank: int, world_size: int) -> list[Shard]:
@@ -121,6 +124,33 @@ class RankSampler:
         return np.concatenate(out), np.concatenate(epochs), Cursor(epoch, pos)
 
 
+class RowTracer(Protocol):
+    def add(self, epochs: np.ndarray, ids: list[tuple[str, int]]) -> None: ...
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as a worker trains it: the rows read, their arrays as staged, which rows count (a row past
+    ``train.epochs``' last pass does not) and the tokens of those."""
+
+    v: int
+    idx: np.ndarray
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray]  # input_ids, labels, position_ids (a preference pair's parts)
+    keep: np.ndarray  # bool per row: trained (not past the last pass)
+    tokens: int
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids, labels, position_ids), every label of a row that does not count ``IGNORE_INDEX``."""
+        ids, labels, pos = self.rows
+        return ids, np.where(self.keep[:, None], labels, IGNORE_INDEX), pos
+
+    @property
+    def learned(self) -> bool:
+        """Any row of it trained (a micro-batch wholly past the last pass has no loss to take a mean of)."""
+        return bool(self.keep.any())
+
+
 def advance(cursor: Cursor, n: int, num_rows: int) -> Cursor:
     """``cursor`` moved ``n`` rows on (through epochs), without building the permutation."""
     pos = cursor.pos + n
@@ -156,11 +186,14 @@ class StepPlan:
         seed: int,
         rank: int,
         world_size: int,
+        epochs: int | None = None,
+        pad_id: int = 0,
     ):
         slots = data_ranks * grad_accum_steps
         if slots % world_size:
             raise ValueError(f"{slots} micro-batches per step cannot be split evenly over {world_size} workers")
         self.data_ranks, self.accum, self.micro = data_ranks, grad_accum_steps, micro_batch_size
+        self.epochs, self.pad_id = epochs, pad_id
         self.slots = step_slots(data_ranks, grad_accum_steps, rank, world_size)
         self.entries = {v: rank_shards(entries, v, data_ranks) for v in range(data_ranks)}
         served = served_data_ranks(self.slots)
@@ -191,6 +224,17 @@ class StepPlan:
 
     def take(self, v: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.rows[v].take(idx)
+
+    def micro_batch(self, cursors: list[Cursor], k: int, trace: RowTracer | None = None) -> MicroBatch:
+        """This worker's ``k``-th micro-batch of the step at ``cursors``, read (:meth:`batch`, :meth:`take`), its
+        trained rows traced. With ``epochs``, a row of a later pass is past the end: it is read (the batch keeps
+        its shape) but masked from the loss, traced and counted nowhere -- every row is trained ``epochs`` times."""
+        v, idx, epochs = self.batch(cursors, k)
+        keep = np.ones(len(idx), dtype=bool) if self.epochs is None else epochs < self.epochs
+        if trace is not None:
+            trace.add(epochs[keep], self.identify(v, idx[keep]))
+        rows = self.take(v, idx)
+        return MicroBatch(v, idx, rows, keep, int((rows[0][keep] != self.pad_id).sum()))
 
     def after(self, cursors: list[Cursor]) -> list[Cursor]:
         """The global cursor after one step (every data rank moved ``accum x micro`` rows)."""

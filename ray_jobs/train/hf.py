@@ -299,6 +299,7 @@ def Batches(owner: HfTrainer):  # noqa: N802 -- a dataset class, built lazily (t
         """This worker's micro-batches from the cursor on: per step, the rows the native loop would take."""
 
         def __iter__(self):
+            import numpy as np
             import torch
 
             from ray_jobs.data.preference import pair_batch
@@ -306,17 +307,15 @@ def Batches(owner: HfTrainer):  # noqa: N802 -- a dataset class, built lazily (t
             plan, cursors = owner.plan, list(owner.cursors)
             while True:
                 for micro in range(plan.micro_batches):
-                    v, idx, epochs = plan.batch(cursors, micro)
-                    owner.rows_materialized += len(idx)
-                    if owner.trace is not None:
-                        owner.trace.add(epochs, plan.identify(v, idx))
-                    if owner.preference:
-                        batch = pair_batch(*plan.take(v, idx), owner.pad_id)
-                        owner._step_tokens += int(batch["attention_mask"].sum())
+                    mb = plan.micro_batch(cursors, micro, owner.trace)
+                    owner.rows_materialized += len(mb.idx)
+                    if owner.preference:  # a pair past the last pass: no completion token counts (labels masked)
+                        batch = pair_batch(*mb.rows, owner.pad_id, keep=mb.keep)
+                        owner._step_tokens += int(batch["attention_mask"][np.concatenate([mb.keep, mb.keep])].sum())
                         yield batch
                         continue
-                    ids, labels, pos = (torch.from_numpy(a) for a in plan.take(v, idx))
-                    owner._step_tokens += int((ids != owner.pad_id).sum())
+                    ids, labels, pos = (torch.from_numpy(a) for a in mb.arrays)
+                    owner._step_tokens += mb.tokens
                     yield {"input_ids": ids, "labels": labels, "position_ids": pos, "use_cache": False}
                 cursors = plan.after(cursors)
 

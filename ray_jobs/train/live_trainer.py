@@ -33,7 +33,7 @@ from ray_jobs.train import preemption, rowtrace
 from ray_jobs.train.eval import eval_loss
 from ray_jobs.train.heartbeat import start_heartbeat
 from ray_jobs.train.live import Replica, Retries, Solo, shares_of, timed_heal, virtual_slots
-from ray_jobs.train.model import clip_grads, to_device
+from ray_jobs.train.model import clip_grads, micro_loss, to_device
 from ray_jobs.train.trainer import Agreed, Trainer
 
 log = logging.getLogger("unbroken.train")
@@ -179,15 +179,12 @@ class LiveTrainer(Trainer):
 
         loss_sum, tokens, n = torch.zeros((), dtype=torch.float64), 0, len(slots)
         for k in slots:
-            v, idx, epochs = self.plan.batch(self.cursors, k)
-            self.rows_materialized += len(idx)
-            if self.trace is not None:
-                self.trace.add(epochs, self.plan.identify(v, idx))
-            arrays = self.plan.take(v, idx)
-            tokens += int((arrays[0] != self.pad_id).sum())
-            ids, labels, pos = (to_device(x, self.device) for x in arrays)
+            mb = self.plan.micro_batch(self.cursors, k, self.trace)
+            self.rows_materialized += len(mb.idx)
+            tokens += mb.tokens
+            ids, labels, pos = (to_device(x, self.device) for x in mb.arrays)
             with self.autocast():
-                loss = self.model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
+                loss = micro_loss(self.model, ids, labels, pos, mb.learned)
             (loss / n).backward()
             loss_sum += loss.detach().to(torch.float64).cpu() / n
         return float(loss_sum), tokens

@@ -249,6 +249,14 @@ def grad_sync(model, fsdp: bool, sync: bool):
     return model.no_sync()
 
 
+def micro_loss(model, ids, labels, pos, learned: bool = True):
+    """The model's loss on one micro-batch (use_cache=False: transformers ignores packed position_ids while it
+    builds a KV cache). A micro-batch wholly past ``train.epochs``' last pass has no label to take a mean of: its
+    loss is a zero that still reaches every parameter, so each rank's backward syncs the same gradients."""
+    out = model(input_ids=ids, labels=labels if learned else None, position_ids=pos, use_cache=False)
+    return out.loss if learned else out.logits.sum() * 0.0
+
+
 def clip_grads(model, max_grad_norm: float):
     """Clip the global gradient norm (0: no clipping); the norm, a device tensor (reading it would wait)."""
     import torch

@@ -28,6 +28,7 @@ from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.cache import ShardCache
 from ray_jobs.data.reading import Cursor, ShardRows, StepPlan, open_rows
 from ray_jobs.storage import Layout
+from ray_jobs.train import model as models
 from ray_jobs.train import preemption, rowtrace
 from ray_jobs.train.determinism import setup_determinism
 from ray_jobs.train.eval import eval_loss, series_eval_rows, write_score
@@ -104,7 +105,8 @@ class Trainer:
         self.plan = StepPlan(self.cache, self.manifest.shards["train"], seq_len,
                              data_ranks=self.cfg.cluster.max_workers, grad_accum_steps=t.grad_accum_steps,
                              micro_batch_size=t.micro_batch_size, seed=t.seed, rank=self.rt.rank,
-                             world_size=self.rt.world_size)  # fmt: skip
+                             world_size=self.rt.world_size, epochs=t.epochs,
+                             pad_id=self.manifest.tokenizer.pad_token_id)  # fmt: skip
         self.eval_rows = open_rows(self.cache, self.manifest.shards["eval"], seq_len)
         self.pad_id = self.manifest.tokenizer.pad_token_id
 
@@ -241,16 +243,12 @@ class Trainer:
         loss_sum, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
         n = self.plan.micro_batches  # grad_accum_steps x (data ranks / world size): the global batch is kept
         for micro in range(n):
-            v, idx, epochs = self.plan.batch(self.cursors, micro)
-            self.rows_materialized += len(idx)
-            if self.trace is not None:
-                self.trace.add(epochs, self.plan.identify(v, idx))
-            arrays = self.plan.take(v, idx)
-            tokens += int((arrays[0] != self.pad_id).sum())  # counted on the host, before the copy
-            ids, labels, pos = (to_device(x, self.device) for x in arrays)
+            mb = self.plan.micro_batch(self.cursors, micro, self.trace)
+            self.rows_materialized += len(mb.idx)
+            tokens += mb.tokens  # counted on the host, before the copy
+            ids, labels, pos = (to_device(x, self.device) for x in mb.arrays)
             with grad_sync(self.model, self.fsdp, micro == n - 1), self.autocast():
-                # use_cache=False: transformers ignores packed position_ids while it builds a KV cache
-                loss = self.model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
+                loss = models.micro_loss(self.model, ids, labels, pos, mb.learned)
             (loss / n).backward()
             loss_sum += loss.detach().to(torch.float64) / n  # float64, as the python float sum it replaces
         self.cursors = self.plan.after(self.cursors)

@@ -8,6 +8,7 @@ import logging
 from pydantic import JsonValue
 
 from ray_jobs.config import Config, from_json
+from ray_jobs.config.epochs import resolve_epochs
 from ray_jobs.contracts.job_spec import WorkerSpec
 from ray_jobs.model.loading import forgo_bitsandbytes
 from ray_jobs.secrets import mask_output
@@ -31,7 +32,7 @@ def run_worker(spec: WorkerSpec, rt: Runtime) -> Trainer:
     the series' eval set, export. ``spec``: what ``ray_jobs.job.loop_config`` makes of a job spec."""
     mask_output()  # a worker's log lines and tracebacks (a tracker's error quoting its URI) are masked here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = from_json(spec.config)
+    cfg = resolve_epochs(from_json(spec.config), spec.manifest)  # train.epochs -> its steps, as the flow did
     forgo_bitsandbytes(cfg.model.quantization)  # this process is this run's alone
     attempt = spec.attempt
     live = cfg.fault_tolerance.live_recovery

@@ -74,6 +74,13 @@ def test_each_record_stages_one_row_that_gives_trl_what_its_collator_builds(tmp_
     theirs = DataCollatorForPreference(pad_token_id=pad)(examples)
     for key in ("input_ids", "attention_mask", "completion_mask"):
         assert ours[key].tolist() == theirs[key].tolist(), key
+    keep = np.arange(len(ids)) % 3 != 0  # pairs past train.epochs' last pass: read, attended to, never learned
+    past = pair_batch(ids, labels, coded, pad, keep=keep)
+    both = np.concatenate([keep, keep])
+    assert past["completion_mask"][~both].sum() == 0
+    assert past["completion_mask"][both].tolist() == ours["completion_mask"][both].tolist()
+    for key in ("input_ids", "attention_mask"):
+        assert past[key].tolist() == ours[key].tolist(), key
 
 
 BAD = [
