@@ -21,7 +21,7 @@ from ray_jobs.contracts.job_spec import StageSpec
 from ray_jobs.data.fingerprint import describe
 from ray_jobs.data.staging import StageResult, StagingError, cached, stage, summary
 from ray_jobs.model.loading import load_tokenizer
-from ray_jobs.progress import Reporter, Snapshot, SnapshotJson, then
+from ray_jobs.progress import Reporter, Snapshot, SnapshotJson, every_s, then
 from ray_jobs.secrets import job_env
 from ray_jobs.storage import Layout, exists, is_local, read_json, write_json_atomic
 
@@ -99,7 +99,7 @@ def _stage_here(cfg: Config, model_path: str) -> StageResult:
     """Staging in this process: a progress line in the run's log every few seconds (a bar on a terminal) and the
     progress artifact, as source bytes are read."""
     artifact = ProgressArtifact(cfg)
-    reporter = Reporter("staging", log=run_logger(), rates=("tokens",), on_update=artifact.show)
+    reporter = Reporter("staging", log=run_logger(), rates=("tokens",), on_update=artifact.show, quiet_s=every_s())
     writing = Reporter("writing shards", unit="rows", log=run_logger(), quiet_s=5.0)
     tokenizer = _tokenizer(cfg, model_path)
     result = stage(

@@ -10,6 +10,9 @@ from ray_jobs.config.base import Section
 class CheckpointConfig(Section):
     every_steps: int = Field(100, ge=0)
     """Checkpoint every N optimizer steps; 0 = not by steps. The last step is always checkpointed."""
+    saves_per_epoch: int | None = Field(None, ge=1)
+    """Instead of ``every_steps``: checkpoint this many times per pass over the data (every round(steps per epoch /
+    N) steps, the steps per epoch known once the data is staged)."""
     every_minutes: float = Field(0.0, ge=0)
     """Also checkpoint when this many minutes passed since the last one (15-30 on real runs); 0 = off."""
     num_to_keep: int = Field(3, ge=1)

@@ -9,7 +9,7 @@ from typing import Any
 
 # TrainingArguments fields unbroken sets itself (ray_jobs/train/hf.py): the config field a user sets instead.
 OWNED = {
-    "output_dir": "storage", "max_steps": "train.max_steps", "num_train_epochs": "train.max_steps",
+    "output_dir": "storage", "max_steps": "train.max_steps", "num_train_epochs": "train.epochs",
     "per_device_train_batch_size": "train.micro_batch_size", "gradient_accumulation_steps": "train.grad_accum_steps",
     "learning_rate": "train.lr", "lr_scheduler_type": "train.lr_schedule", "warmup_steps": "train.warmup_steps",
     "warmup_ratio": "train.warmup_steps", "weight_decay": "train.weight_decay", "max_grad_norm": "train.max_grad_norm",
@@ -17,9 +17,10 @@ OWNED = {
     "bf16": "train.precision", "fp16": "train.precision", "use_cpu": "cluster.use_gpu",
     "gradient_checkpointing": "train.gradient_checkpointing", "torch_compile": "train.compile",
     "save_strategy": "checkpoint.every_steps", "save_steps": "checkpoint.every_steps",
-    "save_total_limit": "checkpoint.keep", "eval_strategy": "train.eval_every_steps",
+    "save_total_limit": "checkpoint.num_to_keep", "eval_strategy": "train.eval_every_steps",
     "eval_steps": "train.eval_every_steps", "logging_strategy": "train.log_every_steps",
-    "logging_steps": "train.log_every_steps", "report_to": "tracking", "resume_from_checkpoint": "a run's --resume",
+    "logging_steps": "train.log_every_steps", "report_to": "tracking",
+    "resume_from_checkpoint": "nothing (a run resumes from its newest valid checkpoint by itself)",
     "ignore_data_skip": "nothing (unbroken's cursor resumes the data)", "fsdp": "train.parallelism",
     "deepspeed": "nothing (not yet: DeepSpeed owns the optimizer and writes checkpoints of its own, which "
                  "unbroken's sealed checkpoints and exact resume do not cover)",

@@ -34,6 +34,9 @@ class TrainConfig(Section):
     """Clip the global gradient norm to this; 0 disables clipping."""
     eval_every_steps: int = Field(50, ge=1)
     """Run eval every N steps (and always at step 0 and at the end)."""
+    evals_per_epoch: int | None = Field(None, ge=1)
+    """Instead of ``eval_every_steps``: eval this many times per pass over the data (every round(steps per epoch /
+    N) steps, the steps per epoch known once the data is staged; still at step 0 and at the end)."""
     eval_max_batches: int = Field(0, ge=0)
     """Cap on eval micro-batches per worker; 0 = the whole eval split."""
     log_every_steps: int = Field(10, ge=1)

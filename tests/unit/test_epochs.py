@@ -48,6 +48,7 @@ def test_steps_follow_from_the_data_rank_with_the_most_rows(rows, data_ranks, pe
         ({"epochs": None, "max_steps": 10}, None, None),
         ({"epochs": 2, "max_steps": 10}, None, "train.epochs (2) and train.max_steps (10): set one of the two"),
         ({"epochs": 2}, {"num_trials": 2}, "train.epochs: a search trains every trial to train.max_steps"),
+        ({"evals_per_epoch": 2, "eval_every_steps": 5}, None, "train.evals_per_epoch and train.eval_every_steps"),
     ],
 )
 def test_epochs_or_max_steps_as_written(train, tune, problem) -> None:
@@ -74,6 +75,16 @@ def setup(tmp_path_factory) -> tuple[Config, object, str]:
     build_builtin(cfg.model, cfg.train.seed, model)
     manifest = stage(cfg.data, load_tokenizer(model), model, cfg.storage).manifest
     return resolve_epochs(cfg, manifest), manifest, model
+
+
+def test_evals_and_saves_per_epoch_become_steps_of_the_staged_dataset(setup) -> None:
+    cfg, manifest, _ = setup
+    per_epoch = epoch_steps(manifest.shards["train"], 2, 8, 1)
+    c = cfg.model_copy(deep=True)
+    c.train.evals_per_epoch, c.checkpoint.saves_per_epoch = 2, 1
+    got = resolve_epochs(c, manifest)
+    assert (got.train.eval_every_steps, got.checkpoint.every_steps) == (round(per_epoch / 2), per_epoch)
+    assert got.train.max_steps == cfg.train.max_steps == epoch_steps(manifest.shards["train"], 2, 8, 2)
 
 
 def named(cfg: Config, name: str) -> Config:
