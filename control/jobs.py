@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from control import jobsapi
 from control.backends.base import JOB_ENV, ClusterError, ClusterHandle, StopUnverified, jobs_client
 from control.confirm import Suspicion
-from control.logs import run_logger
+from control.logs import RELAYED, run_logger
 from ray_jobs.config import Config
 from ray_jobs.contracts.job_spec import JobSpec
 from ray_jobs.poll import poll_until
@@ -207,7 +207,7 @@ class _LogForwarder:
         """``lines`` are the job's log lines ``first``, ``first + 1``, ...: forward those not forwarded yet."""
         for n, line in enumerate(lines, first + 1):
             if n > self.forwarded and line.strip():
-                self.log.info("[ray] %s", line.rstrip())
+                self.log.info("[ray] %s", line.rstrip(), extra={RELAYED: True})
         self.forwarded = max(self.forwarded, first + len(lines))
 
     async def follow(self) -> None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+# A log record's attribute: a line of a job's own log, relayed into the flow run's (the CLI's console hides it).
+RELAYED = "unbroken_relayed"
+
 _run_logger: Callable[[], logging.Logger | logging.LoggerAdapter] | None = None
 
 
