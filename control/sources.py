@@ -6,7 +6,8 @@ into ``rejects.jsonl``) or any URL it can reach (an internal http endpoint). So 
 served config's prefixes, compared after normalising: local paths resolved (``..`` and symlinks), other protocols
 compared as protocol + posix path with no ``..`` at all, and a prefix matching only at a path boundary. The flow
 checks the URI as the event sent it, then ``data.train`` as the loaded config holds it (``flows/params.run_config``):
-what is judged is what staging will read.
+what is judged is what staging will read. The URI replaces ``data.train`` whole, a list of sources too: the run
+trains on that one source.
 """
 
 from __future__ import annotations
@@ -43,15 +44,20 @@ def _under(path: str, prefix: str) -> bool:
 
 
 def allowed_prefixes(cfg: Config) -> list[str]:
-    """The config's ``data.allowed_sources``, or the folder holding ``data.train`` when empty."""
+    """The config's ``data.allowed_sources``, or when empty the folder holding ``data.train`` (each ``path`` of a
+    list of sources; a hub dataset names no folder)."""
     if cfg.data.allowed_sources:
         return list(cfg.data.allowed_sources)
     train = cfg.data.train
+    return [_folder(train)] if isinstance(train, str) else [_folder(e.path) for e in train if e.path is not None]
+
+
+def _folder(train: str) -> str:
     protocol, path = _split(train)
     if protocol == "file":
-        return [path if Path(path).is_dir() else os.path.dirname(path)]
+        return path if Path(path).is_dir() else os.path.dirname(path)
     rest = train.partition("://")[2]
-    return [f"{protocol}://{rest.rstrip('/') if rest.endswith('/') else posixpath.dirname(rest)}"]  # a folder: itself
+    return f"{protocol}://{rest.rstrip('/') if rest.endswith('/') else posixpath.dirname(rest)}"  # a folder: itself
 
 
 def check_allowed_source(cfg: Config, dataset_uri: str) -> str:
@@ -63,7 +69,7 @@ def check_allowed_source(cfg: Config, dataset_uri: str) -> str:
         if p_protocol == protocol and _under(path, p_path):
             return dataset_uri.strip()
     raise SourceRefused(
-        f"dataset URI {dataset_uri!r} is not under data.allowed_sources ({', '.join(prefixes)}); a dataset event "
+        f"dataset URI {dataset_uri!r} is not under data.allowed_sources ({', '.join(prefixes) or 'none'}); a dataset event "
         "may only name data under these prefixes -- add the location to data.allowed_sources in the served config"
     )
 

@@ -76,12 +76,15 @@ def _checked(opts: ServeOptions) -> tuple[str, str, str, list[str]]:
     ``{dataset}`` suffix fails here, not at the first event."""
     from control.config import load_config
     from control.sources import check_allowed_source
-    from ray_jobs.config import absolute_url
+    from ray_jobs.config import ConfigError, absolute_url
 
     config = str(absolute_url(opts.config))
     storage = str(absolute_url(opts.storage))
     cfg = load_config(config, [f"storage={storage}"])
     source = opts.sensor_source or cfg.data.train
+    if not isinstance(source, str):  # a list of sources (or a hub dataset) is no one location to watch
+        says = f"data.train names {len(source)} source(s), not one location: name the one the sensor watches"
+        raise ConfigError([f"{says} with --watch-source"])
     check_allowed_source(cfg, str(absolute_url(source)))  # what the sensor announces, the finetune flow must accept
     retrain = [f"storage={storage}", *serve_name(cfg.name)]
     load_config(config, retrain)

@@ -24,5 +24,6 @@ def run_config(config_path: str | None, overrides: list[str] | None = None, data
     data = raw.get("data")
     raw["data"] = {**(data if isinstance(data, dict) else {}), "train": uri}
     run = validate(raw, str(config_path or "config"))
+    assert isinstance(run.data.train, str), "an event's URI is data.train's one source, a string"
     check_allowed_source(cfg, run.data.train)  # what staging will read, as validation resolved it
     return run

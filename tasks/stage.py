@@ -19,6 +19,7 @@ from ray_jobs.config import Config
 from ray_jobs.contracts.dataset import read_manifest
 from ray_jobs.contracts.job_spec import StageSpec
 from ray_jobs.data.fingerprint import describe
+from ray_jobs.data.mixture import train_sources
 from ray_jobs.data.staging import StageResult, StagingError, cached, stage, summary
 from ray_jobs.model.loading import load_tokenizer
 from ray_jobs.progress import Reporter, Snapshot, SnapshotJson, every_s, then
@@ -64,11 +65,12 @@ def stages_on_cluster(cfg: Config) -> bool:
     ``data.cluster_stage_mb`` the cluster can read, on an object store or with a local head)."""
     if cfg.data.stage_on != "auto":
         return cfg.data.stage_on == "cluster"
-    urls = [cfg.data.train, *([cfg.data.eval] if cfg.data.eval else [])]
-    readable = not cfg.cluster.address or not any(is_local(u) for u in urls)
+    named = [(s.url, s.field) for s in train_sources(cfg.data)]  # a hub dataset: its split's file here
+    named += [(cfg.data.eval, "data.eval")] if cfg.data.eval else []
+    readable = not cfg.cluster.address or not any(is_local(u) for u, _ in named)
     if not readable:
         return False
-    size = sum(f.size for u in urls for f in describe(u, "data.train" if u == cfg.data.train else "data.eval"))
+    size = sum(f.size for u, field in named for f in describe(u, field))
     return size >= cfg.data.cluster_stage_mb * 1e6
 
 

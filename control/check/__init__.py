@@ -1,9 +1,13 @@
 """``unbroken check``: everything that can be known about a run before it runs, without staging or training -- the
-config (loaded and checked by the caller), the model, the data sources, the cluster, the storage, and a plan (world
-size, batches, steps, memory per worker against what a worker has). ``unbroken run`` performs the same checks but the
-plan first (:func:`refuse_early`), so what they find stops a run before Prefect, staging or a cluster is touched.
+config (loaded and checked by the caller), the model, every record of the data sources read as staging reads them
+(``scan.py``), the cluster, the storage, and a plan (world size, batches, steps <-> epochs, memory per worker against
+what a worker has, the training's time: ``plan.py``, ``schedule.py``). ``unbroken run`` performs the same checks but
+the plan first (:func:`refuse_early`), reading only the sources' first records (``probes.data``: its staging reads
+every one moments later, and a run of data staged before reads none), so what they find stops a run before Prefect,
+staging or a cluster is touched.
 
-What is certain is a problem (exit 2): a model or source that cannot be read, a LoRA target not in the model, a
+What is certain is a problem (exit 2): a model or source that cannot be read, what staging would refuse of the
+records (rejects over ``data.max_reject_fraction``, an empty train or eval split), a LoRA target not in the model, a
 storage that cannot be written, a cluster address that does not answer, ``cluster.use_gpu`` on a machine without a GPU
 for its local head, a plan that does not fit. What may change before the run needs it is a warning: an existing
 cluster short of CPUs or GPUs now (the run waits ``cluster.start_timeout_s`` for nodes to join).
@@ -24,19 +28,26 @@ __all__ = ["Finding", "Report", "RunRefused", "check", "cluster", "refuse_early"
 def check(cfg: Config, worker_memory: float | None = None) -> Report:
     """Every check and the plan. ``worker_memory``: bytes a worker has (a GPU's memory with ``cluster.use_gpu``,
     else its share of a node's), when the cluster cannot say (any cluster but a local head on this machine)."""
+    from control.check import scan, schedule
+
     report = Report()
     found, shape = probes.model(cfg)
     report.add(found)
-    report.add(probes.data(cfg))
+    found, scanned = scan.data(cfg)  # every record, as staging reads it
+    report.add(found)
     found, have = cluster(cfg)
     report.add(found)
     report.add(probes.storage(cfg))
+    timing, run = schedule.findings(cfg, schedule.manifest(scanned)) if scanned is not None else ([], cfg)
+    if scanned is None and cfg.train.epochs is not None:
+        timing = [warning("plan", f"train.epochs={cfg.train.epochs}: its steps are unknown until the data is read")]
     if shape is not None:
         available, source = (worker_memory, "as given") if worker_memory else have
-        p = plans.plan(cfg, shape, cfg.cluster.use_gpu, available, source)
+        p = plans.plan(run, shape, cfg.cluster.use_gpu, available, source)
         report.add([ok("plan", line) for line in p.lines()])
         if (why := p.problem()) is not None:
             report.add([problem("plan", why)])
+    report.add(timing)
     return report
 
 
@@ -46,12 +57,48 @@ def refuse_early(cfg: Config, with_cluster: bool = True) -> list[Finding]:
     to check ``model.lora``. Raises RunRefused naming every problem; returns the warnings."""
     report = Report()
     report.add(probes.model(cfg, build=False)[0])
-    report.add(probes.data(cfg))
+    report.add(_data_early(cfg))
     if with_cluster:
         report.add(cluster(cfg)[0])
     report.add(probes.storage(cfg))
     report.refuse()
     return [f for f in report.findings if f.warning]
+
+
+def early_scan_bytes() -> float:
+    """Local sources up to this size are read in full before a run or a staging starts (``UNBROKEN_EARLY_SCAN_MB``,
+    default 4): a bad record is then named in a second, before Prefect, instead of by staging a while later."""
+    try:
+        return float(os.environ.get("UNBROKEN_EARLY_SCAN_MB", "4")) * 1e6
+    except ValueError:
+        return 4e6
+
+
+def _data_early(cfg: Config) -> list[Finding]:
+    """Every record, as ``check`` reads them, when the sources are local and small (:func:`early_scan_bytes`); else
+    the first records of each (staging reads the rest)."""
+    from control.check import scan
+    from ray_jobs.storage import is_local
+
+    d = cfg.data
+    named = [d.train] if isinstance(d.train, str) else [s.path for s in d.train]  # a hub dataset's: None
+    paths = [p for p in [*named, d.eval] if p is not None]
+    if None in named or not all(map(is_local, paths)) or _size(paths) > early_scan_bytes():
+        return probes.data(cfg)
+    found, _ = scan.data(cfg)
+    return [f for f in found if f.problem or f.warning]
+
+
+def _size(paths: list[str]) -> float:
+    from pathlib import Path
+
+    total = 0.0
+    for path in map(Path, paths):
+        if not path.exists():
+            return 0.0  # the scan names it
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        total += sum(f.stat().st_size for f in files)
+    return total
 
 
 def cluster(cfg: Config) -> tuple[list[Finding], tuple[float | None, str]]:

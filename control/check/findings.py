@@ -47,9 +47,14 @@ class Report:
         return [f for f in self.findings if f.problem]
 
     def lines(self) -> list[str]:
+        """A finding a block: its first line marked and its area named, the lines after it (a problem's file:line
+        list) indented under its text."""
         mark = {(False, False): "ok     ", (True, False): "PROBLEM", (False, True): "warning"}
         width = max((len(f.area) for f in self.findings), default=0)
-        return [f"{mark[f.problem, f.warning]} {f.area:<{width}}  {f.text}" for f in self.findings]
+        indent = "\n" + " " * (len(mark[False, False]) + width + 3)
+        return [
+            f"{mark[f.problem, f.warning]} {f.area:<{width}}  {f.text.replace(chr(10), indent)}" for f in self.findings
+        ]
 
     def refuse(self) -> None:
         if self.problems:

@@ -9,9 +9,11 @@ import os
 import uuid
 from typing import TYPE_CHECKING
 
+from control.check import remembered
 from control.check.findings import Finding, ok, problem, warning
 from control.check.plan import ModelShape
-from ray_jobs.config import Config
+from ray_jobs.config import Config, DataConfig
+from ray_jobs.config.data import TrainSource
 from ray_jobs.errors import UserError
 
 if TYPE_CHECKING:  # check imports without torch/transformers; the model probe imports them when it runs
@@ -21,7 +23,17 @@ if TYPE_CHECKING:  # check imports without torch/transformers; the model probe i
 def model(cfg: Config, build: bool = True) -> tuple[list[Finding], ModelShape | None]:
     """The model found (its config.json read: a folder, a storage URL, a hub id in the local cache or the hub), its
     module tree built on the meta device, and ``model.lora`` checked against it. ``build=False``: the tree is built
-    only to check ``model.lora`` (a config.json that builds no model is the job's failure to report, as before)."""
+    only to check ``model.lora`` (a config.json that builds no model is the job's failure to report, as before).
+    What a tree built once answered is remembered (control/check/remembered.py)."""
+    if (build or cfg.model.lora is not None) and (known := remembered.recall(cfg)) is not None:
+        return known[0], known[1] if build else None
+    found, shape = _probe_model(cfg, build)
+    if shape is not None:
+        remembered.remember(cfg, found, shape)
+    return found, shape
+
+
+def _probe_model(cfg: Config, build: bool) -> tuple[list[Finding], ModelShape | None]:
     from ray_jobs.model.builtin import builtin_config, check_local_folder, is_builtin
 
     name = cfg.model.name_or_path
@@ -73,7 +85,7 @@ def _unreadable(name: str, e: OSError) -> str:
     first = str(e).strip().split("\n")[0]
     return (
         f"model.name_or_path: cannot read {name}'s config.json ({first}). A hub id needs the hub, or the model "
-        f"in the local Hugging Face cache (`huggingface-cli download {name}` where the hub is reachable); a "
+        f"in the local Hugging Face cache (`hf download {name}` where the hub is reachable); a "
         "local model is a folder holding config.json"
     )
 
@@ -118,13 +130,34 @@ def _shape(cfg: Config, lm: PreTrainedModel) -> tuple[ModelShape, str]:
 
 def data(cfg: Config) -> list[Finding]:
     """Each source listed and the fields of its first records against ``data.format`` (detected from ``data.train``
-    when ``auto``; ``data.eval`` is staged in the same format)."""
-    d, found, fmt = cfg.data, [], None if cfg.data.format == "auto" else cfg.data.format
-    for field, url in (("data.train", d.train), ("data.eval", d.eval)):
-        if url:
-            finding, fmt = _source(cfg, field, url, fmt)
-            found.append(finding)
+    when ``auto``; ``data.eval`` is staged in the same format). Of a list of train sources, each in its own format; a
+    hub dataset loaded as staging loads it (from the local cache when the hub does not answer: a miss is certain)."""
+    from ray_jobs.data.hub import hub_file
+
+    d, found, fmt = cfg.data, [], None
+    for field, url, own in _named_sources(d):
+        if isinstance(url, TrainSource):
+            try:
+                url = hub_file(url, field, d.work_dir)
+            except UserError as e:
+                found.append(problem("data", str(e)))
+                continue
+        finding, detected = _source(cfg, field, url, None if own == "auto" else own)
+        fmt = fmt or detected
+        found.append(finding)
+    if d.eval:
+        found.append(_source(cfg, "data.eval", d.eval, fmt if d.format == "auto" else d.format)[0])
     return found
+
+
+def _named_sources(d: DataConfig) -> list[tuple[str, str | TrainSource, str]]:
+    """(config field, path or URL -- a hub dataset's entry --, format) of each train source."""
+    if isinstance(d.train, str):
+        return [("data.train", d.train, d.format)]
+    many = len(d.train) > 1
+    return [
+        (f"data.train[{i}]" if many else "data.train", e.path or e, e.format or d.format) for i, e in enumerate(d.train)
+    ]
 
 
 def _source(cfg: Config, field: str, url: str, fmt: str | None) -> tuple[Finding, str | None]:
@@ -142,7 +175,7 @@ def _source(cfg: Config, field: str, url: str, fmt: str | None) -> tuple[Finding
     where, keys = samples[0]
     if fmt is None:  # auto: detected as staging detects it (its sampled records agreeing), or refused as it refuses
         try:
-            fmt = resolve_format(d.model_copy(update={"train": url})).format
+            fmt = resolve_format(d.model_copy(update={"train": url, "format": "auto"})).format
         except UserError as e:
             return problem("data", str(e)), None
     missing = [k for k in fields_of(fmt, d) if k not in keys]

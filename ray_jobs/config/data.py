@@ -2,19 +2,82 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+import re
+from collections.abc import Callable
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ray_jobs.config.base import Section
 
+Format = Literal["pairs", "text", "chat", "alpaca", "sharegpt", "prompt_completion", "preference", "auto"]
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # owner/name, or a bare name
+_SPLIT = re.compile(r"\w[\w.-]*")  # a split's name: no slicing (``train[:10%]``), which would stage the whole split
+
+
+class TrainSource(Section):
+    """One source of a ``data.train`` list: a file or folder (``path``), or a hub dataset (``hub``)."""
+
+    path: str | None = None
+    """A JSONL or Parquet file, a folder of them, or a ``save_to_disk`` folder, as a local path (relative to where
+    the config is loaded) or any fsspec URL: what a plain ``data.train`` string names."""
+    hub: str | None = None
+    """A Hugging Face hub dataset id, ``owner/name``, read through the ``datasets`` library and its cache
+    (``HF_HOME``/``HF_DATASETS_CACHE``; with ``HF_HUB_OFFLINE=1``, or when the hub does not answer, from the cache
+    alone). Its split is written once as a Parquet file under ``data.work_dir`` and staged as any file, so the
+    dataset id follows its rows: a new revision with other rows is a new dataset."""
+    split: str = "train"
+    """``hub``: the split to train on (a name; a slice such as ``train[:10%]`` is refused)."""
+    subset: str | None = None
+    """``hub``: the dataset's configuration (``load_dataset``'s ``name``), when it has several."""
+    revision: str | None = None
+    """``hub``: a branch, tag or commit; unset, the default branch (when the hub cannot be reached: the newest cached
+    copy)."""
+    weight: float = Field(1.0, gt=0)
+    """This source's share of the training rows, relative to the others' weights (see ``data.train``)."""
+    format: Format | None = None
+    """This source's record shape (``data.format``'s values); unset, ``data.format``."""
+
+    @model_validator(mode="after")
+    def _one_place(self) -> TrainSource:
+        if (self.path is None) == (self.hub is None):
+            raise ValueError("give exactly one of path (a file, folder or URL) and hub (a hub dataset id)")
+        if self.hub is None and (self.split != "train" or self.subset or self.revision):
+            raise ValueError("split, subset and revision are for a hub dataset (hub: owner/name)")
+        if self.hub is not None and not _HUB_ID.fullmatch(self.hub):
+            raise ValueError(f"hub: {self.hub!r} is not a hub dataset id (owner/name)")
+        if not _SPLIT.fullmatch(self.split):
+            raise ValueError(f"split: {self.split!r} is not a split's name (a slice is not supported)")
+        if not math.isfinite(self.weight):
+            raise ValueError("weight: must be a finite number")
+        return self
+
+    @property
+    def where(self) -> str:
+        """The source as a person names it: its path, or ``hub:owner/name`` with what is not the default."""
+        if self.path is not None:
+            return self.path
+        extra = [f"{k}={v}" for k, v in (("subset", self.subset), ("revision", self.revision)) if v]
+        return f"hub:{self.hub} ({', '.join([f'split={self.split}', *extra])})"
+
 
 class DataConfig(Section):
-    train: str
-    """Training source: a JSONL or Parquet file, or a folder of them, as a local path or any fsspec URL (``s3://...``)."""
+    train: str | list[TrainSource]
+    """Training source: a JSONL or Parquet file, or a folder of them, as a local path or any fsspec URL
+    (``s3://...``). A hub dataset: ``{hub: owner/name, split: train, subset: null, revision: null}`` (read through
+    the ``datasets`` library and its cache; offline, from the cache alone). A mixture: a list of sources, each a
+    mapping with ``path`` or ``hub``, an optional ``weight`` (default 1) and ``format`` (default ``data.format``),
+    e.g. ``[{path: a.jsonl, weight: 3}, {hub: owner/name, weight: 1, format: chat}]``. The weights are shares of the
+    training rows: each source's records are packed into rows of their own (a row never holds two sources), the
+    heaviest source's rows are staged once and every other source's are repeated or subsampled (whole rows, chosen
+    by a stable hash) to ``weight / heaviest weight`` times as many; the manifest counts each source's rows and how
+    often they repeat. Each source gives ``eval_fraction`` of its records to the eval split, unweighted (or
+    ``data.eval`` is the eval split)."""
     eval: str | None = None
     """Optional separate eval source; when empty, ``eval_fraction`` of ``train`` is held out by record hash."""
-    format: Literal["pairs", "text", "chat", "alpaca", "sharegpt", "prompt_completion", "preference", "auto"] = "pairs"
+    format: Format = "pairs"
     """The records' shape. ``pairs``: prompt/completion fields (``input_field``/``target_field``), tokenized as one
     text, the prompt masked from the loss; ``text``: one text field, all of it learned, a document longer than
     ``seq_len`` cut into pieces; ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat
@@ -80,7 +143,42 @@ class DataConfig(Section):
     """Size cap of ``cache_dir`` per node, in GB; other datasets' shards are evicted (least recently used first)."""
     allowed_sources: list[str] = []
     """URL or path prefixes a dataset event's ``dataset_uri`` may name (a served deployment trains on whatever an
-    event says, so this is its allow-list); empty = the folder holding ``data.train``. Anything else is refused."""
+    event says, so this is its allow-list); empty = the folder holding ``data.train`` (each ``path`` of a mixture's;
+    a hub dataset names none). Anything else is refused."""
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _sources(cls, value: Any) -> Any:
+        """A plain string as it is; one mapping, or a list of mappings and strings, as a list of TrainSource, every
+        problem named by its entry (``data.train[1].weight``)."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, dict | TrainSource):
+            named = [("data.train", value)]
+        elif isinstance(value, list):
+            named = [(f"data.train[{i}]", item) for i, item in enumerate(value)]
+        else:
+            raise ValueError(f"expected a path, a mapping with path or hub, or a list of them; got {value!r}")
+        if not named:
+            raise ValueError("an empty list names no source; give at least one (a path, or a mapping with path or hub)")
+        entries, problems = [], []
+        for name, item in named:
+            try:
+                entries.append(_entry(item, name))
+            except _EntryProblems as e:
+                problems += e.problems
+        if problems:
+            raise ValidationError.from_exception_data("data.train", problems)
+        return entries
+
+    def resolve_paths(self, absolute: Callable[[str], str]) -> None:
+        """Relative paths made absolute by ``absolute`` (the job runs elsewhere): ``train`` (each ``path`` of a list;
+        a hub id is no path) and ``eval``."""
+        if isinstance(self.train, str):
+            self.train = absolute(self.train)
+        else:
+            self.train = [e if e.path is None else e.model_copy(update={"path": absolute(e.path)}) for e in self.train]
+        self.eval = absolute(self.eval) if self.eval else self.eval
 
     @model_validator(mode="after")
     def _overlap_fits(self) -> DataConfig:
@@ -90,3 +188,42 @@ class DataConfig(Section):
                 f"({self.seq_len}): a piece of a long document repeats that much and learns the rest"
             )
         return self
+
+
+class _EntryProblems(Exception):
+    def __init__(self, problems: list[InitErrorDetails]) -> None:
+        self.problems = problems
+
+
+def _entry(item: object, name: str) -> TrainSource:
+    """One entry of ``data.train`` as a TrainSource; its problems each named ``<name>.<field>`` in the message (the
+    loader prefixes a problem with the field it validated, ``data.train``, and no more)."""
+    if isinstance(item, TrainSource):
+        return item
+    if isinstance(item, str):
+        item = {"path": item}
+    if not isinstance(item, dict):
+        raise _EntryProblems([_problem(f"{name}: expected a path or a mapping with path or hub, got {item!r}", item)])
+    try:
+        return TrainSource.model_validate(item)
+    except ValidationError as e:
+        raise _EntryProblems([_problem(_said(name, err), item) for err in e.errors()]) from None
+
+
+def _said(name: str, err: Any) -> str:
+    where = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    field, sep, rest = msg.partition(": ")
+    if not where and sep and field in TrainSource.model_fields:  # a check of the whole entry that names its field
+        where, msg = field, rest
+    if err["type"] == "extra_forbidden":
+        msg = f"unknown key (a source has {', '.join(TrainSource.model_fields)})"
+    if name == "data.train":  # the one mapping: the loader's prefix names it already
+        return f"{where}: {msg}" if where else msg
+    return f"{name}.{where}: {msg}" if where else f"{name}: {msg}"
+
+
+def _problem(message: str, value: object) -> InitErrorDetails:
+    return InitErrorDetails(
+        type=PydanticCustomError("data_train", "{message}", {"message": message}), loc=(), input=value
+    )

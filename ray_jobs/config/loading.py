@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -11,9 +12,11 @@ from typing import Any, TypeVar, overload
 import yaml
 from pydantic import ValidationError
 
+from ray_jobs.config import convert
 from ray_jobs.config.base import ConfigError
 from ray_jobs.config.cluster import ClusterConfig, cluster_problems
 from ray_jobs.config.model import BUILTIN_PREFIX
+from ray_jobs.config.reference import fields, models_in
 from ray_jobs.config.run import Config
 from ray_jobs.contracts.job_spec import Spec
 from ray_jobs.secrets import CREDENTIALS_ENV, reveal_tree, still_masked
@@ -107,22 +110,72 @@ def validate(raw: RawTree, source: str = "config") -> Config:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         for err in e.errors():
-            msg = ("unknown key" if err["type"] == "extra_forbidden" else err["msg"]).removeprefix("Value error, ")
+            msg = unknown_key(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
+            msg = msg.removeprefix("Value error, ")
             named = not err["loc"] and re.match(r"[a-z_]+(\.[a-z_]+)*: ", msg)  # a cross-field check names its field
             problems += msg.split("\n  - ") if named else [f"{_field_name(err['loc'])}: {msg}"]
     cluster = cfg.cluster if cfg is not None else cluster_alone(raw)
     if cluster is not None:
         problems += cluster_problems(cluster, str(raw.get("storage") or ""))
+    if problems and (flavour := convert.flavour_of(raw)) and not {"data", "model", "train"} & raw.keys():
+        file = source if source != "config" else "FILE"
+        tool = convert.TOOL[flavour]
+        problems.insert(0, f"{tool}'s keys: `unbroken convert {file}` writes unbroken's config from {tool}'s")
     if problems:
         raise ConfigError(problems, source)
     assert cfg is not None, "a config that did not validate has its problems raised just above"
     cfg.storage = absolute_url(cfg.storage)
-    cfg.data.train = absolute_url(cfg.data.train)
-    cfg.data.eval = absolute_url(cfg.data.eval)
+    cfg.data.resolve_paths(absolute_url)
     cfg.cluster.ray_up.config = absolute_url(cfg.cluster.ray_up.config) or ""
     if not cfg.model.name_or_path.startswith(BUILTIN_PREFIX) and Path(cfg.model.name_or_path).exists():
         cfg.model.name_or_path = absolute_url(cfg.model.name_or_path)
     return cfg
+
+
+def unknown_key(loc: tuple[Any, ...]) -> str:
+    """``unknown key``, and what was meant: unbroken's field for another tool's key (Axolotl's, TRL's: the tables of
+    ray_jobs/config/convert.py), else the field of that section nearest in spelling or sharing its words, else a field
+    of that name in another section."""
+    key, parent = str(loc[-1]), loc[:-1]
+    here = f"{_field_name(parent)}." if parent else ""
+    hint = _other_tools(key, here) or _nearest(key, _fields_at(parent), here)
+    if not hint:
+        hint = next((f"did you mean {f.name}?" for f in fields(Config) if f.name.rpartition(".")[2] == key), "")
+    return f"unknown key ({hint})" if hint else "unknown key"
+
+
+def _other_tools(key: str, here: str) -> str:
+    hints = []
+    for dotted, rows in convert.other_names(key).items():
+        whose = " and ".join(f"{convert.TOOL[flavour]}'s" for flavour, _ in rows)
+        if dotted is None:
+            hints.append(f"{whose} key; {rows[0][1].note}")
+        elif dotted.rpartition(".")[0] == here.removesuffix("."):  # a field of the section it was written in
+            hints.append(f"did you mean {dotted}? {key} is {whose} name")
+        else:
+            hints.append(f"{whose} name; unbroken's is {dotted}")
+    return "; ".join(hints)
+
+
+def _nearest(key: str, names: list[str], here: str) -> str:
+    """The name nearest in spelling (``max_step``: max_steps), else the one sharing the most of its words
+    (``lr_rate``: lr; ``batch_size``: micro_batch_size)."""
+    near = difflib.get_close_matches(key, names, n=1)
+    words = set(key.split("_"))
+    shared = [n for n in names if words <= set(n.split("_")) or set(n.split("_")) <= words]
+    if not near and shared:
+        near = [max(shared, key=lambda n: (len(words & set(n.split("_"))), -len(n)))]
+    return f"did you mean {here}{near[0]}?" if near else ""
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the section at ``loc`` (a validation error's path under Config): a list's index or a
+    union member's tag in the path stays at the section it is in."""
+    models = [Config]
+    for part in loc:
+        if any(part in m.model_fields for m in models):
+            models = [s for m in models if part in m.model_fields for s in models_in(m.model_fields[part].annotation)]
+    return sorted({name for m in models for name in m.model_fields})
 
 
 def cluster_alone(raw: RawTree) -> ClusterConfig | None:

@@ -13,6 +13,10 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from ray_jobs.config.convert import TOOL, Flavour, names_by_field
+
+OTHERS = "Axolotl / TRL name"
+
 
 @dataclass(frozen=True)
 class FieldDoc:
@@ -26,7 +30,7 @@ def sections(model: type[BaseModel]) -> list[tuple[type[BaseModel], str]]:
     """(the model, its dotted prefix) of ``model`` and every section under it, depth first."""
     out = [(model, "")]
     for name, info in model.model_fields.items():
-        for sub in _models(info.annotation):
+        for sub in models_in(info.annotation):
             out += [(m, f"{name}.{p}" if p else f"{name}.") for m, p in sections(sub)]
     return out
 
@@ -49,20 +53,36 @@ def markdown(model: type[BaseModel], title: str = "Config reference") -> str:
         "",
         "Generated from the typed config (`ray_jobs/config/`, `ray_jobs/config/reference.py`) on "
         "every build: each field, its type, default and description. A YAML file sets any of them; `--set "
-        "section.field=value` overrides one.",
+        "section.field=value` overrides one. The Axolotl / TRL column names the keys of theirs that set a field: "
+        "`unbroken convert FILE` writes such a config as unbroken's.",
         "",
     ]
+    others = names_by_field()
     for section, docs in by_section.items():
-        out += [f"## `{section}`", "", "| field | type | default | description |", "|---|---|---|---|"]
-        out += [f"| `{d.name}` | {_cell(d.type)} | {_cell(d.default)} | {_cell(d.description)} |" for d in docs]
+        out += [f"## `{section}`", "", f"| field | type | default | {OTHERS} | description |", "|---|---|---|---|---|"]
+        out += [
+            f"| `{d.name}` | {_cell(d.type)} | {_cell(d.default)} | {_others(others.get(d.name, []))} | "
+            f"{_cell(d.description)} |"
+            for d in docs
+        ]
         out.append("")
     return "\n".join(out)
 
 
-def _models(annotation: object) -> list[type[BaseModel]]:
+def _others(names: list[tuple[Flavour, str]]) -> str:
+    """Another tool's keys for a field (ray_jobs/config/convert.py's tables): ``learning_rate`` (both tools'),
+    ``num_epochs`` (Axolotl)."""
+    tools: dict[str, list[str]] = {}
+    for flavour, key in names:
+        tools.setdefault(key, []).append(TOOL[flavour])
+    return ", ".join(f"`{k}`" + ("" if len(t) == len(TOOL) else f" ({', '.join(t)})") for k, t in tools.items())
+
+
+def models_in(annotation: object) -> list[type[BaseModel]]:
+    """The config sections a field's type holds: itself, or those of a union or a list."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+    return [m for arg in typing.get_args(annotation) for m in models_in(arg)]
 
 
 def _type(annotation: object) -> str:

@@ -28,7 +28,14 @@ from ray_jobs.config.tune import TuneConfig, concurrency_problem, trial_name, tu
 # Fields newer than the first run records, with their defaults. At its default such a field is left out wherever
 # recorded configs are compared -- a recipe's hash (control/series/lineage.py), the fields a resume must keep
 # (control/registry.py) -- so a run recorded before the field existed still matches, and resumes.
-ADDED_LATER = {"train.compile": False, "train.export": "merged", "model.quantization": "none"}
+ADDED_LATER = {
+    "train.compile": False,
+    "train.export": "merged",
+    "model.quantization": "none",
+    "train.epochs": None,
+    "train.evals_per_epoch": None,
+    "checkpoint.saves_per_epoch": None,
+}
 
 
 def without_later_defaults(tree: dict) -> dict:

@@ -12,13 +12,31 @@ from pydantic import JsonValue
 from ray_jobs.contracts.base import Part, Record
 
 
+class ShardSource(Part):
+    """Consecutive rows of a mixture's train shard that come from one of its sources."""
+
+    source: str  # the config field that named it: data.train[1]
+    rows: int
+
+
 class Shard(Part):
-    """One Parquet shard of a split: its file in the dataset's folder, rows, size and sha256 (checked on caching)."""
+    """One Parquet shard of a split: its file in the dataset's folder, rows, size and sha256 (checked on caching);
+    for a mixture's train shard, its rows by source, in order (unset otherwise, and in manifests from before)."""
 
     file: str
     rows: int
     bytes: int
     sha256: str
+    sources: list[ShardSource] = []
+
+    def source_of(self, row: int) -> str | None:
+        """The mixture's source row ``row`` of this shard comes from; None when the shard names none."""
+        end = 0
+        for part in self.sources:
+            end += part.rows
+            if row < end:
+                return part.source
+        return None
 
 
 class StagedSource(Part):
@@ -57,6 +75,26 @@ class Counts(Part):
     train_target_tokens: int = 0
 
 
+class MixedSource(Part):
+    """One source of a mixture (``data.train`` a list) as staging made it: its records, the train rows they packed
+    into, and the rows staged after its weight -- ``staged_rows / rows`` is how often each row repeats (below 1: a
+    share of them, chosen by a stable hash)."""
+
+    source: str  # the config field: data.train[1]
+    where: str  # its path, or hub:owner/name (split=...)
+    weight: float
+    format: str
+    files: int
+    records: int
+    rejects: int
+    rows: int
+    staged_rows: int
+
+    @property
+    def repeats(self) -> float:
+        return self.staged_rows / self.rows if self.rows else 0.0
+
+
 class DatasetManifest(Record):
     """A staged dataset: its id, what it was made from and with, what staging counted, and its shards by split."""
 
@@ -70,11 +108,18 @@ class DatasetManifest(Record):
     staging_config: dict[str, JsonValue]
     counts: Counts
     shards: dict[str, list[Shard]]  # "train", "eval"
+    mixture: list[MixedSource] = []  # data.train's sources when it names several (their rows in each train shard)
 
     @property
     def format(self) -> str:
         """The record shape the rows were made from (``data.format``, ``auto`` resolved by staging)."""
         return str(self.staging_config["format"])
+
+    def source_of(self, file: str, row: int) -> str | None:
+        """The mixture's source a train row comes from, by shard file and row in it (what a row trace names); None
+        when the dataset is not a mixture's."""
+        shard = next((s for s in self.shards.get("train", []) if s.file == file), None)
+        return None if shard is None else shard.source_of(row)
 
 
 def read_manifest(url: str) -> DatasetManifest:

@@ -28,6 +28,7 @@ class Source:
     version: str
     sha256: str = ""
     settled: bool = True  # False: changed too recently for its version marker to tell one write from the next
+    source: int = 0  # which of a mixture's sources (data.train[i]) the file is of
 
 
 # A file system's mtime ticks coarsely (a few ms on Linux): two writes of the same size within one tick share a
@@ -35,8 +36,9 @@ class Source:
 SETTLE_S = 2.0
 
 
-def describe(url: str, field_name: str) -> list[Source]:
-    """The files of a source with their size and version marker (one metadata call each, no reads)."""
+def describe(url: str, field_name: str, source: int = 0) -> list[Source]:
+    """The files of a source with their size and version marker (one metadata call each, no reads); ``source``:
+    which of a mixture's sources they are of."""
     out = []
     for u in list_sources(url, field_name):
         fs, path = fs_and_path(u)
@@ -46,7 +48,7 @@ def describe(url: str, field_name: str) -> list[Source]:
             raise StagingError(f"{u}: cannot read: {e}") from e
         mtime = info.get("mtime")
         settled = info.get("ETag") is not None or not isinstance(mtime, float) or time.time() - mtime > SETTLE_S
-        out.append(Source(u, int(info.get("size") or 0), file_version(info), settled=settled))
+        out.append(Source(u, int(info.get("size") or 0), file_version(info), settled=settled, source=source))
     return out
 
 

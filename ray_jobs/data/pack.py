@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from typing import NamedTuple, TypedDict
+from typing import NamedTuple, NotRequired, TypedDict
 
 import numpy as np
 
@@ -33,6 +33,38 @@ class Rows(NamedTuple):
     positions: list[list[int]]
 
 
+def new_rows(lengths: list[int], seq_len: int, fill: int = 0) -> tuple[list[bool], int]:
+    """Greedy in-order packing's one decision, per example: whether it opens a new row (it does not fit after the
+    ``fill`` tokens of the row being filled, which is closed before it), and the fill of the row left open after the
+    last. An example never straddles two rows. :class:`Packer` packs by it; :class:`RowCounter` counts by it."""
+    opens = []
+    for n in lengths:
+        opened = fill + n > seq_len
+        opens.append(opened)
+        fill = n if opened else fill + n
+    return opens, fill
+
+
+class RowCounter:
+    """The rows :class:`Packer` makes of the same examples, counted without building them (``unbroken check``)."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len, self.fill, self.rows = seq_len, 0, 0
+
+    def add(self, ex: Examples) -> int:
+        """Count a batch of examples; the rows it completed (the last, partly filled row stays open)."""
+        opens, self.fill = new_rows(ex.lengths.tolist(), self.seq_len, self.fill)
+        closed = sum(opens)
+        self.rows += closed
+        return closed
+
+    def finish(self) -> int:
+        """The open row closed: 1 row, or 0 when it is empty (as :meth:`Packer.finish`)."""
+        closed = int(self.fill > 0)
+        self.rows, self.fill = self.rows + closed, 0
+        return closed
+
+
 class Packer:
     """Greedy in-order packing into fixed-length rows, fed a batch at a time; an example never straddles two rows.
 
@@ -51,8 +83,10 @@ class Packer:
         """Pack a batch of examples; the rows it completed (the last, partly filled row stays open)."""
         done, fill, starts = [], self.cur.shape[1], np.concatenate([[0], np.cumsum(ex.lengths)])
         row = self._new_row(self.cur)
-        for i, n in enumerate(ex.lengths.tolist()):
-            if fill + n > self.seq_len:
+        lengths = ex.lengths.tolist()
+        opens, _ = new_rows(lengths, self.seq_len, fill)
+        for i, (n, opened) in enumerate(zip(lengths, opens, strict=True)):
+            if opened:
                 done.append(self._close(row, fill))
                 row, fill = self._new_row(None), 0
             lo, hi = starts[i], starts[i] + n
@@ -106,6 +140,29 @@ def shard_bounds(n_rows: int, n_shards: int) -> list[int]:
     return [round(i * n_rows / n_shards) for i in range(n_shards + 1)]
 
 
+class ShardPart(NamedTuple):
+    """Consecutive rows of a shard from one source: spill rows ``[lo, hi)`` of each run, in order. ``source``: the
+    mixture's source they come from (``data.train[1]``), or None when the split is not a mixture's."""
+
+    source: str | None
+    runs: list[tuple[int, int]]
+
+    @property
+    def rows(self) -> int:
+        return sum(hi - lo for lo, hi in self.runs)
+
+
+def contiguous_layout(n_rows: int, n_shards: int) -> list[list[ShardPart]]:
+    """``n_shards`` shards of consecutive rows (:func:`shard_bounds`): what every split is but a mixture's train."""
+    b = shard_bounds(n_rows, n_shards)
+    return [[ShardPart(None, [(b[i], b[i + 1])])] for i in range(n_shards)]
+
+
+class SourceRowsEntry(TypedDict):
+    source: str
+    rows: int
+
+
 class ShardEntry(TypedDict):
     """A shard as the manifest lists it (ray_jobs/contracts/dataset.Shard), as staging's progress keeps it too."""
 
@@ -113,14 +170,20 @@ class ShardEntry(TypedDict):
     rows: int
     bytes: int
     sha256: str
+    sources: NotRequired[list[SourceRowsEntry]]  # a mixture's train shard: its rows by source, in order
 
 
-def write_shard(split: str, i: int, rows: np.ndarray, out_dir: str) -> ShardEntry:
-    """Rows ``[n, 3, seq_len]`` as Parquet shard ``i`` of ``split`` under ``out_dir``; its manifest entry."""
+def write_shard(split: str, i: int, rows: np.ndarray, out_dir: str, parts: list[ShardPart] | None = None) -> ShardEntry:
+    """Rows ``[n, 3, seq_len]`` as Parquet shard ``i`` of ``split`` under ``out_dir``; its manifest entry (with the
+    rows of each source, in order, when ``parts`` name sources)."""
     data = parquet_bytes(rows)
     name = f"{split}-{i:05d}.parquet"
     write_bytes_atomic(join(out_dir, name), data)
-    return {"file": name, "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    out: ShardEntry = {"file": name, "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    named = [p for p in parts or [] if p.source is not None and p.rows]
+    if named:
+        out["sources"] = [{"source": p.source or "", "rows": p.rows} for p in named]
+    return out
 
 
 def parquet_bytes(rows: np.ndarray) -> bytes:

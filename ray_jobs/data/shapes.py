@@ -243,25 +243,30 @@ def shape_of(keys: list[str], data: DataConfig) -> str | None:
     return next((fmt for fmt, need in _rules(data) if set(need) <= set(keys)), None)
 
 
-def resolve_format(data: DataConfig) -> DataConfig:
-    """``data`` with ``format: auto`` replaced by the shape of the first records of ``data.train`` (a copy; ``data``
-    itself when its format is named). Reads at most ``SNIFF_BYTES`` of one file, or a columnar file's schema."""
+def resolve_format(data: DataConfig, source: str | None = None, field_name: str = "data.train") -> DataConfig:
+    """``data`` with ``format: auto`` replaced by the shape of the first records of ``source`` (``data.train`` by
+    default; a copy; ``data`` itself when its format is named). Reads at most ``SNIFF_BYTES`` of one file, or a
+    columnar file's schema. ``field_name``: the config field that names ``source``."""
     if data.format != "auto":
         return data
-    url, samples = sample_fields(data.train)
+    if source is None:
+        assert isinstance(data.train, str), "a list of sources is resolved source by source (data/mixture.py)"
+        source = data.train
+    url, samples = sample_fields(source, field_name)
     where, keys = samples[0]
     fmt = shape_of(keys, data)
+    said = "" if field_name == "data.train" else f"{field_name}: "
     if fmt is None:
         expected = "; ".join(f"{'+'.join(need)} ({name})" for name, need in _rules(data))
         raise StagingError(
-            f"data.format=auto: cannot tell the shape of {url} from the fields of its first record ({where}): "
+            f"{said}data.format=auto: cannot tell the shape of {url} from the fields of its first record ({where}): "
             f"{', '.join(keys) or 'none'}; expected one of: {expected}. Set data.format"
         )
     for other_where, other_keys in samples[1:]:
         other = shape_of(other_keys, data)
         if other != fmt:
             raise StagingError(
-                f"data.format=auto: the records of {url} disagree on their shape: {where} is {fmt}, {other_where} "
+                f"{said}data.format=auto: the records of {url} disagree on their shape: {where} is {fmt}, {other_where} "
                 f"is {other or 'none of them'} (fields {', '.join(other_keys) or 'none'}). Set data.format"
             )
     log.info("data.format=auto: detected %s in %s", fmt, url)

@@ -19,7 +19,7 @@ from typing import TypedDict
 import numpy as np
 
 from ray_jobs.data.documents import DocPieces
-from ray_jobs.data.pack import Packer, PackerState, ShardEntry, shard_bounds, write_shard
+from ray_jobs.data.pack import Packer, PackerState, ShardEntry, ShardPart, write_shard
 from ray_jobs.data.records import Reject
 from ray_jobs.data.sources import Position
 from ray_jobs.data.tokenize import IGNORE_INDEX
@@ -43,6 +43,7 @@ class SpillProgress(TypedDict):
     sizes: dict[str, int]  # bytes of each spill file this progress vouches for
     counts: dict[str, int]
     shards: dict[str, list[ShardEntry]]  # per split: the shards written
+    marks: list[dict[str, int]]  # a mixture's: at the end of each source, its train rows and counts so far
 
 
 class Spill:
@@ -108,6 +109,17 @@ class Spill:
         self.progress["file"], self.progress["position"] = file_index, asdict(position)
         self._save()
 
+    def end_source(self) -> None:
+        """A mixture's source is read whole: its last train row is closed (a row never holds two sources) and where
+        its rows end is marked, with the counts so far."""
+        self._rows("train", self.packers["train"].finish())
+        marks = self.progress.setdefault("marks", [])
+        marks.append({"rows": self.rows("train"), **{k: self.counts[k] for k in ("records", "rejects")}})
+
+    @property
+    def marks(self) -> list[dict[str, int]]:
+        return self.progress.get("marks", [])
+
     def end_reading(self) -> None:
         for split in SPLITS:
             self._rows(split, self.packers[split].finish())
@@ -115,23 +127,26 @@ class Spill:
         self._save()
 
     # -- writing shards
-    def write_split(self, split: str, n_shards: int, out_dir: str, told=None) -> list[ShardEntry]:
-        """The split's rows as ``n_shards`` Parquet shards (those written before a kill are kept); ``told(rows)``
-        hears how many of the split's rows are written, after each shard."""
-        n = self.rows(split)
+    def write_split(self, split: str, shards: list[list[ShardPart]], out_dir: str, told=None) -> list[ShardEntry]:
+        """The split's rows as Parquet shards, each made of the spill rows its parts name (those written before a
+        kill are kept); ``told(rows)`` hears how many rows are written, after each shard."""
         done = self.progress["shards"].setdefault(split, [])
-        bounds, row_bytes = shard_bounds(n, n_shards), 3 * self.seq_len * 4
+        written = sum(p.rows for shard in shards[: len(done)] for p in shard)
         self._flush()
         # read a shard's rows at a time (not a memory map of the whole spill: its pages would stay resident)
         with open(self._path(f"{split}.rows"), "rb") as f:
-            for i in range(len(done), n_shards):
-                f.seek(bounds[i] * row_bytes)
-                rows = np.fromfile(f, np.int32, (bounds[i + 1] - bounds[i]) * 3 * self.seq_len)
-                done.append(write_shard(split, i, rows.reshape(-1, 3, self.seq_len), out_dir))
+            for i in range(len(done), len(shards)):
+                rows = np.concatenate([self._read(f, lo, hi) for part in shards[i] for lo, hi in part.runs])
+                done.append(write_shard(split, i, rows, out_dir, shards[i]))
                 self._save()
+                written += len(rows)
                 if told is not None:
-                    told(bounds[i + 1])
+                    told(written)
         return done
+
+    def _read(self, f, lo: int, hi: int) -> np.ndarray:
+        f.seek(lo * 3 * self.seq_len * 4)
+        return np.fromfile(f, np.int32, (hi - lo) * 3 * self.seq_len).reshape(-1, 3, self.seq_len)
 
     def first_rejects(self, k: int) -> list[Reject]:
         out: list[Reject] = []
@@ -221,4 +236,5 @@ class Spill:
             "sizes": dict.fromkeys(names, 0),
             "counts": dict.fromkeys(_COUNTS, 0),
             "shards": {},
+            "marks": [],
         }

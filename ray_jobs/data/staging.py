@@ -26,16 +26,19 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import JsonValue
 
 from ray_jobs.config import DataConfig
 from ray_jobs.contracts.dataset import Counts, DatasetManifest, Shard, StagedSource, TokenizerInfo, read_manifest
 from ray_jobs.data.fingerprint import Source, describe, hash_file, known_hashes, resolve_hashes
-from ray_jobs.data.pack import pack, shard_count
+from ray_jobs.data.mixture import Mixture, empty_sources, mixture_shards, one_source_a_file, prepare
+from ray_jobs.data.pack import ShardPart, contiguous_layout, pack, shard_count
 from ray_jobs.data.read_progress import ProgressFn, ReadProgress
 from ray_jobs.data.records import Record, Reject, parse_records, record_in_eval
+from ray_jobs.data.refusal import empty_input, empty_split, too_many_rejects
+from ray_jobs.data.report import counts_of, mixed_sources, summary
 from ray_jobs.data.sources import (
     Position,
     SourceFile,
@@ -88,17 +91,16 @@ def stage(
 ) -> StageResult:
     """Stage ``data`` onto ``storage`` with ``tokenizer``; a cache hit when the same inputs were staged before.
     ``on="cluster"``: from a driver on a Ray cluster, its sources hashed and its pieces tokenized by Ray tasks and
-    actors across the nodes (the same shards, manifest and dataset id as ``local``). ``data.format: auto`` is
-    resolved first, from the first records of ``data.train``: the dataset id and manifest hold the detected shape.
+    actors across the nodes (the same shards, manifest and dataset id as ``local``). ``data.train`` is expanded
+    first (a hub dataset loaded, a mixture's sources: ``ray_jobs/data/mixture.py``) and ``data.format: auto``
+    resolved from the first records of each train source: the dataset id and manifest hold the detected shapes.
     ``progress(done, total, records=, tokens=)``: called as source bytes are read (ray_jobs.progress.Reporter.update);
     ``writing(done, total)``: as rows are written as shards, once every source was read."""
-    from ray_jobs.data.shapes import resolve_format
-
-    data = resolve_format(data)
-    sources = describe_sources(data)
+    data, mix = prepare(data)
+    sources = describe_sources(data, mix)
     read = resolve_hashes(sources, storage, data.verify_sources, _hash_on_cluster if on == "cluster" else None)
     tok_fp = tokenizer_fingerprint(tokenizer)
-    ds_id = dataset_id(sources, tok_fp, data)
+    ds_id = dataset_id(sources, tok_fp, data, mix)
     layout = Layout(storage)
     manifest_url = layout.dataset_manifest(ds_id)
     if exists(manifest_url):
@@ -107,8 +109,8 @@ def stage(
     with exclusive_lock(Path(data.work_dir) / f"{ds_id}.lock", timeout_s=STAGING_LOCK_TIMEOUT_S):
         if exists(manifest_url):
             return StageResult(ds_id, manifest_url, True, read_manifest(manifest_url), read)
-        out_dir = layout.dataset_dir(ds_id)
-        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress, writing)
+        target = _Target(ds_id, layout.dataset_dir(ds_id), on, mix)
+        manifest = _stage_fresh(data, tokenizer, tokenizer_name, tok_fp, sources, target, progress, writing)
         write_json_atomic(manifest_url, manifest.dump())
     return StageResult(ds_id, manifest_url, False, manifest, read)
 
@@ -116,23 +118,27 @@ def stage(
 def cached(data: DataConfig, tokenizer, storage: str) -> StageResult | None:
     """The staged dataset when every source's fingerprint was hashed before and that dataset is on storage; None
     when finding out would take hashing sources (or staging). One metadata call per file, and no source bytes read
-    but for ``data.format: auto``, whose shape (part of the dataset id) comes from the first records of
-    ``data.train``: up to 1 MB of its first file, or a Parquet file's schema."""
-    from ray_jobs.data.shapes import resolve_format
-
+    but for ``data.format: auto``, whose shape (part of the dataset id) comes from the first records of each train
+    source: up to 1 MB of its first file, or a Parquet file's schema (and a hub dataset, loaded from its cache)."""
     if data.verify_sources:
         return None
-    sources = describe_sources(data)
+    data, mix = prepare(data)
+    sources = describe_sources(data, mix)
     if not known_hashes(sources, storage):
         return None
-    data = resolve_format(data)
-    ds_id = dataset_id(sources, tokenizer_fingerprint(tokenizer), data)
+    ds_id = dataset_id(sources, tokenizer_fingerprint(tokenizer), data, mix)
     url = Layout(storage).dataset_manifest(ds_id)
     return StageResult(ds_id, url, True, read_manifest(url)) if exists(url) else None
 
 
-def describe_sources(data: DataConfig) -> dict[str, list[Source]]:
-    sources = {"train": describe(data.train, "data.train")}
+def describe_sources(data: DataConfig, mix: Mixture | None = None) -> dict[str, list[Source]]:
+    """The files of every source by split (``data`` as :func:`prepare` made it: one train source is its URL)."""
+    if mix is None:
+        assert isinstance(data.train, str), "prepare() names one train source by its URL"
+        sources = {"train": describe(data.train, "data.train")}
+    else:
+        sources = {"train": [f for i, s in enumerate(mix.sources) for f in describe(s.url, s.field, i)]}
+        one_source_a_file(sources["train"], mix)
     if data.eval:
         sources["eval"] = describe(data.eval, "data.eval")
     return sources
@@ -146,18 +152,17 @@ def _hash_on_cluster(urls: list[str]) -> list[str]:
     return ray_get([task.remote(u) for u in urls])
 
 
-def dataset_id(sources: dict[str, list[Source]], tok_fp: str, data: DataConfig) -> str:
-    spec = {
-        "version": STAGING_VERSION,
-        "sources": {k: [f.sha256 for f in v] for k, v in sources.items()},
-        "tokenizer": tok_fp,
-        "staging": staging_config(data),
-    }
+def dataset_id(sources: dict[str, list[Source]], tok_fp: str, data: DataConfig, mix: Mixture | None = None) -> str:
+    hashes: dict[str, JsonValue] = {k: [f.sha256 for f in v] for k, v in sources.items()}
+    if mix is not None:  # which files are whose
+        hashes["train"] = [[f.sha256 for f in sources["train"] if f.source == i] for i in range(len(mix.sources))]
+    spec = {"version": STAGING_VERSION, "sources": hashes, "tokenizer": tok_fp, "staging": staging_config(data, mix)}
     return "ds-" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def staging_config(data: DataConfig) -> dict[str, JsonValue]:
-    """The config fields that change what staging writes (and so the dataset id)."""
+def staging_config(data: DataConfig, mix: Mixture | None = None) -> dict[str, JsonValue]:
+    """The config fields that change what staging writes (and so the dataset id); a mixture's sources' weights and
+    formats too."""
     keys = (
         "format",
         "input_field",
@@ -172,18 +177,34 @@ def staging_config(data: DataConfig) -> dict[str, JsonValue]:
     )
     out: dict[str, JsonValue] = {k: getattr(data, k) for k in keys}
     out["separate_eval"] = data.eval is not None
-    if data.format == "text":  # fields only some formats read: the others keep their id when these change
+    formats = (
+        {data.format} if mix is None else {s.format for s in mix.sources} | ({data.format} if data.eval else set())
+    )
+    if "text" in formats:  # fields only some formats read: the others keep their id when these change
         out["text_overlap_tokens"] = data.text_overlap_tokens
-    else:
+    if formats - {"text"}:
         out["too_long"] = data.too_long
-    if data.format != "pairs" and data.format != "text":
+    if formats - {"pairs", "text"}:
         out["train_on"] = data.train_on
+    if mix is not None:
+        out["format"] = mix.format
+        out["mixture"] = mix.config()
     return out
 
 
+class _Target(NamedTuple):
+    """What a fresh staging makes, where, and how."""
+
+    dataset_id: str
+    out_dir: str
+    on: str  # "local" or "cluster"
+    mix: Mixture | None
+
+
 def _stage_fresh(
-    data, tokenizer, tokenizer_name, tok_fp, sources, ds_id, out_dir, on, progress=None, writing=None
+    data, tokenizer, tokenizer_name, tok_fp, sources, target: _Target, progress=None, writing=None
 ) -> DatasetManifest:
+    ds_id, out_dir, on, mix = target
     if tokenizer.eos_token_id is None:
         raise StagingError("the tokenizer has no EOS token; unbroken needs one to end each example")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -191,19 +212,21 @@ def _stage_fresh(
     where = hashlib.sha256(json.dumps({k: [f.url for f in v] for k, v in sources.items()}).encode()).hexdigest()[:8]
     spill = Spill(Path(data.work_dir) / f"{ds_id}-{where}", ds_id, data.seq_len, pad, packer_for(data))
     # long documents' pieces: beside the spill when workers run here; through Ray's object store on a cluster
-    work = BatchWork(tokenizer, tokenizer_name, data, None if on == "cluster" else str(spill.doc_dir))
-    work.render()  # a chat format with no chat template fails here, before any source is read
+    formats = {f.url: mix.sources[f.source].format for f in sources["train"]} if mix else None
+    work = BatchWork(tokenizer, tokenizer_name, data, None if on == "cluster" else str(spill.doc_dir), formats)
+    for url in {f.url for files in sources.values() for f in files}:
+        work.render(work.data_for(url))  # a chat format with no chat template fails here, before any source is read
     try:
         if spill.reading:
-            _read_all(spill, work, sources, data, on, progress)
-        _check_counts(spill, data, out_dir, sources)
+            _read_all(spill, work, sources, data, on, progress, mix is not None)
+        _check_counts(spill, data, out_dir, sources, mix)
     except SourceUnreadable:
         raise  # a store that failed to answer: the spill stays, the next staging goes on from it
     except StagingError:
         spill.remove()  # bad data: the next staging is of fixed data, or under another policy; either reads afresh
         raise
     _remove_unfinished(out_dir)
-    shards = _write_shards(spill, data, out_dir, writing)
+    shards = _write_shards(spill, _layouts(spill, data, mix), out_dir, writing)
     upload_file(spill.rejects_file(), join(out_dir, "rejects.jsonl"))
     tok = TokenizerInfo(
         name_or_path=tokenizer_name,
@@ -212,7 +235,9 @@ def _stage_fresh(
         pad_token_id=pad,
         eos_token_id=tokenizer.eos_token_id,
     )
-    manifest = _manifest(ds_id, data, sources, tok, _counts(spill), shards)
+    manifest = _manifest(ds_id, data, sources, tok, counts_of(spill, shards), shards, mix)
+    if mix is not None:
+        manifest.mixture = mixed_sources(mix, spill, sources["train"])
     spill.remove()
     logging.getLogger("unbroken.staging").info("staged %s: %s", ds_id, summary(manifest))
     return manifest
@@ -234,6 +259,7 @@ def _manifest(
     tok: TokenizerInfo,
     counts: Counts,
     shards: dict[str, list[Shard]],
+    mix: Mixture | None = None,
 ) -> DatasetManifest:
     return DatasetManifest(
         dataset_id=ds_id,
@@ -241,7 +267,7 @@ def _manifest(
         seq_len=data.seq_len,
         sources={k: [StagedSource(url=f.url, bytes=f.size, sha256=f.sha256) for f in v] for k, v in sources.items()},
         tokenizer=tok,
-        staging_config=staging_config(data),
+        staging_config=staging_config(data, mix),
         counts=counts,
         shards=shards,
     )
@@ -254,10 +280,15 @@ def _read_all(
     data: DataConfig,
     on: str,
     progress: ProgressFn | None = None,
+    mixed: bool = False,
 ) -> None:
     """Every source piece through the workers into the spill, recording progress as it goes (and telling
-    ``progress`` the source bytes read, from where a resumed staging starts)."""
+    ``progress`` the source bytes read, from where a resumed staging starts). ``mixed``: a mixture's sources each
+    end their train rows (a row never holds two sources)."""
     files = [(split, f) for split, fs in sources.items() for f in fs]
+    ends = (
+        {i for i, (split, f) in enumerate(files) if split == "train" and _last_of_source(files, i)} if mixed else set()
+    )
     if on == "cluster":
         run, workers = ray_results, cluster_size(data)
     else:
@@ -273,10 +304,16 @@ def _read_all(
         told(i, at, spill.counts, file_done=last)
         if last:
             _unchanged(files[i][1])
+            if i in ends:
+                spill.end_source()
             spill.commit(i + 1, Position())
         elif n % COMMIT_BATCHES == 0:
             spill.commit(i, at)
     spill.end_reading()
+
+
+def _last_of_source(files: list[tuple[str, Source]], i: int) -> bool:
+    return i + 1 == len(files) or files[i + 1][0] != "train" or files[i + 1][1].source != files[i][1].source
 
 
 def _unchanged(src: Source) -> None:
@@ -301,15 +338,26 @@ def _pieces(files: list[tuple[str, Source]], first: int, at: Position) -> Iterat
             piece = following
 
 
-def _write_shards(spill: Spill, data: DataConfig, out_dir: str, writing: ProgressFn | None) -> dict[str, list[Shard]]:
+def _layouts(spill: Spill, data: DataConfig, mix: Mixture | None) -> dict[str, list[list[ShardPart]]]:
+    """Which spill rows each shard of each split holds: consecutive rows, or a mixture's weighted train rows."""
+    out = {
+        split: contiguous_layout(spill.rows(split), split_shards(spill.rows(split), split, data)) for split in SPLITS
+    }
+    if mix is not None:
+        out["train"] = mixture_shards(mix, spill.marks, lambda n: split_shards(n, "train", data))
+    return out
+
+
+def _write_shards(
+    spill: Spill, layouts: dict[str, list[list[ShardPart]]], out_dir: str, writing: ProgressFn | None
+) -> dict[str, list[Shard]]:
     """Every split's rows as Parquet shards, telling ``writing`` the rows written of all splits' rows."""
-    total, before, out = sum(spill.rows(s) for s in SPLITS), 0, {}
+    sizes = {split: sum(p.rows for shard in layouts[split] for p in shard) for split in SPLITS}
+    total, before, out = sum(sizes.values()), 0, {}
     for split in SPLITS:
         told = (lambda n, b=before: writing(b + n, total)) if writing else None
-        out[split] = [
-            Shard.model_validate(e) for e in spill.write_split(split, _shards(spill, split, data), out_dir, told)
-        ]
-        before += spill.rows(split)
+        out[split] = [Shard.model_validate(e) for e in spill.write_split(split, layouts[split], out_dir, told)]
+        before += sizes[split]
     return out
 
 
@@ -321,49 +369,27 @@ def packer_for(data: DataConfig) -> type:
     return PairPacker if data.format == "preference" else Packer
 
 
-def _shards(spill: Spill, split: str, data: DataConfig) -> int:
-    return shard_count(spill.rows(split), data.seq_len, data.shard_mb, data.min_shards if split == "train" else 1)
+def split_shards(rows: int, split: str, data: DataConfig) -> int:
+    """The shards a split of ``rows`` rows is written as (``data.min_shards`` at least for train)."""
+    return shard_count(rows, data.seq_len, data.shard_mb, data.min_shards if split == "train" else 1)
 
 
-def _counts(spill: Spill) -> Counts:
+def _check_counts(
+    spill: Spill, data: DataConfig, out_dir: str, sources: dict[str, list[Source]], mix: Mixture | None = None
+) -> None:
+    """The reject policy, then a train and an eval split that are not empty (each rule: ray_jobs/data/refusal.py)."""
     c = spill.counts
-    kept = {name: c[name] for name in Counts.model_fields if name in c}
-    return Counts(**kept, train_rows=spill.rows("train"), eval_rows=spill.rows("eval"))
-
-
-def summary(manifest: DatasetManifest) -> str:
-    """What staging made of the records, in one line (the staging log's, and the flow's)."""
-    counts, conf = manifest.counts, manifest.staging_config
-    if manifest.format == "text":
-        return (
-            f"{counts.documents} documents -> {counts.pieces} pieces ({counts.cut_documents} cut into "
-            f"pieces of at most {conf['seq_len']} tokens), {counts.train_tokens} train tokens"
-        )
-    out = f"{counts.records} records ({counts.rejects} rejected"
-    if counts.dropped or counts.truncated:
-        out += f", {counts.dropped} dropped and {counts.truncated} truncated by data.too_long={conf['too_long']}"
-    return out + f"), {counts.train_tokens} train tokens"
-
-
-def _check_counts(spill: Spill, data: DataConfig, out_dir: str, sources: dict[str, list[Source]]) -> None:
-    """The reject policy, then a train and an eval split that are not empty."""
-    total, rejected = spill.counts["records"], spill.counts["rejects"]
-    if total == 0:
-        raise StagingError(f"no records found in {_names([f for v in sources.values() for f in v])} (empty input)")
-    if rejected and rejected / total > data.max_reject_fraction:
+    if why := empty_input(c, [f for v in sources.values() for f in v]):
+        raise StagingError(why)
+    if why := too_many_rejects(c, data):
         url = join(out_dir, "rejects.jsonl")
         upload_file(spill.rejects_file(), url)
         first = "\n".join(f"  {r.where}: {r.reason}" for r in spill.first_rejects(5))
-        more = f"\n  ... and {rejected - 5} more" if rejected > 5 else ""
-        raise StagingError(
-            f"{rejected} of {total} records rejected ({rejected / total:.1%}), over "
-            f"data.max_reject_fraction={data.max_reject_fraction}:\n{first}{more}\nall rejects: {url}"
-        )
-    if not spill.counts["train_examples"]:
-        raise StagingError(f"data.train: no usable records in {_names(sources['train'])}")
-    if not spill.counts["eval_examples"]:
-        raise StagingError("the eval split is empty: raise data.eval_fraction or set data.eval")
-
-
-def _names(files: list[Source]) -> str:
-    return ", ".join(f.url for f in files)
+        more = f"\n  ... and {c['rejects'] - 5} more" if c["rejects"] > 5 else ""
+        raise StagingError(f"{why}:\n{first}{more}\nall rejects: {url}")
+    if why := empty_split(c, "train", sources["train"]):
+        raise StagingError(why)
+    if mix is not None and (empty := empty_sources(mix, spill.marks)):
+        raise StagingError(f"{', '.join(empty)}: no usable train records (a mixture's source must give some)")
+    if why := empty_split(c, "eval", sources["train"]):
+        raise StagingError(why)

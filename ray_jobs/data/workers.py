@@ -73,42 +73,59 @@ class BatchResult:
 class BatchWork:
     """What a worker needs to turn a batch into a BatchResult (pickled once into each worker process)."""
 
-    def __init__(self, tokenizer, tokenizer_name: str, data: DataConfig, doc_dir: str | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        tokenizer_name: str,
+        data: DataConfig,
+        doc_dir: str | None = None,
+        formats: dict[str, str] | None = None,
+    ):
         self.tokenizer, self.tokenizer_name, self.data = tokenizer, tokenizer_name, data
         self.doc_dir = doc_dir  # where long documents' pieces go on this machine; None: Ray's object store
-        self._render = None
+        self.formats = formats or {}  # a mixture's: source file URL -> its record shape, when not data.format
+        self._renders: dict[str, Any] = {}
 
     def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_render": None}  # a closure over the tokenizer: rebuilt where it runs
+        return {**self.__dict__, "_renders": {}}  # closures over the tokenizer: rebuilt where they run
 
-    def render(self):
-        """The chat template renderer when this staging's records go through the template, else None (decided by
-        the format and whether the tokenizer has a template; a shape that needs one and lacks it fails here)."""
+    def data_for(self, url: str) -> DataConfig:
+        """The data config a source file's records are read with: ``data`` in the file's own format."""
+        fmt = self.formats.get(url, self.data.format)
+        return self.data if fmt == self.data.format else self.data.model_copy(update={"format": fmt})
+
+    def render(self, data: DataConfig | None = None):
+        """The chat template renderer when records of ``data``'s format (this staging's by default) go through the
+        template, else None (decided by the format and whether the tokenizer has a template; a shape that needs one
+        and lacks it fails here)."""
         from ray_jobs.data.shapes import uses_template
 
-        if self._render is None and uses_template(self.data, self.tokenizer, self.tokenizer_name):
-            # a preference record's answers are its final replies: earlier assistant turns are the prompt
-            train_on = "last_assistant" if self.data.format == "preference" else self.data.train_on
-            self._render = chat_renderer(self.tokenizer, self.tokenizer_name, train_on)
-        return self._render
+        data = data or self.data
+        if data.format not in self._renders:
+            render = None
+            if uses_template(data, self.tokenizer, self.tokenizer_name):
+                # a preference record's answers are its final replies: earlier assistant turns are the prompt
+                train_on = "last_assistant" if data.format == "preference" else data.train_on
+                render = chat_renderer(self.tokenizer, self.tokenizer_name, train_on)
+            self._renders[data.format] = render
+        return self._renders[data.format]
 
     def __call__(self, piece: SourceBatch | SourceRange, split: str) -> BatchResult:
-        batch = read_range(piece, record_char_limit(self.data)) if isinstance(piece, SourceRange) else piece
-        records, invalid = batch_records(batch, self.data, split, self.render())
+        data = self.data_for(piece.url)
+        batch = read_range(piece, record_char_limit(data)) if isinstance(piece, SourceRange) else piece
+        records, invalid = batch_records(batch, data, split, self.render(data))
         out = BatchResult(len(records) + len(invalid), invalid, {}, end=batch.end)
         out.relative = isinstance(piece, SourceRange)
         counts = {"documents": 0, "pieces": 0, "cut_documents": 0, "truncated": 0}
         for name, recs in zip(("train", "eval"), self._split(records), strict=True):
-            if self.data.format == "text":
-                docs = Documents(
-                    self.tokenizer, recs, self.data.seq_len, self.data.text_overlap_tokens, DocSink(self.doc_dir)
-                )
+            if data.format == "text":
+                docs = Documents(self.tokenizer, recs, data.seq_len, data.text_overlap_tokens, DocSink(self.doc_dir))
                 out.long[name] = docs.long
                 counts["documents"] += docs.counts.documents
                 counts["pieces"] += docs.counts.pieces
                 counts["cut_documents"] += docs.counts.cut
             else:
-                docs = Tokenized(self.tokenizer, recs, self.data.seq_len, self.data.too_long, self.render())
+                docs = Tokenized(self.tokenizer, recs, data.seq_len, data.too_long, self.render(data))
                 counts["truncated"] += docs.truncated
             out.examples[name], out.token_rejects[name] = docs.flat, docs.rejects
         out.counts = counts

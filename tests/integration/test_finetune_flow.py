@@ -82,9 +82,10 @@ def test_stage_command_prints_the_dataset_and_restaging_is_a_cache_hit(tmp_path:
     assert again.returncode == 0 and f"dataset id: {dataset_id} (cache hit)" in again.stdout, again.explain()
 
 
-def test_bad_data_fails_the_stage_command_naming_file_and_line(tmp_path: Path) -> None:
-    """A user's mistake found inside a flow (staging, past the first record ``check`` reads): its message once, exit
-    2, no Prefect traceback (unbroken/errors.py)."""
+def test_bad_data_fails_the_stage_command_naming_file_and_line(tmp_path: Path, monkeypatch) -> None:
+    """A user's mistake found inside a flow (staging, on data past the size the command reads in full first): its
+    message once, exit 2, no Prefect traceback (unbroken/errors.py)."""
+    monkeypatch.setenv("UNBROKEN_EARLY_SCAN_MB", "0")
     src = tmp_path / "bad.jsonl"
     src.write_text('{"input": "1+1=", "target": "2"}\n{"input": "2+2="}\n')
     r = run_cli("stage", DEMO, *sets(tmp_path / "storage", **{"data.train": src}))

@@ -1,6 +1,8 @@
 """``train.epochs``: steps from the staged dataset, every row trained exactly that many times (the row trace), and a
 run killed mid-epoch resumed bit-identical to an uninterrupted one -- on 2 ranks of plain torch.distributed whose
-data ranks hold unequal rows, so one finishes its passes a little before the other."""
+data ranks hold unequal rows, so one finishes its passes a little before the other. The data is a mixture of two
+sources weighted 3:1 (``data.train`` a list), so the same run proves the mixture: its trained rows come from the
+sources in that proportion, through the kill and the resume."""
 
 from __future__ import annotations
 
@@ -64,9 +66,11 @@ def test_a_config_naming_both_is_refused_naming_the_fields(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> tuple[Config, object, str]:
     root = tmp_path_factory.mktemp("epochs")
-    data = root / "addition.jsonl"
-    data.write_text("".join((ROOT / "configs" / "data" / "addition.jsonl").read_text().splitlines(True)[:1500]))
-    overrides = {"cluster.num_workers": 2, "cluster.cpus_per_worker": 1, "data.train": str(data),
+    lines = (ROOT / "configs" / "data" / "addition.jsonl").read_text().splitlines(True)
+    (root / "a.jsonl").write_text("".join(lines[:950]))
+    (root / "b.jsonl").write_text("".join(lines[950:1500]))  # weighted 1: cut to a third of a's rows
+    mixture = f"[{{path: {root / 'a.jsonl'}, weight: 3}}, {{path: {root / 'b.jsonl'}, weight: 1}}]"
+    overrides = {"cluster.num_workers": 2, "cluster.cpus_per_worker": 1, "data.train": mixture,
                  "data.min_shards": 3, "data.shard_mb": 0.001, "train.micro_batch_size": 8,
                  "checkpoint.every_steps": 8, "train.eval_every_steps": 100}  # fmt: skip
     cfg = load_config(ROOT / "configs" / "demo.yaml", tiny_overrides(root / "storage", **overrides))
@@ -93,7 +97,7 @@ def named(cfg: Config, name: str) -> Config:
     return c
 
 
-def test_two_epochs_train_every_row_exactly_twice_and_resume_mid_epoch_bit_identical(
+def test_two_epochs_of_a_3_to_1_mixture_train_every_row_twice_in_proportion_and_resume_mid_epoch_bit_identical(
     setup, tmp_path, monkeypatch
 ) -> None:
     cfg, manifest, model = setup
@@ -108,6 +112,9 @@ def test_two_epochs_train_every_row_exactly_twice_and_resume_mid_epoch_bit_ident
     assert len(every) == sum(s.rows for s in manifest.shards["train"]), "every training row, none left out"
     assert Counter(rows.values()) == {1: 2 * len(every)}, "each (epoch, row) once"
     assert {e for e, _, _ in rows} == {0, 1}, "two passes, not a row of a third"
+    by_source = Counter(manifest.source_of(f, r) for (_, f, r) in rows.elements())
+    a, b = by_source["data.train[0]"], by_source["data.train[1]"]
+    assert a + b == rows.total() and abs(a - 3 * b) <= 2 * 3, f"trained rows by source {by_source}: 3:1"
 
     killed_at = cfg.train.max_steps // 2 + 6  # mid-way through the second pass, steps past a checkpoint's: redone
     assert killed_at % 8 and killed_at * 8 > per_rank[1]
