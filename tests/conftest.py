@@ -22,6 +22,8 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="unbroken-test-pre
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("UNBROKEN_CACHE", tempfile.mkdtemp(prefix="unbroken-test-cache-"))  # check's remembered probes
+os.environ.setdefault("UNBROKEN_VERBOSE", "1")  # the CLI's runs show the job logs the tests read (quiet: a test's own)
 for _service in IDLE_SERVICES:  # no ephemeral server here serves deployments, schedules or automations
     os.environ.setdefault(f"PREFECT_SERVER_SERVICES_{_service}_ENABLED", "false")
 

@@ -18,8 +18,10 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
 from control.config import check_flow, load_config
+from ray_jobs.config.loading import raw_config
 from ray_jobs.secrets import export_credentials, mask, mask_logs
-from unbroken import errors
+from unbroken import convert, errors, output
+from unbroken.arguments import parser
 
 if TYPE_CHECKING:  # the flows' summaries: the flows themselves are imported by the command that runs them
     from typing_extensions import TypeIs  # typing's own from Python 3.13
@@ -30,117 +32,6 @@ if TYPE_CHECKING:  # the flows' summaries: the flows themselves are imported by 
 def nothing_new(s: RunSummary | NothingNew) -> TypeIs[NothingNew]:
     """A finetune flow's summary that says nothing was trained (the series trained this dataset already)."""
     return "nothing_new" in s
-
-
-STORAGE_ENV = "UNBROKEN_STORAGE"  # the storage root of status, runs, watchdog and serve when --storage is not given
-EXAMPLES = {  # one line of each subcommand's help (``unbroken CMD --help``)
-    "run": "unbroken run configs/demo.yaml --set train.max_steps=500",
-    "check": "unbroken check configs/smollm2-chat-lora.yaml --set cluster.num_workers=4",
-    "tune": "unbroken tune configs/demo-tune.yaml",
-    "stage": "unbroken stage configs/demo.yaml --set data.train=s3://bucket/data/train.jsonl",
-    "train": "unbroken train configs/demo.yaml   (N processes: torchrun --nproc-per-node N -m unbroken train ...)",
-    "watchdog": "unbroken watchdog --storage s3://bucket/unbroken --interval 60",
-    "serve": "unbroken serve --config configs/demo.yaml --cron '0 3 * * *'",
-    "server": "unbroken server --port 4200",
-    "status": "unbroken status demo --storage s3://bucket/unbroken",
-    "runs": "unbroken runs --series demo",
-}
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("unbroken")
-    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
-        return "unknown (not installed)"
-
-
-def _storage(command: argparse.ArgumentParser, what: str) -> None:
-    default = os.environ.get(STORAGE_ENV) or ".unbroken/storage"
-    command.add_argument("--storage", default=default, help=f"{what} (default: ${STORAGE_ENV} when set, else "
-                         f".unbroken/storage, the demo's; now {default})")  # fmt: skip
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="unbroken", description="Fault-tolerant LLM fine-tuning on Prefect + Ray.")
-    p.add_argument("--version", action="version", version=f"unbroken {_version()}")
-    p.add_argument("--debug", action="store_true", help=f"show the traceback of every error, a user's mistake too "
-                   f"(also ${errors.DEBUG_ENV}=1)")  # fmt: skip
-    sub = p.add_subparsers(dest="command", required=True)
-
-    def command(name: str, help_: str) -> argparse.ArgumentParser:
-        raw = argparse.RawDescriptionHelpFormatter  # the example on one line
-        return sub.add_parser(name, help=help_, description=help_, epilog=f"example: {EXAMPLES[name]}",
-                              formatter_class=raw)  # fmt: skip
-
-    _config_parsers(command)
-    _watchdog_parser(command)
-    _serving_parsers(command)
-    st = command("status", "print a run's registry: state, attempts, incidents, heartbeat, lineage")
-    st.add_argument("run", help="run name")
-    _storage(st, "storage root")
-    rs = command("runs", "list the runs of every series (or one): state, dataset, eval loss, champion")
-    rs.add_argument("--series", default=None, help="only this series")
-    _storage(rs, "storage root")
-    return p
-
-
-def _config_parsers(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    """The commands that take a config: run, tune, stage, train."""
-    commands = (
-        ("run", "run the finetune flow"),
-        ("check", "check a run without running it: config, model, data, cluster, storage, and its plan"),
-        ("tune", "run the tune flow: a hyperparameter search over the config's tune.space (Ray Tune)"),
-        ("stage", "stage the dataset only"),
-        ("train", "local mode: train in this process (or each torchrun process), without Ray or Prefect"),
-    )
-    for name, help_ in commands:
-        c = command(name, help_)
-        c.add_argument("config", help="YAML config file (see configs/)")
-        c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set train.max_steps=100 (repeatable)")  # fmt: skip
-        if name == "check":
-            c.add_argument("--worker-memory", type=_gb, default=None, metavar="GB", help="memory each worker has "
-                           "(a GPU's with cluster.use_gpu), for the plan, when the cluster cannot say: 24, 80GB")  # fmt: skip
-        if name == "train":
-            c.add_argument("--local", action="store_true", help="accepted, and implied: `train` trains here (on "
-                           "Ray, `unbroken run` trains); under torchrun --nproc-per-node N, N processes")  # fmt: skip
-
-
-def _serving_parsers(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    """serve (the deployments) and server (a local Prefect server)."""
-    sv = command("serve", "serve the deployments (finetune, tune, stage-dataset, watchdog, dataset-sensor)")
-    sv.add_argument("--config", default="configs/demo.yaml", help="config the finetune/stage deployments run")
-    _storage(sv, "storage root for runs and the watchdog")
-    sv.add_argument("--cron", default=None, help='finetune schedule, e.g. "0 3 * * *" (default: none)')
-    sv.add_argument("--watchdog-interval", type=float, default=60.0, help="seconds between watchdog runs")
-    sv.add_argument("--watch-source", default=None, help="location the dataset sensor watches (default: data.train)")
-    sv.add_argument("--sensor-interval", type=float, default=60.0, help="seconds between dataset sensor runs")
-    sv.add_argument("--tune-config", default="configs/demo-tune.yaml", help="config the tune deployment searches")
-    srv = command("server", "start a local Prefect server (SQLite) with the UI on 127.0.0.1")
-    srv.add_argument("--port", type=int, default=4200)
-
-
-def _watchdog_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    wd = command("watchdog", "check every active run under a storage root and recover what broke")
-    _storage(wd, "storage root")
-    wd.add_argument("--once", action="store_true", help="one pass, then exit (a scheduled deployment does this)")
-    wd.add_argument("--interval", type=float, default=30.0, help="seconds between passes when looping (default 30)")
-    wd.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus counters (incidents "
-                    "and restarts per run) at http://HOST:P/metrics while it runs (0: a free port, printed)")  # fmt: skip
-    wd.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds (default "
-                    "127.0.0.1; 0.0.0.0 for a Prometheus on another machine)")  # fmt: skip
-
-
-def _gb(text: str) -> float:
-    try:
-        gb = float(text.upper().removesuffix("B").removesuffix("I").removesuffix("G"))
-    except ValueError:
-        gb = 0.0
-    if gb <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GB (e.g. 24, 80GB, 80GiB)")
-    return gb * 1024**3
 
 
 def _quiet_defaults() -> None:
@@ -344,13 +235,17 @@ COMMANDS = {
     "train": cmd_train,
     "watchdog": cmd_watchdog,
     "serve": cmd_serve,
+    "convert": convert.cmd_convert,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     debug = errors.debugging(args.debug)
     _quiet_defaults()  # before anything imports Prefect: its settings are read once, at its import
+    args.verbose = output.verbose(args.verbose)
+    if not args.verbose:
+        output.quiet_env()
     mask_logs()  # what this process logs (and Prefect stores of its flow runs) never shows a credential
     if getattr(args, "overrides", None):  # a flow run's parameters are stored and shown: masked, the real URIs kept
         args.overrides = export_credentials(args.overrides)  # in this process's UNBROKEN_CREDENTIALS (revealed on load)
@@ -365,23 +260,36 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace, debug: bool) -> int:
     if args.command in ("server", "status", "runs"):
         return {"server": cmd_server, "status": cmd_status, "runs": cmd_runs}[args.command](args)
-    if args.command in ("run", "tune", "stage", "train", "check"):
-        # loaded once, before Prefect is imported; the commands take it from here (a flow loads its own again from
-        # the path and overrides, its parameters: what a flow run started from the UI or a deployment has)
-        cfg = args.cfg = load_config(args.config, args.overrides)
-        if args.command in ("run", "tune"):
-            check_flow(cfg, search=args.command == "tune", source=args.config)
-            from control.cluster import preflight
+    relative: list[tuple[str, str]] = []
+    try:
+        if args.command in ("run", "tune", "stage", "train", "check"):
+            relative = output.relative_paths(raw_config(args.config, args.overrides))
+            _load(args)
+        if not debug and args.command in ("run", "tune", "stage", "watchdog", "serve"):
+            errors.hide_user_errors()
+        if not args.verbose and args.command in ("run", "tune", "stage"):
+            output.quiet_console()
+        return COMMANDS[args.command](args)
+    except Exception as e:
+        output.note_missing(e, relative)  # a path the config gave relative: where it was looked for
+        raise
 
-            preflight(cfg)  # a head on the run's ports it must not use: one line, before Prefect
-        if args.command in ("run", "tune", "stage"):
-            from control.check import refuse_early
 
-            for w in refuse_early(cfg, with_cluster=args.command != "stage"):  # `check`'s checks, before Prefect
-                print(mask(f"warning: {w.area}: {w.text}"), file=sys.stderr)
-    if not debug and args.command in ("run", "tune", "stage", "watchdog", "serve"):
-        errors.hide_user_errors()
-    return COMMANDS[args.command](args)
+def _load(args: argparse.Namespace) -> None:
+    """The config, loaded once before Prefect is imported (the commands take it from here; a flow loads its own
+    again from the path and overrides, its parameters: what a flow run started from the UI or a deployment has),
+    and ``check``'s checks for the commands that run."""
+    cfg = args.cfg = load_config(args.config, args.overrides)
+    if args.command in ("run", "tune"):
+        check_flow(cfg, search=args.command == "tune", source=args.config)
+        from control.cluster import preflight
+
+        preflight(cfg)  # a head on the run's ports it must not use: one line, before Prefect
+    if args.command in ("run", "tune", "stage"):
+        from control.check import refuse_early
+
+        for w in refuse_early(cfg, with_cluster=args.command != "stage"):  # `check`'s checks, before Prefect
+            print(mask(f"warning: {w.area}: {w.text}"), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ def report(exc: BaseException, debug: bool) -> int:
         print(mask("".join(traceback.format_exception(exc))), file=sys.stderr, end="")
     if mistake is not None:
         print(f"error: {mask(str(mistake))}", file=sys.stderr)
+        for note in getattr(mistake, "__notes__", []):  # what the command knows of it (unbroken/output.py)
+            print(f"  {mask(note)}", file=sys.stderr)
         return USER_ERROR
     print(f"error: {type(exc).__name__}: {mask(str(exc))}", file=sys.stderr)
     return FAILED

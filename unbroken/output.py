@@ -14,6 +14,7 @@ import os
 
 from control.logs import RELAYED
 
+VERBOSE_ENV = "UNBROKEN_VERBOSE"  # =1: as -v (the test suite's runs read the job logs they relay)
 PACKAGES = ("unbroken", "deployments", "flows", "tasks", "control", "ray_jobs")
 
 # Set before the libraries are imported (each reads its own once): progress bars for work that takes a blink (a tiny
@@ -51,6 +52,10 @@ class OwnLines(logging.Filter):
         return record.pathname.startswith(self.own) and not getattr(record, RELAYED, False)
 
 
+def verbose(flag: bool = False) -> bool:
+    return flag or os.environ.get(VERBOSE_ENV, "").lower() not in ("", "0", "false", "no")
+
+
 def quiet_env() -> None:
     """The libraries' own switches, unless the user set them (before they are imported)."""
     for key, value in QUIET_ENV.items():
@@ -67,3 +72,35 @@ def quiet_console() -> None:
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, OwnLines) for f in handler.filters):
                 handler.addFilter(OwnLines(own))
+
+
+def relative_paths(raw: dict) -> list[tuple[str, str]]:
+    """The config's relative local paths as (field, path written): each is read from the current folder, not the
+    config file's (a job runs elsewhere: every path is made absolute when the config loads)."""
+    data = raw.get("data")
+    data = data if isinstance(data, dict) else {}
+    train = data.get("train")
+    listed = isinstance(train, list)
+    named = [("storage", raw.get("storage")), ("data.eval", data.get("eval"))]
+    for i, e in enumerate(train if listed else [train]):
+        field = f"data.train[{i}]" if listed else "data.train"
+        named += [(f"{field}.path", e.get("path"))] if isinstance(e, dict) else [(field, e)]
+    return [(field, value) for field, value in named if isinstance(value, str) and _relative(value)]
+
+
+def note_missing(error: BaseException, relative: list[tuple[str, str]]) -> None:
+    """A note on ``error`` when it says a path does not exist that the config gave relative: where it was looked
+    for (errors.report prints a user error's notes after its message)."""
+    from ray_jobs.errors import user_error
+
+    error = user_error(error) or error  # the mistake errors.report prints, however deep it was raised
+    text = str(error)
+    if "no such file" not in text:
+        return
+    for field, value in relative:
+        if os.path.abspath(os.path.expanduser(value)) in text:
+            error.add_note(f"{field} {value} is relative: read from the current folder {os.getcwd()}, not the config's")
+
+
+def _relative(value: str) -> bool:
+    return bool(value) and "://" not in value and not value.startswith(("/", "~"))

@@ -8,7 +8,8 @@ import tomllib
 import pytest
 
 from tests.conftest import ROOT
-from unbroken.cli import EXAMPLES, STORAGE_ENV, _parser, main
+from unbroken.arguments import EXAMPLES, STORAGE_ENV, parser
+from unbroken.cli import main
 
 
 def test_version_is_the_installed_package_s(capsys) -> None:
@@ -19,7 +20,7 @@ def test_version_is_the_installed_package_s(capsys) -> None:
 
 
 def test_every_subcommand_shows_an_example_of_itself(capsys) -> None:
-    subcommands = set(next(a for a in _parser()._actions if a.dest == "command").choices)
+    subcommands = set(next(a for a in parser()._actions if a.dest == "command").choices)
     assert set(EXAMPLES) == subcommands
     for name in sorted(subcommands):
         with pytest.raises(SystemExit) as e:
@@ -32,7 +33,7 @@ def test_every_subcommand_shows_an_example_of_itself(capsys) -> None:
 @pytest.mark.parametrize("command", [["status", "r"], ["runs"], ["watchdog"], ["serve"]])
 def test_the_storage_root_comes_from_unbroken_storage_unless_given(command, monkeypatch) -> None:
     monkeypatch.delenv(STORAGE_ENV, raising=False)
-    assert _parser().parse_args(command).storage == ".unbroken/storage"
+    assert parser().parse_args(command).storage == ".unbroken/storage"
     monkeypatch.setenv(STORAGE_ENV, "s3://bucket/unbroken")
-    assert _parser().parse_args(command).storage == "s3://bucket/unbroken"
-    assert _parser().parse_args([*command, "--storage", "/data/runs"]).storage == "/data/runs"
+    assert parser().parse_args(command).storage == "s3://bucket/unbroken"
+    assert parser().parse_args([*command, "--storage", "/data/runs"]).storage == "/data/runs"

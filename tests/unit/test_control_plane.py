@@ -74,7 +74,7 @@ def test_the_log_lines_the_stream_has_not_delivered_when_the_job_ends_come_from_
     logged = []
 
     class Log:
-        def info(self, fmt, line):
+        def info(self, fmt, line, extra=None):
             logged.append(line)
 
     fwd = jobs._LogForwarder("http://127.0.0.1:1", "sid", Log())

@@ -57,3 +57,32 @@ def test_the_libraries_own_switches_are_set_unless_the_user_set_them(monkeypatch
     output.quiet_env()
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "info"
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("raw", "relative"),
+    [
+        (
+            {"storage": ".unbroken/storage", "data": {"train": "d.jsonl"}},
+            [("storage", ".unbroken/storage"), ("data.train", "d.jsonl")],
+        ),
+        ({"storage": "s3://b/p", "data": {"train": "/abs/d.jsonl", "eval": "~/e.jsonl"}}, []),
+        (
+            {"storage": "/s", "data": {"train": [{"path": "a.jsonl"}, {"hub": "o/n"}, "b.jsonl"]}},
+            [("data.train[0].path", "a.jsonl"), ("data.train[2]", "b.jsonl")],
+        ),
+        ({"storage": "/s", "data": {"train": {"path": "a.jsonl"}}}, [("data.train.path", "a.jsonl")]),
+    ],
+)
+def test_a_config_s_relative_paths_are_found_wherever_data_train_names_sources(raw, relative) -> None:
+    assert output.relative_paths(raw) == relative
+
+
+def test_a_missing_path_the_config_gave_relative_says_where_it_was_looked_for(tmp_path, monkeypatch) -> None:
+    from ray_jobs.data.formats.base import StagingError
+
+    monkeypatch.chdir(tmp_path)
+    e = StagingError(f"data.train: no such file or folder: {tmp_path / 'd.jsonl'}")
+    output.note_missing(RuntimeError("the flow failed").with_traceback(None), [("data.train", "d.jsonl")])
+    output.note_missing(e, [("storage", "s"), ("data.train", "d.jsonl")])
+    assert e.__notes__ == [f"data.train d.jsonl is relative: read from the current folder {tmp_path}, not the config's"]
