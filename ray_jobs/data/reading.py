@@ -15,6 +15,10 @@ A step trains ``V x grad_accum_steps`` micro-batches, micro-batch ``a`` of data 
 in order, so the rows every step trains on are the same at any world size (only who computes them changes): an
 elastic run that shrinks and grows uses every training row of an epoch exactly once. With ``w == V`` worker ``r`` is
 data rank ``r``, as before there were data ranks.
+
+With ``train.epochs`` a run ends after its last pass: the steps are set by the data rank with the most rows
+(``ray_jobs/config/epochs.py``), and a row another data rank reads past its own last pass is masked from the loss
+(:meth:`StepPlan.micro_batch`): every row trains exactly ``epochs`` times, the batch keeping its shape.
 """
 
 from __future__ import annotations
