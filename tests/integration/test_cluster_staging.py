@@ -123,7 +123,8 @@ def test_the_stage_flow_stages_on_a_cluster_it_provisions_and_then_stops(tmp_pat
     assert "staging on the cluster" not in again.stderr + again.stdout, "a cache hit needs no cluster"
 
 
-def test_bad_data_staged_on_the_cluster_is_one_clear_error(tmp_path: Path) -> None:
+def test_bad_data_staged_on_the_cluster_is_one_clear_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("UNBROKEN_EARLY_SCAN_MB", "0")  # found by the staging job, not by the command's first read
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(SAMPLE_DATA.read_bytes() + b'{"input": "1+1="}\n')
     n = len(bad.read_bytes().splitlines())
