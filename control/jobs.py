@@ -7,8 +7,6 @@ import asyncio
 import contextlib
 import contextvars
 import json
-import logging
-import re
 import shlex
 import time
 from collections.abc import Callable, Coroutine
@@ -21,7 +19,8 @@ from typing import Any, TypeVar
 from control import jobsapi
 from control.backends.base import JOB_ENV, ClusterError, ClusterHandle, StopUnverified, jobs_client
 from control.confirm import Suspicion
-from control.logs import RELAYED, run_logger
+from control.joblog import LogForwarder, RunLogger
+from control.logs import run_logger
 from ray_jobs.config import Config
 from ray_jobs.contracts.job_spec import JobSpec
 from ray_jobs.poll import poll_until
@@ -29,7 +28,6 @@ from ray_jobs.secrets import MaskedError
 from ray_jobs.storage import Layout, write_json_atomic
 
 T = TypeVar("T")
-RunLogger = logging.Logger | logging.LoggerAdapter  # control/logs.run_logger's
 OnPoll = Callable[[str], Coroutine[Any, Any, None]]  # the watch's hook, given the job's status each time
 
 __all__ = ["ClusterLost", "JobFailed", "StopUnverified", "run_to_end", "stop_and_wait", "submit", "watch"]
@@ -131,18 +129,12 @@ def submit(
         log.info("Ray job %s was already submitted; watching it", submission_id)
         return submission_id
     entrypoint = f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}"
-    # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
-    # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
-    # RUST_LOG: torchft (live recovery) logs every quorum at INFO from Rust, in the workers and its lighthouse.
-    runtime_env = {
-        "py_modules": [str(job_code())],
-        "excludes": JOB_CODE_EXCLUDES,
-        "env_vars": {"RAY_LOGGER_LEVEL": "info", "RUST_LOG": "warn", **(env or {}), JOB_ENV: submission_id},
-    }
+    runtime_env = _runtime_env(submission_id, env)
 
     def job() -> None:  # a client per try: a head that just came up may not have answered the last one
-        jobs_client(handle.address).submit_job(entrypoint=entrypoint, submission_id=submission_id,
-                                               runtime_env=runtime_env, entrypoint_num_cpus=0)  # fmt: skip
+        jobs_client(handle.address).submit_job(
+            entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env, entrypoint_num_cpus=0
+        )
 
     last: list[Exception] = []
 
@@ -161,6 +153,18 @@ def submit(
         raise last[0]
     log.info("submitted Ray job %s (%s)", submission_id, module)
     return submission_id
+
+
+def _runtime_env(submission_id: str, env: dict[str, str] | None) -> dict[str, Any]:
+    """A job's runtime_env: the job's code (``job_code``), and ``env`` over the variables every job gets."""
+    # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
+    # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
+    # RUST_LOG: torchft (live recovery) logs every quorum at INFO from Rust, in the workers and its lighthouse.
+    return {
+        "py_modules": [str(job_code())],
+        "excludes": JOB_CODE_EXCLUDES,
+        "env_vars": {"RAY_LOGGER_LEVEL": "info", "RUST_LOG": "warn", **(env or {}), JOB_ENV: submission_id},
+    }
 
 
 def _already_submitted(address: str, submission_id: str) -> bool:
@@ -185,7 +189,6 @@ def _bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
         pool.shutdown(wait=False)
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 WARN_EVERY_S = 60.0  # a persisting plumbing error is logged once a minute, not once a poll
 
 
@@ -194,45 +197,6 @@ def cancelled(e: BaseException) -> bool:
     return isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)) or "Termination" in type(e).__name__
 
 
-class _LogForwarder:
-    """The job's log into the flow's log: followed while it is written (Ray's log stream; a broken stream -- a
-    proxy's reset, a restarting dashboard -- is re-opened, skipping the lines already forwarded), and once the job
-    ended, completed from one read of the whole log: the stream delivers its last lines ~2-3 s after the end."""
-
-    def __init__(self, address: str, submission_id: str, log: RunLogger) -> None:
-        self.address, self.sid, self.log = address, submission_id, log
-        self.forwarded = 0  # lines of the job's log forwarded so far
-
-    def _forward(self, lines: list[str], first: int) -> None:
-        """``lines`` are the job's log lines ``first``, ``first + 1``, ...: forward those not forwarded yet."""
-        for n, line in enumerate(lines, first + 1):
-            if n > self.forwarded and line.strip():
-                self.log.info("[ray] %s", line.rstrip(), extra={RELAYED: True})
-        self.forwarded = max(self.forwarded, first + len(lines))
-
-    async def follow(self) -> None:
-        while True:
-            try:
-                client = await asyncio.wait_for(asyncio.to_thread(jobs_client, self.address), jobsapi.TIMEOUT_S)
-                seen = 0
-                async for chunk in client.tail_job_logs(self.sid):
-                    lines = _ANSI.sub("", chunk).splitlines()
-                    self._forward(lines, seen)
-                    seen += len(lines)
-                return
-            except Exception:  # the log is a convenience: never fatal, retried
-                await asyncio.sleep(TAIL_RETRY_S)
-
-    async def finish(self, follower: asyncio.Task) -> None:
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
-        text = await asyncio.to_thread(jobsapi.job_logs, self.address, self.sid)
-        if text is not None:
-            self._forward(_ANSI.sub("", text).splitlines(), 0)
-
-
-TAIL_RETRY_S = 2.0
 # How often a watch reads its job's status (one small GET): the end of a job is noticed within this. Progress
 # artifacts and the registry (``on_poll``) are updated every ``poll_s`` (every so many status reads).
 STATUS_POLL_S = 0.5
@@ -291,8 +255,11 @@ class _Watch:
             why = await asyncio.to_thread(alive) if alive is not None else None
             if why is None:
                 raise
-            self.warn("veto", f"Ray job {self.sid}: the Jobs API at {self.address} does not answer, but {why}: not "
-                      "taken for lost; still watching")  # fmt: skip
+            self.warn(
+                "veto",
+                f"Ray job {self.sid}: the Jobs API at {self.address} does not answer, but {why}: not "
+                "taken for lost; still watching",
+            )
             self.unanswered = None
 
     def warn(self, key: str, message: str) -> None:
@@ -302,9 +269,14 @@ class _Watch:
             self.log.warning(message)
 
 
-async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, on_poll: OnPoll | None = None,
-                confirm_s: float = 30.0,
-                alive: Callable[[], str | None] | None = None) -> str:  # fmt: skip
+async def watch(
+    handle: ClusterHandle,
+    submission_id: str,
+    poll_s: float = 2.0,
+    on_poll: OnPoll | None = None,
+    confirm_s: float = 30.0,
+    alive: Callable[[], str | None] | None = None,
+) -> str:
     """Poll the job until it ends, forwarding its log. Errors of the watch's own plumbing (``on_poll``: progress
     artifacts, the registry) are logged and retried, never fatal to the job; an unanswered poll is a blip until it
     held for ``confirm_s`` -- and even then the cluster is not taken for lost while ``alive()`` (the job's heartbeat
@@ -312,22 +284,10 @@ async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, 
     the job: if the flow itself fails, the job trains on and the watchdog adopts it."""
     log = run_logger()
     state = _Watch(handle.address, submission_id, confirm_s, log)
-    logs = _LogForwarder(handle.address, submission_id, log)
+    logs = LogForwarder(handle.address, submission_id, log)
     tail = asyncio.create_task(logs.follow())
-    view, polls, every = jobsapi.JobView("unknown"), 0, max(1, round(poll_s / STATUS_POLL_S))
     try:
-        while True:
-            view = await asyncio.to_thread(jobsapi.read_job, handle.address, submission_id)
-            await state.judged(view, alive)
-            polls += 1
-            if view.api == "ok" and on_poll is not None and (view.terminal or (polls - 1) % every == 0):
-                try:
-                    await on_poll(view.status)
-                except Exception as e:  # plumbing: retried next poll
-                    state.warn("on_poll", f"watch: {type(e).__name__}: {e} (training goes on; retried)")
-            if view.terminal:
-                break
-            await asyncio.sleep(STATUS_POLL_S)
+        view = await _poll_to_end(handle.address, submission_id, state, poll_s, on_poll, alive)
         await logs.finish(tail)
     except BaseException as e:
         if cancelled(e):
@@ -338,6 +298,31 @@ async def watch(handle: ClusterHandle, submission_id: str, poll_s: float = 2.0, 
     if view.status != "SUCCEEDED":
         raise JobFailed(f"Ray job {submission_id} ended {view.status}: {view.message}")
     return view.status
+
+
+async def _poll_to_end(
+    address: str,
+    submission_id: str,
+    state: _Watch,
+    poll_s: float,
+    on_poll: OnPoll | None,
+    alive: Callable[[], str | None] | None,
+) -> jobsapi.JobView:
+    """The watch's status polls, every STATUS_POLL_S, until the job ended (its last view); ``on_poll`` every
+    ``poll_s`` and on the end, its errors warned of and retried."""
+    polls, every = 0, max(1, round(poll_s / STATUS_POLL_S))
+    while True:
+        view = await asyncio.to_thread(jobsapi.read_job, address, submission_id)
+        await state.judged(view, alive)
+        polls += 1
+        if view.api == "ok" and on_poll is not None and (view.terminal or (polls - 1) % every == 0):
+            try:
+                await on_poll(view.status)
+            except Exception as e:  # plumbing: retried next poll
+                state.warn("on_poll", f"watch: {type(e).__name__}: {e} (training goes on; retried)")
+        if view.terminal:
+            return view
+        await asyncio.sleep(STATUS_POLL_S)
 
 
 def run_to_end(

@@ -17,7 +17,7 @@ from typing import TextIO
 
 from ray_jobs.config import Config
 from ray_jobs.contracts.heartbeat import Beat
-from ray_jobs.progress import Reporter, _duration, every_s
+from ray_jobs.progress import Reporter, duration, every_s
 from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import MetricsTail
 
@@ -83,7 +83,7 @@ class TrainingProgress:
         restarting = self.stint is not None and self.stint.phase == "restarting"
         if trained and not restarting:  # nothing to show before the first logged step, nor while nothing trains
             r = self._reporter()
-            r.note = f"loss {trained[-1]['loss']:.4f}, {_duration(self.clock() - self.began)} so far"
+            r.note = f"loss {trained[-1]['loss']:.4f}, {duration(self.clock() - self.began)} so far"
             r.update(step, tokens=float(trained[-1].get("tokens_seen", 0)))
         return step, self.max_steps
 

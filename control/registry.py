@@ -9,7 +9,6 @@ run's lease (control/lease.py), so two writers never interleave a read-modify-wr
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -18,11 +17,12 @@ from typing import Any
 from control import lease as leases
 from control.backends import ClusterSeen, backend_class
 from control.backends import record as cluster_record
-from control.records.run import ACTIVE, STATES, Attempt, AttemptInputs, Incident, RunRecord, State
-from ray_jobs.config import Config, without_later_defaults
+from control.records.run import ACTIVE, STATES, Attempt, AttemptInputs, Incident, RunRecord, State, storage_tag
+from control.records.run import load_record as load
+from control.resumable import RunConflict, check_resumable, pick
+from ray_jobs.config import Config
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.errors import UserError
-from ray_jobs.secrets import mask_tree
 from ray_jobs.storage import (
     Layout,
     StorageFull,
@@ -34,7 +34,7 @@ from ray_jobs.storage import (
     write_json_atomic,
 )
 
-__all__ = ["ACTIVE", "STATES", "RunBusy", "RunConflict", "RunRecord", "begin_attempt", "end_attempt", "load", "save"]
+__all__ = ["ACTIVE", "STATES", "RunBusy", "RunConflict", "begin_attempt", "end_attempt", "load", "pick", "save"]
 
 
 def submission_id(storage: str, run: str, attempt: int, kind: str = "train") -> str:
@@ -42,18 +42,6 @@ def submission_id(storage: str, run: str, attempt: int, kind: str = "train") -> 
     idempotent, and two runs of one name in two storages on one cluster (a team's shared cluster, two projects on
     one laptop's head) never take each other's job for their own. ``storage_tag``: which storage, in six hex digits."""
     return f"unbroken-{run}-{storage_tag(storage)}-{kind}-{attempt:03d}"
-
-
-def storage_tag(storage: str) -> str:
-    return hashlib.sha256(storage.rstrip("/").encode()).hexdigest()[:6]
-
-
-def load(storage: str, run: str) -> RunRecord | None:
-    """The run's record (migrated from an older version's file), or None when the run has none."""
-    reg = RunRecord.read(Layout(storage).run_registry(run))
-    if reg is not None and not reg.name:
-        reg.name = run
-    return reg
 
 
 def load_existing(storage: str, run: str) -> RunRecord:
@@ -173,53 +161,18 @@ def _unmark_if_unwatched(storage: str, run: str) -> None:
             _index(storage, run, False)
 
 
-# Fields a run cannot change between attempts: its checkpoints would not fit (shapes, the data layout) or resuming
-# would silently mix two different trainings. Everything else (max_steps, cadence, cluster address) may change,
-# including the world size within the same max: ``cluster.num_workers`` is compared by its max (the data ranks).
-FIXED_FIELDS = (
-    "model",
-    "train.seed",
-    "train.micro_batch_size",
-    "train.grad_accum_steps",
-    "cluster.num_workers",
-    "cluster.use_gpu",
-)
-
-
-class RunConflict(UserError, ValueError):
-    """The run name exists on storage with settings its checkpoints cannot be resumed under."""
-
-
 class RunBusy(UserError, RuntimeError):
     """The run already has an attempt in flight (a flow run or the watchdog looks after it): a second training job
     would write into the same checkpoints."""
 
 
-def _pick(tree: object, dotted: str) -> object:
-    """The value at ``dotted`` in a config tree (``{}`` where it has none)."""
-    for part in dotted.split("."):
-        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
-    if dotted == "cluster.num_workers" and isinstance(tree, dict) and "max" in tree:
-        return tree["max"]  # {min, max}: the data is laid out for max
-    return tree
-
-
 def check_compatible(cfg: Config, dataset_id: str) -> None:
-    """Refuse to reuse a run name whose earlier attempts used another dataset or a fixed field's other value."""
+    """Refuse to reuse a run name whose earlier attempts used another dataset or a fixed field's other value
+    (control/resumable.py: ``FIXED_FIELDS``)."""
     reg = load(cfg.storage, cfg.name)
     if reg is None or not reg.config:
         return
-    # as run.json holds it (masked); a field added since the run was recorded counts at its default
-    old, new = without_later_defaults(reg.config), without_later_defaults(mask_tree(json.loads(cfg.model_dump_json())))
-    changed = [f"{f}: {_pick(old, f)!r} -> {_pick(new, f)!r}" for f in FIXED_FIELDS if _pick(old, f) != _pick(new, f)]
-    if reg.dataset_id not in (None, dataset_id):
-        changed.insert(0, f"dataset: {reg.dataset_id} -> {dataset_id}")
-    if changed:
-        raise RunConflict(
-            f"run {cfg.name!r} already exists at {Layout(cfg.storage).run_dir(cfg.name)} and its checkpoints cannot "
-            f"be resumed with this config; use a new name (--set name=...) or remove that run. Changed:\n  "
-            + "\n  ".join(changed)
-        )
+    check_resumable(reg.config, reg.dataset_id, cfg, dataset_id)
 
 
 def begin_attempt(
@@ -251,15 +204,17 @@ def begin_attempt(
         return _begin(*args)
 
 
-def _begin(cfg: Config, cluster: ClusterSeen, dataset_id: str, resume_from: str | None, started_by: str,
-           extra: AttemptInputs | None, flow_run_id: str | None,
-           job_spec: Callable[[int], object] | None) -> int:  # fmt: skip
-    if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
-        raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")
-    reg = load(cfg.storage, cfg.name) or RunRecord(name=cfg.name, created_at=time.time(), attempts=[], incidents=[],
-                                                   restarts=0)  # fmt: skip
-    if started_by != "watchdog":
-        _refuse_if_busy(cfg, reg)
+def _begin(
+    cfg: Config,
+    cluster: ClusterSeen,
+    dataset_id: str,
+    resume_from: str | None,
+    started_by: str,
+    extra: AttemptInputs | None,
+    flow_run_id: str | None,
+    job_spec: Callable[[int], object] | None,
+) -> int:
+    reg = _record_to_begin(cfg, started_by)
     attempt = len(reg.attempts) + 1
     if job_spec is not None:
         job_spec(attempt)
@@ -270,17 +225,42 @@ def _begin(cfg: Config, cluster: ClusterSeen, dataset_id: str, resume_from: str 
     reg.unset("closing_since")
     # which backend made the run's cluster, from what (``spec``), where it answers and who owns it (``mode``)
     recorded = cluster_record(cfg, cluster)
-    reg.set(state="submitted", config=json.loads(cfg.model_dump_json()), dataset_id=dataset_id, cluster=recorded,
-            **(extra or {}))  # fmt: skip
-    reg.attempts.append(Attempt(attempt=attempt, submission_id=submission_id(cfg.storage, cfg.name, attempt),
-                                started_at=time.time(), started_by=started_by, resume_from=resume_from,
-                                status="SUBMITTED", **({"flow_run_id": flow_run_id} if flow_run_id else {})))  # fmt: skip
+    config = json.loads(cfg.model_dump_json())
+    reg.set(state="submitted", config=config, dataset_id=dataset_id, cluster=recorded, **(extra or {}))
+    reg.attempts.append(_new_attempt(cfg, attempt, started_by, resume_from, flow_run_id))
     # a run whose backend leaves something behind if it ends without its ``down``: the janitor's, once it is over
     assert recorded.backend is not None, "a backend's record() names it (control/backends/base.py: record)"
     if index := backend_class(recorded.backend).janitor_index(cfg.storage):
         _mark(index, cfg.name, True)
     save(cfg.storage, cfg.name, reg)
     return attempt
+
+
+def _record_to_begin(cfg: Config, started_by: str) -> RunRecord:
+    """The record a new attempt goes into (a new one for a new run); RunBusy for a flow while one is in flight."""
+    if cfg.is_template:  # a flow resolves the name after staging; a template must never name a run folder
+        raise ValueError(f"run name template {cfg.name!r} was not resolved before the attempt was recorded")
+    reg = load(cfg.storage, cfg.name)
+    if reg is None:
+        reg = RunRecord(name=cfg.name, created_at=time.time(), attempts=[], incidents=[], restarts=0)
+    if started_by != "watchdog":
+        _refuse_if_busy(cfg, reg)
+    return reg
+
+
+def _new_attempt(
+    cfg: Config, attempt: int, started_by: str, resume_from: str | None, flow_run_id: str | None
+) -> Attempt:
+    """Attempt ``attempt`` as it is recorded when submitted: its Ray job's submission id, who started it and why."""
+    return Attempt(
+        attempt=attempt,
+        submission_id=submission_id(cfg.storage, cfg.name, attempt),
+        started_at=time.time(),
+        started_by=started_by,
+        resume_from=resume_from,
+        status="SUBMITTED",
+        **({"flow_run_id": flow_run_id} if flow_run_id else {}),
+    )
 
 
 def _refuse_if_busy(cfg: Config, reg: RunRecord) -> None:
@@ -357,8 +337,15 @@ def hand_over(cfg: Config, attempt: int, message: str, incident: Incident) -> Ru
     return _end(cfg, attempt, "FAILED", message, "recovering", incident, None)
 
 
-def _end(cfg: Config, attempt: int, status: str, message: str, state: State | None, incident: Incident | None,
-         final_model: str | None) -> RunRecord | None:  # fmt: skip
+def _end(
+    cfg: Config,
+    attempt: int,
+    status: str,
+    message: str,
+    state: State | None,
+    incident: Incident | None,
+    final_model: str | None,
+) -> RunRecord | None:
     with leases.acquire_wait(cfg.storage, cfg.name):
         reg = load(cfg.storage, cfg.name)
         if reg is None:

@@ -80,10 +80,10 @@ async def finetune(
         raise
     check_flow(cfg, search=False, source=str(config_path or "config"))
     async with one_run_per_series(cfg.series_name):
-        return await _finetune(cfg)
+        return await finetune_body(cfg)
 
 
-async def _finetune(cfg: Config) -> RunSummary | SearchSummary | State:
+async def finetune_body(cfg: Config) -> RunSummary | SearchSummary | State:
     """The flow's body, the tune flow's too: a config with a ``tune`` section trains a search (one job, its trials
     runs of the series) where another trains one run."""
     search = cfg.tune is not None  # a search always searches: no "nothing new" for it

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import TypedDict
 
@@ -92,25 +93,40 @@ def dataset_sensor(source: str, storage: str = ".unbroken/storage") -> SensorRes
         before = None
     changed = before is not None and before["fingerprint"] != now["fingerprint"]
     if changed:
-        added = sorted({f["file"] for f in now["files"]} - {f["file"] for f in before["files"]})
-        emit_event(
-            event=EVENT,
-            resource={"prefect.resource.id": resource_id(source), "prefect.resource.name": mask(source, ())},
-            payload={
-                "dataset_uri": mask(source, ()),
-                "fingerprint": now["fingerprint"],
-                "previous": before["fingerprint"],
-                "files": len(now["files"]),
-                "added": added[:50],
-            },  # fmt: skip
-        )
-        log.info("%s changed (%s -> %s, %d new file(s)): emitted %s", source, before["fingerprint"],
-                 now["fingerprint"], len(added), EVENT)  # fmt: skip
+        _announce(source, before, now, log)
     elif before is None:
-        log.info("first look at %s: %d file(s), fingerprint %s (recorded; no event)", source, len(now["files"]),
-                 now["fingerprint"])  # fmt: skip
+        log.info(
+            "first look at %s: %d file(s), fingerprint %s (recorded; no event)",
+            source,
+            len(now["files"]),
+            now["fingerprint"],
+        )
     else:
         log.info("%s unchanged (%s)", source, now["fingerprint"])
     if before is None or changed:
         write_json_atomic(url, {**now, "seen_at": time.time()})
     return {"source": source, "fingerprint": now["fingerprint"], "changed": changed, "first_look": before is None}
+
+
+def _announce(source: str, before: Look, now: Look, log: logging.Logger | logging.LoggerAdapter) -> None:
+    """Emit ``unbroken.dataset.updated`` for a source that changed from ``before`` to ``now``, and log it."""
+    added = sorted({f["file"] for f in now["files"]} - {f["file"] for f in before["files"]})
+    emit_event(
+        event=EVENT,
+        resource={"prefect.resource.id": resource_id(source), "prefect.resource.name": mask(source, ())},
+        payload={
+            "dataset_uri": mask(source, ()),
+            "fingerprint": now["fingerprint"],
+            "previous": before["fingerprint"],
+            "files": len(now["files"]),
+            "added": added[:50],
+        },
+    )
+    log.info(
+        "%s changed (%s -> %s, %d new file(s)): emitted %s",
+        source,
+        before["fingerprint"],
+        now["fingerprint"],
+        len(added),
+        EVENT,
+    )

@@ -14,7 +14,7 @@ from control.config import ConfigError, check_flow
 from control.sources import SourceRefused
 from control.summaries import RunSummary, SearchSummary
 from flows.cancel import one_run_per_series, stop_on_cancel, stop_on_crash
-from flows.finetune import _finetune
+from flows.finetune import finetune_body
 from flows.params import run_config
 
 
@@ -35,4 +35,4 @@ async def tune(
     cfg = run_config(config_path, overrides)
     check_flow(cfg, search=True, source=str(config_path or "config"))
     async with one_run_per_series(cfg.series_name):
-        return await _finetune(cfg)
+        return await finetune_body(cfg)

@@ -12,7 +12,7 @@ import time
 import uuid
 
 from ray_jobs.errors import UserError
-from ray_jobs.storage import _sync_dir, _write_local, fs_and_path, is_local, join, storage_errors, write_bytes_atomic
+from ray_jobs.storage import fs_and_path, is_local, join, storage_errors, sync_dir, write_bytes_atomic, write_local
 
 
 def create_exclusive(url: str, data: bytes) -> bool:
@@ -40,7 +40,7 @@ def create_exclusive(url: str, data: bytes) -> bool:
 
 
 def _link_exclusive(path: str, data: bytes) -> bool:
-    tmp = _write_local(path, data)
+    tmp = write_local(path, data)
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -52,7 +52,7 @@ def _link_exclusive(path: str, data: bytes) -> bool:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-    _sync_dir(path)
+    sync_dir(path)
     return True
 
 

@@ -98,12 +98,12 @@ class Snapshot:
             *([self.note] if self.note else []),
             *(f"{_number(v)} {k}" for k, v in self.counts.items() if k not in self.rates),
         ]
-        parts[-1] += f" in {_duration(self.elapsed_s)}" if self.final else ""
+        parts[-1] += f" in {duration(self.elapsed_s)}" if self.final else ""
         if self.rate is not None:
             parts.append(f"{_amount(self.rate, self.unit)}/s")
         parts += [f"{_number(v)} {k}/s" for k, v in self.rates.items() if v is not None]
         if (eta := self.eta_s) is not None:
-            parts.append(f"ETA {_duration(eta)}")
+            parts.append(f"ETA {duration(eta)}")
         return ", ".join(parts)
 
     def to_json(self) -> SnapshotJson:
@@ -268,7 +268,7 @@ def _number(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 10 or float(x).is_integer() else f"{x:.1f}"
 
 
-def _duration(s: float) -> str:
+def duration(s: float) -> str:
     s = round(s)
     if s < 60:
         return f"{s}s"

@@ -126,7 +126,7 @@ def _no_room(e: OSError) -> bool:
     return e.errno is None and any(f"[Errno {n}]" in str(e) for n in (errno.ENOSPC, errno.EDQUOT))
 
 
-def _write_local(path: str, data: bytes, durable: bool = True) -> str:
+def write_local(path: str, data: bytes, durable: bool = True) -> str:
     """``data`` in a new temporary sibling of ``path`` (flushed to the disk when ``durable``: fsync); its path. A
     failed write leaves no temporary file behind."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -144,7 +144,7 @@ def _write_local(path: str, data: bytes, durable: bool = True) -> str:
     return tmp
 
 
-def _sync_dir(path: str) -> None:
+def sync_dir(path: str) -> None:
     """Make a rename or link in the folder of ``path`` durable (a host crash must not lose a record just written);
     a filesystem that cannot sync a folder is left to its own guarantees."""
     with contextlib.suppress(OSError):
@@ -184,7 +184,7 @@ def write_bytes_atomic(url: str, data: bytes, durable: bool = False) -> None:
     fs, path = fs_and_path(url)
     with storage_errors(url):
         if is_local(url):
-            tmp = _write_local(path, data, durable)
+            tmp = write_local(path, data, durable)
             try:
                 os.replace(tmp, path)
             except BaseException:
@@ -192,7 +192,7 @@ def write_bytes_atomic(url: str, data: bytes, durable: bool = False) -> None:
                     os.unlink(tmp)
                 raise
             if durable:
-                _sync_dir(path)
+                sync_dir(path)
         else:
             with fs.open(path, "wb") as f:
                 f.write(data)

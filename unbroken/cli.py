@@ -1,6 +1,9 @@
-"""``unbroken`` command line: ``run`` (the finetune flow), ``stage`` (the staging flow), ``train`` (local mode: the
-training without Ray or Prefect, ray_jobs/local.py), ``status`` (a run's record), ``watchdog`` (the recovery flow,
-once or in a loop). ``UNBROKEN_STORAGE`` is the storage root of the commands that take ``--storage``.
+"""``unbroken`` command line: ``run`` (the finetune flow), ``check`` (a run looked at without running it:
+control/check/), ``tune`` (the tune flow), ``stage`` (the staging flow), ``train`` (local mode: the training without
+Ray or Prefect, ray_jobs/local.py), ``status`` and ``runs`` (the records), ``watchdog`` (the recovery flow, once or in
+a loop), ``serve`` and ``server`` (the deployments, a local Prefect server), ``convert`` (another tool's config:
+unbroken/convert.py). Its arguments are unbroken/arguments.py's; what it shows, unbroken/output.py's.
+``UNBROKEN_STORAGE`` is the storage root of the commands that take ``--storage``.
 
 The config is validated here first, so a bad config fails in a fraction of a second with every bad field named,
 before Prefect, storage or a cluster is touched; ``run``, ``tune`` and ``stage`` then do ``check``'s checks
@@ -104,8 +107,11 @@ def format_trials(rows: list[TableRow]) -> str:
     lines = [head]
     for r in rows:
         loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
-        lines.append(f"{r['trial']:<24} " + " ".join(f"{r[p]!s:>18}" for p in params)
-                     + f" {r['state']:<14} {r['steps']:>6} {loss:>9}{'  <- winner' if r['winner'] else ''}")  # fmt: skip
+        lines.append(
+            f"{r['trial']:<24} "
+            + " ".join(f"{r[p]!s:>18}" for p in params)
+            + f" {r['state']:<14} {r['steps']:>6} {loss:>9}{'  <- winner' if r['winner'] else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -147,7 +153,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from control.records.describe import describe
+    from control.describe import describe
     from control.series import lineage_lines
     from ray_jobs.config import absolute_url
 
@@ -204,15 +210,26 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if not os.environ.get("PREFECT_API_URL"):
-        print("error: PREFECT_API_URL is not set: schedules and triggers need a running Prefect server "
-              "(start one with `unbroken server` or `make ui`, then export PREFECT_API_URL=http://127.0.0.1:4200/api)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "error: PREFECT_API_URL is not set: schedules and triggers need a running Prefect server "
+            "(start one with `unbroken server` or `make ui`, then export PREFECT_API_URL=http://127.0.0.1:4200/api)",
+            file=sys.stderr,
+        )
         return 2
     from deployments.serve import ServeOptions, serve
 
     load_config(args.config, [])  # a bad config fails now, not at 3 a.m.
-    serve(ServeOptions(args.config, args.storage, args.cron, args.watchdog_interval, args.watch_source,
-                       args.sensor_interval, args.tune_config))  # fmt: skip
+    serve(
+        ServeOptions(
+            args.config,
+            args.storage,
+            args.cron,
+            args.watchdog_interval,
+            args.watch_source,
+            args.sensor_interval,
+            args.tune_config,
+        )
+    )
     return 0
 
 

@@ -23,7 +23,7 @@ USER_FRESH_S = 600.0  # a user file this young counts as live (its run may still
 def user_file(port: int, run: str, storage: str) -> Path:
     """A run's registration as a user of the head on ``port``: by its name and its storage, since two projects on
     one machine may name their runs alike (one ending must not count the other's as itself)."""
-    from control.registry import storage_tag
+    from control.records.run import storage_tag
 
     return head_dir(port) / "users" / f"{run}-{storage_tag(storage)}.json"
 
@@ -45,7 +45,7 @@ def kept(port: int) -> bool:
 def head_users(port: int, ignore: tuple[str, str] | None = None) -> list[str]:
     """Runs that still use the local head on ``port``, but ``ignore`` (a run and its storage): their process lives,
     they registered lately, or their run is active (a job the watchdog looks after)."""
-    from control import registry
+    from control.records.run import load_record
 
     live, ignored = [], user_file(port, *ignore) if ignore else None
     for f in sorted((head_dir(port) / "users").glob("*.json")):
@@ -54,7 +54,7 @@ def head_users(port: int, ignore: tuple[str, str] | None = None) -> list[str]:
                 continue
             user = json.loads(f.read_text())
             fresh = time.time() - user["at"] < USER_FRESH_S or _alive(user["pid"])
-            reg = None if fresh else registry.load(user["storage"], user["run"])
+            reg = None if fresh else load_record(user["storage"], user["run"])
             if fresh or (reg is not None and reg.active):
                 live.append(user["run"])
     return live

@@ -67,13 +67,20 @@ def parse_summary(body: dict[str, Any]) -> list[Node]:
         avail = int(raylet.get("objectStoreAvailableMemory") or 0)
         disks = {p: (int(d["free"]), int(d["total"])) for p, d in (entry.get("disk") or {}).items() if d.get("total")}
         gpus = entry.get("gpus")
-        out.append(Node(
-            node_id=raylet.get("nodeId", ""), ip=raylet.get("nodeManagerAddress") or entry.get("ip", ""),
-            alive=raylet.get("state") == "ALIVE", head=bool(raylet.get("isHeadNode")),
-            cpus=float(total.get("CPU", 0)), gpus=float(total.get("GPU", 0)),
-            gpus_visible=len(gpus) if isinstance(gpus, list) and (gpus or total.get("GPU")) else None,
-            store_used=used, store_total=used + avail, disks=disks,
-        ))  # fmt: skip
+        out.append(
+            Node(
+                node_id=raylet.get("nodeId", ""),
+                ip=raylet.get("nodeManagerAddress") or entry.get("ip", ""),
+                alive=raylet.get("state") == "ALIVE",
+                head=bool(raylet.get("isHeadNode")),
+                cpus=float(total.get("CPU", 0)),
+                gpus=float(total.get("GPU", 0)),
+                gpus_visible=len(gpus) if isinstance(gpus, list) and (gpus or total.get("GPU")) else None,
+                store_used=used,
+                store_total=used + avail,
+                disks=disks,
+            )
+        )
     return out
 
 
@@ -119,32 +126,68 @@ def assess(health: Health, cfg: Config, expected_nodes: int, storage: tuple[int,
     """What about the cluster may kill the job, as findings (none: nothing to say). ``expected_nodes``: how many
     nodes the run's cluster had at its biggest (the watchdog keeps that count); ``storage``: free/total of the
     run's storage when it is a local (shared) path."""
-    out: list[Finding] = []
     alive = health.alive
-    if len(alive) < expected_nodes:
-        back = {n.ip for n in alive}  # a host whose node died and came back (a new node) is not missing
-        gone = [n.ip or n.node_id[:12] for n in health.nodes or [] if not n.alive and n.ip not in back]
-        out.append(Finding("nodes-missing", f"{len(alive)} of {expected_nodes} nodes alive"
-                           + (f" (dead: {', '.join(sorted(set(gone)))})" if gone else "")))  # fmt: skip
-    if cfg.cluster.use_gpu:
-        total = sum(n.gpus for n in alive)
-        if total < cfg.workers[0]:
-            out.append(Finding("gpus-missing", f"the cluster has {total:g} GPUs; cluster.num_workers needs at least "
-                               f"{cfg.workers[0]} (one per worker, standbys included)"))  # fmt: skip
+    out = missing_nodes(health, expected_nodes) + missing_gpus(alive, cfg)
     for n in alive:
-        if n.gpus_visible is not None and n.gpus_visible < n.gpus:
-            out.append(Finding("gpus-missing", f"node {n.ip} gives Ray {n.gpus:g} GPUs but only {n.gpus_visible} "
-                               "are visible on it now (a GPU fell off the bus or its driver failed)"))  # fmt: skip
-        if n.store_total and n.store_used / n.store_total > OBJECT_STORE_WARN:
-            out.append(Finding("object-store-full", f"node {n.ip}: object store {n.store_used / n.store_total:.0%} "
-                               f"used ({_gib(n.store_used)} of {_gib(n.store_total)}); objects spill to disk, then "
-                               "tasks fail"))  # fmt: skip
-        for path, (free, size) in sorted(n.disks.items()):
-            if _low(free, size):
-                out.append(Finding("disk-low", f"node {n.ip}: {path} has {_gib(free)} free of {_gib(size)} "
-                                   f"(node caches and Ray's spill files live on it; data.cache_dir: "
-                                   f"{cfg.data.cache_dir})"))  # fmt: skip
+        out += node_findings(n, cfg)
     if storage is not None and _low(*storage):
-        out.append(Finding("disk-low", f"storage {cfg.storage} has {_gib(storage[0])} free of {_gib(storage[1])}: "
-                           "the next checkpoint may not fit"))  # fmt: skip
+        out.append(
+            Finding(
+                "disk-low",
+                f"storage {cfg.storage} has {_gib(storage[0])} free of {_gib(storage[1])}: "
+                "the next checkpoint may not fit",
+            )
+        )
+    return out
+
+
+def missing_nodes(health: Health, expected_nodes: int) -> list[Finding]:
+    """Fewer nodes alive than the cluster had at its biggest, naming the dead ones."""
+    alive = health.alive
+    if len(alive) >= expected_nodes:
+        return []
+    back = {n.ip for n in alive}  # a host whose node died and came back (a new node) is not missing
+    gone = [n.ip or n.node_id[:12] for n in health.nodes or [] if not n.alive and n.ip not in back]
+    dead = f" (dead: {', '.join(sorted(set(gone)))})" if gone else ""
+    return [Finding("nodes-missing", f"{len(alive)} of {expected_nodes} nodes alive" + dead)]
+
+
+def missing_gpus(alive: list[Node], cfg: Config) -> list[Finding]:
+    """Fewer GPUs across the cluster than its workers need (a run that uses GPUs)."""
+    if not cfg.cluster.use_gpu:
+        return []
+    total = sum(n.gpus for n in alive)
+    if total >= cfg.workers[0]:
+        return []
+    message = (
+        f"the cluster has {total:g} GPUs; cluster.num_workers needs at least "
+        f"{cfg.workers[0]} (one per worker, standbys included)"
+    )
+    return [Finding("gpus-missing", message)]
+
+
+def node_findings(n: Node, cfg: Config) -> list[Finding]:
+    """One live node's trouble: GPUs it advertises but no longer sees, its object store filling up, a disk low."""
+    out: list[Finding] = []
+    if n.gpus_visible is not None and n.gpus_visible < n.gpus:
+        message = (
+            f"node {n.ip} gives Ray {n.gpus:g} GPUs but only {n.gpus_visible} "
+            "are visible on it now (a GPU fell off the bus or its driver failed)"
+        )
+        out.append(Finding("gpus-missing", message))
+    if n.store_total and n.store_used / n.store_total > OBJECT_STORE_WARN:
+        message = (
+            f"node {n.ip}: object store {n.store_used / n.store_total:.0%} "
+            f"used ({_gib(n.store_used)} of {_gib(n.store_total)}); objects spill to disk, then "
+            "tasks fail"
+        )
+        out.append(Finding("object-store-full", message))
+    for path, (free, size) in sorted(n.disks.items()):
+        if _low(free, size):
+            message = (
+                f"node {n.ip}: {path} has {_gib(free)} free of {_gib(size)} "
+                f"(node caches and Ray's spill files live on it; data.cache_dir: "
+                f"{cfg.data.cache_dir})"
+            )
+            out.append(Finding("disk-low", message))
     return out

@@ -1,6 +1,6 @@
 """The Kubernetes objects the ``kuberay`` backend sends and reads. What it reads of a RayCluster is typed
 (``RayCluster``: its name, the annotations naming its run, KubeRay's status); what it sends is a ``Manifest`` -- a
-JSON object built in control/backends/kuberay.py and validated by the client against its own models on the way out,
+JSON object built in control/backends/kubemanifests.py and validated by the client against its own models on the way out,
 so this side keeps it opaque."""
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 (the KubeRay operator turns it into pods). Its shape comes from ``cluster.kuberay``: the image, a head with no CPUs
 for training, one worker pod per training worker (``nvidia.com/gpu`` per pod, node selector, tolerations), the
 checkpoint storage wired into every pod (S3 credentials from a Secret by name, or a ReadWriteMany PVC mounted at the
-storage path), Ray token auth (``authOptions``, the token in a Secret), and labels naming the run.
+storage path), Ray token auth (``authOptions``, the token in a Secret), and labels naming the run: the manifests
+are built in control/backends/kubemanifests.py.
 
 ``up`` creates it when it does not exist and waits until KubeRay reports it ready (``cluster.kuberay
 .ready_timeout_s``); a cluster that exists (a crashed pod is replaced by the operator itself) is waited on, not
@@ -19,14 +20,27 @@ KubeRay CRD fields and the Kubernetes pod models, and the calls against a record
 
 from __future__ import annotations
 
-import base64
 import os
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from control.backends.base import Backend, ClusterError, ClusterHandle, StopUnverified, reachable
-from control.backends.kubeobjects import Manifest, ObjectMeta, RayCluster, RayClusterList, RayClusterStatus
+from control.backends.kubemanifests import (
+    DASHBOARD_PORT,
+    GROUP,
+    MANAGED_BY,
+    PLURAL,
+    RUN_LABEL,
+    STORAGE_ANNOTATION,
+    STORAGE_LABEL,
+    VERSION,
+    cluster_name,
+    raycluster_manifest,
+    storage_tag,
+    token_secret_manifest,
+    token_secret_name,
+)
+from control.backends.kubeobjects import ObjectMeta, RayCluster, RayClusterList, RayClusterStatus
 from control.rayapi import headers
 from control.records.run import ClusterSpec
 from ray_jobs.config import ClusterConfig, Config
@@ -37,117 +51,7 @@ if TYPE_CHECKING:  # the kubernetes client is imported when first used (heavy, a
     from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi
     from kubernetes.client.exceptions import ApiException
 
-GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
-RAY_VERSION = "2.60.0"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "unbroken"}
-RUN_LABEL, SERIES_LABEL, STORAGE_ANNOTATION = "unbroken.io/run", "unbroken.io/series", "unbroken.io/storage"
-STORAGE_LABEL = "unbroken.io/storage-tag"  # which storage's run made it (its tag), for the janitor and for kubectl
-DASHBOARD_PORT = 8265
-STORAGE_VOLUME = "unbroken-storage"
 POLL_S = 2.0  # between two reads of the RayCluster's status while waiting for it
-
-
-def dns_name(text: str, limit: int = 50) -> str:
-    """A Kubernetes object name (RFC 1035 label: lowercase alphanumerics and '-', starting with a letter); a label
-    value obeys the same here."""
-    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
-    name = name if name[:1].isalpha() else f"u-{name}"
-    return name[:limit].rstrip("-")
-
-
-def cluster_name(cfg: Config) -> str:
-    """One RayCluster per series unless named: the series' runs take turns on it (a name is a stable handle the
-    watchdog finds again)."""
-    return cfg.cluster.kuberay.name or dns_name(f"unbroken-{cfg.series_name}")
-
-
-def token_secret_name(cfg: Config) -> str:
-    return cfg.cluster.kuberay.auth_secret or f"{cluster_name(cfg)}-ray-token"
-
-
-def _container(cfg: Config, name: str, cpus: str, memory: str, gpus: int) -> Manifest:
-    k = cfg.cluster.kuberay
-    limits: dict[str, str] = {"cpu": cpus, "memory": memory}
-    if gpus:
-        limits["nvidia.com/gpu"] = str(gpus)
-    c: Manifest = {"name": name, "image": k.image, "resources": {"requests": dict(limits), "limits": limits},
-                   "env": [{"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]}  # fmt: skip
-    if k.s3_secret:
-        c["envFrom"] = [{"secretRef": {"name": k.s3_secret}}]
-    if k.storage_pvc:
-        c["volumeMounts"] = [{"name": STORAGE_VOLUME, "mountPath": cfg.storage}]
-    if name == "ray-head":
-        c["ports"] = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": DASHBOARD_PORT,
-                      "name": "dashboard"}, {"containerPort": 10001, "name": "client"}]  # fmt: skip
-    return c
-
-
-def _pod(cfg: Config, run: str, container: Manifest, worker: bool) -> Manifest:
-    k = cfg.cluster.kuberay
-    spec: Manifest = {"containers": [container]}
-    if k.storage_pvc:
-        spec["volumes"] = [{"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": k.storage_pvc}}]
-    if worker and k.node_selector:
-        spec["nodeSelector"] = dict(k.node_selector)
-    if worker and k.tolerations:
-        spec["tolerations"] = [dict(t) for t in k.tolerations]
-    return {"metadata": {"labels": labels(cfg, run)}, "spec": spec}
-
-
-def labels(cfg: Config, run: str) -> dict[str, str]:
-    named = {RUN_LABEL: dns_name(run, 63), SERIES_LABEL: dns_name(cfg.series_name, 63)}
-    return {**MANAGED_BY, **named, STORAGE_LABEL: storage_tag(cfg.storage)}
-
-
-def storage_tag(storage: str) -> str:
-    """The storage's short identity (the run records' own: control/registry.py), a valid label value."""
-    from control.registry import storage_tag as tag
-
-    return tag(storage)
-
-
-def raycluster_manifest(cfg: Config, run: str) -> Manifest:
-    """The RayCluster unbroken creates for ``run`` (ray.io/v1, fields of the KubeRay CRD API reference)."""
-    k = cfg.cluster.kuberay
-    head = _container(cfg, "ray-head", k.head_cpus, k.head_memory, 0)
-    worker = _container(cfg, "ray-worker", k.worker_cpus, k.worker_memory, k.gpus_per_worker)
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "RayCluster",
-        "metadata": {
-            "name": cluster_name(cfg),
-            "namespace": k.namespace,
-            "labels": labels(cfg, run),
-            "annotations": {STORAGE_ANNOTATION: cfg.storage, RUN_LABEL: run},
-        },  # fmt: skip
-        "spec": {
-            "rayVersion": RAY_VERSION,
-            "authOptions": {"mode": "token", "secretName": token_secret_name(cfg)},
-            "headGroupSpec": {
-                "serviceType": "ClusterIP",
-                # no training on the head: it runs Ray's control plane and the job drivers
-                "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-                "template": _pod(cfg, run, head, worker=False),
-            },
-            "workerGroupSpecs": [
-                {
-                    "groupName": "workers",
-                    "replicas": cfg.workers[1],  # one pod per training worker (live recovery's standbys too)
-                    "minReplicas": cfg.workers[0],
-                    "maxReplicas": cfg.workers[1],
-                    "rayStartParams": {},
-                    "template": _pod(cfg, run, worker, worker=True),
-                }
-            ],  # fmt: skip
-        },
-    }
-
-
-def token_secret_manifest(cfg: Config, run: str, token: str) -> Manifest:
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": token_secret_name(cfg), "namespace": cfg.cluster.kuberay.namespace,
-                         "labels": labels(cfg, run)},
-            "data": {"auth_token": base64.b64encode(token.encode()).decode()}}  # fmt: skip
 
 
 def _local_token() -> str:
@@ -156,8 +60,10 @@ def _local_token() -> str:
     header = next(iter(headers().values()), "")
     token = header.split(" ", 1)[-1].strip()
     if not token:
-        raise ClusterError("no Ray auth token on this machine for the RayCluster to share (make one with `ray "
-                           "get-auth-token --generate`, or name a Secret in cluster.kuberay.auth_secret)")  # fmt: skip
+        raise ClusterError(
+            "no Ray auth token on this machine for the RayCluster to share (make one with `ray "
+            "get-auth-token --generate`, or name a Secret in cluster.kuberay.auth_secret)"
+        )
     return token
 
 
@@ -166,8 +72,9 @@ def ready(obj: RayCluster) -> bool:
     status: RayClusterStatus = obj.get("status") or {}
     if status.get("state") == "ready":
         return True
-    return any(c.get("type") == "RayClusterProvisioned" and c.get("status") == "True"
-               for c in status.get("conditions") or [])  # fmt: skip
+    return any(
+        c.get("type") == "RayClusterProvisioned" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
 
 
 def _status_line(obj: RayCluster | None) -> str:
@@ -192,8 +99,10 @@ def config_problems(c: ClusterConfig, storage: str) -> list[str]:
     if c.use_gpu and k.gpus_per_worker < 1:
         out.append("cluster.kuberay.gpus_per_worker: cluster.use_gpu needs at least 1 GPU per worker pod (got 0)")
     if storage and "://" not in storage and not k.storage_pvc:
-        out.append(f"cluster.kuberay.storage_pvc: storage {storage} is a path; on Kubernetes it must be a "
-                   "ReadWriteMany volume mounted on every pod (name its PVC), or use s3:// storage")  # fmt: skip
+        out.append(
+            f"cluster.kuberay.storage_pvc: storage {storage} is a path; on Kubernetes it must be a "
+            "ReadWriteMany volume mounted on every pod (name its PVC), or use s3:// storage"
+        )
     return out
 
 
@@ -225,8 +134,9 @@ class KubeRay(Backend):
                 try:
                     config.load_incluster_config(client_configuration=conf)
                 except config.ConfigException as inside:
-                    raise ClusterError(f"no Kubernetes API to talk to: kubeconfig: {outside}; in-cluster: "
-                                       f"{inside}") from inside  # fmt: skip
+                    raise ClusterError(
+                        f"no Kubernetes API to talk to: kubeconfig: {outside}; in-cluster: {inside}"
+                    ) from inside
             self._client = client.ApiClient(conf)
         return self._client
 
@@ -245,8 +155,9 @@ class KubeRay(Backend):
 
         k = self.cfg.cluster.kuberay
         try:
-            obj = self._custom().get_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
-                                                              cluster_name(self.cfg))  # fmt: skip
+            obj = self._custom().get_namespaced_custom_object(
+                GROUP, VERSION, k.namespace, PLURAL, cluster_name(self.cfg)
+            )
             return cast(RayCluster, obj)  # the client annotates ``object``: it is the decoded JSON object, a dict
         except ApiException as e:
             if e.status == 404:
@@ -290,13 +201,15 @@ class KubeRay(Backend):
         if self._get() is None:
             self._ensure_token_secret(run)
             try:
-                self._custom().create_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
-                                                               raycluster_manifest(self.cfg, run))  # fmt: skip
+                self._custom().create_namespaced_custom_object(
+                    GROUP, VERSION, k.namespace, PLURAL, raycluster_manifest(self.cfg, run)
+                )
                 created = True
             except ApiException as e:
                 if e.status != 409:  # 409: another flow created it meanwhile; wait for it like for our own
-                    raise ClusterError(f"Kubernetes API: creating RayCluster {cluster_name(self.cfg)}: "
-                                       f"{_why(e)}") from e  # fmt: skip
+                    raise ClusterError(
+                        f"Kubernetes API: creating RayCluster {cluster_name(self.cfg)}: {_why(e)}"
+                    ) from e
         seen: list[RayCluster | None] = [None]  # the last look, for the time-out's message
 
         def answers() -> bool:
@@ -307,9 +220,11 @@ class KubeRay(Backend):
             return self._handle(self._jobs_api(), created)
         obj = seen[0]
         where = "" if obj is None or not ready(obj) else f"; its Jobs API {reachable(self._jobs_api())}"
-        raise ClusterError(f"RayCluster {k.namespace}/{cluster_name(self.cfg)} not ready within "
-                           f"cluster.kuberay.ready_timeout_s={k.ready_timeout_s:g}s: {_status_line(obj)}"
-                           f"{where}")  # fmt: skip
+        raise ClusterError(
+            f"RayCluster {k.namespace}/{cluster_name(self.cfg)} not ready within "
+            f"cluster.kuberay.ready_timeout_s={k.ready_timeout_s:g}s: {_status_line(obj)}"
+            f"{where}"
+        )
 
     def stop_unreachable(self, handle: ClusterHandle, run: str, submission_id: str) -> str:
         """A RayCluster unbroken made whose Jobs API does not answer and whose job's heartbeat went quiet: deleting
@@ -321,9 +236,11 @@ class KubeRay(Backend):
         except ClusterError as e:  # the Kubernetes API cannot say either
             raise StopUnverified(str(e)) from e
         if obj is not None and ready(obj):
-            raise StopUnverified(f"RayCluster {self.cfg.cluster.kuberay.namespace}/{cluster_name(self.cfg)} is ready "
-                                 f"by the Kubernetes API though its Jobs API at {handle.address} does not answer here: "
-                                 "not deleting it")  # fmt: skip
+            raise StopUnverified(
+                f"RayCluster {self.cfg.cluster.kuberay.namespace}/{cluster_name(self.cfg)} is ready "
+                f"by the Kubernetes API though its Jobs API at {handle.address} does not answer here: "
+                "not deleting it"
+            )
         return self.down(handle, run)
 
     def down(self, handle: ClusterHandle, run: str | None = None) -> str:
@@ -361,8 +278,9 @@ class KubeRay(Backend):
         cannot read them, and a record it cannot see is no evidence of a run over. Returns their names."""
         k = self.cfg.cluster.kuberay
         selector = ",".join(f"{a}={b}" for a, b in MANAGED_BY.items())
-        found = self._custom().list_namespaced_custom_object(GROUP, VERSION, k.namespace, PLURAL,
-                                                             label_selector=selector)  # fmt: skip
+        found = self._custom().list_namespaced_custom_object(
+            GROUP, VERSION, k.namespace, PLURAL, label_selector=selector
+        )
         listed = cast(RayClusterList, found)  # the client annotates ``object``: the decoded JSON list, a dict
         deleted = []
         for obj in listed.get("items", []):

@@ -248,3 +248,21 @@ class RunRecord(Record):
         """A deep copy (what a pure decision changes, leaving the record it was given as it was). Not named ``copy``:
         that is pydantic's own (deprecated, shallow by default), whose signature this would break."""
         return self.model_copy(deep=True)
+
+
+def load_record(storage: str, run: str) -> RunRecord | None:
+    """The run's record under ``storage`` (migrated from an older version's file), or None when the run has none --
+    what the registry loads, and what a backend reads of a run (whether a local head's user is still active)."""
+    from ray_jobs.storage import Layout
+
+    reg = RunRecord.read(Layout(storage).run_registry(run))
+    if reg is not None and not reg.name:
+        reg.name = run
+    return reg
+
+
+def storage_tag(storage: str) -> str:
+    """Which storage, in six hex digits: in a Ray job's submission id, a head user's file, a RayCluster's label."""
+    import hashlib
+
+    return hashlib.sha256(storage.rstrip("/").encode()).hexdigest()[:6]

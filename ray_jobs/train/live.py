@@ -23,7 +23,10 @@ import time
 from datetime import timedelta
 
 from ray_jobs.checkpoint.checkpointer import Reported
-from ray_jobs.contracts.heartbeat import Heal
+from ray_jobs.config import Config
+from ray_jobs.contracts.heartbeat import Beat, Heal
+from ray_jobs.data.reading import ShardRows
+from ray_jobs.train.eval import eval_loss
 from ray_jobs.train.runtime import LocalRuntime
 
 log = logging.getLogger("unbroken.train")
@@ -95,9 +98,11 @@ class Retries:
         waited = now - self.since
         if waited >= (self.behind_s if heal_failed else self.any_s):
             why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]}" if cause else "no cause given"
-            raise StepStuck(f"replica {self.rank}: step {step} not committed for {waited:.0f}s"
-                            f"{' (its heal from a live peer failed)' if heal_failed else ''}; last cause: {why}. "
-                            "Leaving the quorum so Ray Train replaces this replica")  # fmt: skip
+            raise StepStuck(
+                f"replica {self.rank}: step {step} not committed for {waited:.0f}s"
+                f"{' (its heal from a live peer failed)' if heal_failed else ''}; last cause: {why}. "
+                "Leaving the quorum so Ray Train replaces this replica"
+            )
 
 
 class Replica:
@@ -108,18 +113,13 @@ class Replica:
 
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
         import torch
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
         for name in QUIET:  # their errors too: the loop logs each failed step once, with its cause
             logging.getLogger(name).setLevel(logging.CRITICAL)
         timeout = timedelta(seconds=timeout_s)
-        if device.type == "cuda":  # torchft's NCCL group (run once, two replicas sharing an H100: heals failed there)
-            from torchft import ProcessGroupNCCL
-
-            pg = ProcessGroupNCCL(timeout=timeout)
-        else:
-            pg = ProcessGroupGloo(timeout=timeout)
+        pg = _process_group(device, timeout)
         self.rank, self.heals, self.heal_failed = rank, 0, False
         replica = self
 
@@ -132,12 +132,19 @@ class Replica:
                     raise
 
         self.manager = Manager(
-            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+            pg=pg,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=1,
             use_async_quorum=False,  # the step's shares depend on who is in it: know the quorum before computing
             init_sync=False,  # every replica starts from the same seed or the same checkpoint
-            timeout=timeout, quorum_timeout=timeout * 2, rank=0, world_size=1, replica_id=f"unbroken_{rank}",
+            timeout=timeout,
+            quorum_timeout=timeout * 2,
+            rank=0,
+            world_size=1,
+            replica_id=f"unbroken_{rank}",
             checkpoint_transport=Transport(pg, timeout=timeout, device=torch.device(device)),
-        )  # fmt: skip
+        )
 
     def quorum(self) -> tuple[int, int]:
         """Join this step's quorum (healing first when behind: the state is loaded before this returns); this
@@ -176,9 +183,56 @@ class Replica:
         self.manager.shutdown(wait=False)
 
 
+def _process_group(device, timeout: timedelta):
+    """The process group torchft re-forms at every quorum: NCCL on a GPU (run once, two replicas sharing an H100:
+    heals failed there), Gloo else."""
+    if device.type == "cuda":
+        from torchft import ProcessGroupNCCL
+
+        return ProcessGroupNCCL(timeout=timeout)
+    from torchft import ProcessGroupGloo
+
+    return ProcessGroupGloo(timeout=timeout)
+
+
 def timed_heal(replica: Replica, began: float, step: int) -> Heal:
     """What the heartbeat and the log say of a heal this replica just received."""
     replica.heals += 1
     took = time.monotonic() - began
     log.warning("replica %d healed from a live peer at step %d in %.2fs (no storage read)", replica.rank, step, took)
     return Heal(rank=replica.rank, step=step, heal_s=round(took, 3), at=time.time())
+
+
+def eval_as_replicas(model, rows: ShardRows, replicas: int, device, autocast, micro_batch_size: int, max_batches: int):
+    """The loss over ``rows`` as an ordinary run of ``replicas`` workers computes it (each one's slice summed in rank
+    order), on this worker alone: every replica knows it, whoever is missing."""
+    parts = []
+    for r in range(replicas):
+        view = _Slice(r, replicas, parts)
+        eval_loss(model, rows, view, device, autocast, micro_batch_size, max_batches)
+    loss_sum, count = 0.0, 0.0
+    for part_loss, part_count in parts:
+        loss_sum, count = loss_sum + part_loss, count + part_count
+    return loss_sum / max(count, 1.0)
+
+
+class _Slice:
+    """Rank ``rank`` of ``world``'s view for one eval slice: its sums are kept, not reduced (``eval_as_replicas``)."""
+
+    def __init__(self, rank: int, world: int, parts: list):
+        self.rank, self.world_size, self.parts = rank, world, parts
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        self.parts.append(tuple(values))
+        return list(values)
+
+
+def attempt_training(cfg: Config, attempt: int) -> bool:
+    """This attempt's heartbeat already shows training: this process is a replacement, not the job's start."""
+    from ray_jobs.storage import Layout
+
+    try:
+        beat = Beat.read(Layout(cfg.storage).heartbeat(cfg.name))
+    except Exception:
+        return False
+    return beat is not None and beat.attempt == attempt and beat.phase != "loading" and beat.replicas is not None

@@ -26,15 +26,24 @@ from ray_jobs import faults
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
 from ray_jobs.contracts.checkpoint import StateDict
 from ray_jobs.contracts.dataset import DatasetManifest
-from ray_jobs.contracts.heartbeat import Beat, Heal, LiveFields
+from ray_jobs.contracts.heartbeat import Heal, LiveFields
 from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.reading import Cursor, StepPlan
 from ray_jobs.train import preemption, rowtrace
-from ray_jobs.train.eval import eval_loss
+from ray_jobs.train.agreement import Agreed
 from ray_jobs.train.heartbeat import start_heartbeat
-from ray_jobs.train.live import Replica, Retries, Solo, shares_of, timed_heal, virtual_slots
+from ray_jobs.train.live import (
+    Replica,
+    Retries,
+    Solo,
+    attempt_training,
+    eval_as_replicas,
+    shares_of,
+    timed_heal,
+    virtual_slots,
+)
 from ray_jobs.train.model import clip_grads, micro_loss, to_device
-from ray_jobs.train.trainer import Agreed, Trainer
+from ray_jobs.train.trainer import Trainer
 
 log = logging.getLogger("unbroken.train")
 HEAD = 4  # the step's sum: loss, tokens, the step each replica is at, how many were SIGTERMed; then per replica
@@ -53,7 +62,7 @@ class LiveTrainer(Trainer):
         self.state_received = False  # a live peer's state was loaded into this replica, its heal not yet timed
         self.replica: Replica | None = None
         self._quorum: tuple[int, int] | None = None  # the joining quorum: the first step's
-        self.replacement = _attempt_training(cfg, attempt)  # Ray Train replaced a lost replica with this process
+        self.replacement = attempt_training(cfg, attempt)  # Ray Train replaced a lost replica with this process
         self.fresh = rt.rank == 0 and not self.replacement  # shows `loading` until a leader is known
         beat = start_heartbeat(cfg, attempt, writes=self._writes_heartbeat)
         solo = Solo(rt.device(), cfg.checkpoint.num_to_keep, "")
@@ -74,9 +83,14 @@ class LiveTrainer(Trainer):
         """The heartbeat's live-recovery fields: who took part in the last step, who healed."""
         missing = self.workers - len(self.participants) if self.participants else 0
         last = self.heals[-1] if self.heals else None
-        return {"replicas": self.workers, "participants": len(self.participants) or self.workers,
-                "standby": self.workers - self.replicas, "healing": missing > 0, "heals": len(self.heals),
-                "last_heal": last}  # fmt: skip
+        return {
+            "replicas": self.workers,
+            "participants": len(self.participants) or self.workers,
+            "standby": self.workers - self.replicas,
+            "healing": missing > 0,
+            "heals": len(self.heals),
+            "last_heal": last,
+        }
 
     # -- joining: heal from a live peer, or resume from storage like any run ---------------------------------------
     def resume_or_start(self, explicit_checkpoint: str | None = None) -> None:
@@ -97,10 +111,19 @@ class LiveTrainer(Trainer):
         """Everything a replica that joins behind needs, sent by torchft from this live one."""
         names = trainable_names(self.model) if self.lora else None
         model = {k: v for k, v in self.model.state_dict().items() if names is None or k in names}
-        return {"model": model, "optim": self.optimizer.state_dict(), "sched": self.scheduler.state_dict(),
-                "loop": asdict(self.loop), "cursors": [asdict(c) for c in self.cursors], "last_eval": self.last_eval,
-                "leader": self.leader, "history": self.history, "history_base": self.history_base,
-                "heals": [h.dump() for h in self.heals], "rng": rng_state()}  # fmt: skip
+        return {
+            "model": model,
+            "optim": self.optimizer.state_dict(),
+            "sched": self.scheduler.state_dict(),
+            "loop": asdict(self.loop),
+            "cursors": [asdict(c) for c in self.cursors],
+            "last_eval": self.last_eval,
+            "leader": self.leader,
+            "history": self.history,
+            "history_base": self.history_base,
+            "heals": [h.dump() for h in self.heals],
+            "rng": rng_state(),
+        }
 
     def _load_heal_state(self, sd: StateDict) -> None:
         self.model.load_state_dict(sd["model"], strict=not self.lora)
@@ -146,8 +169,13 @@ class LiveTrainer(Trainer):
             if self.joined.commit() and consistent:
                 break
             cause = self.joined.failure()
-            log.warning("replica %d: step %d not committed (%s: %s); computing it again", self.ray_rank,
-                        self.loop.step + 1, type(cause).__name__, str(cause).splitlines()[0][:200] if cause else "")  # fmt: skip
+            log.warning(
+                "replica %d: step %d not committed (%s: %s); computing it again",
+                self.ray_rank,
+                self.loop.step + 1,
+                type(cause).__name__,
+                str(cause).splitlines()[0][:200] if cause else "",
+            )
             retries.failed(self.loop.step + 1, cause, self.joined.heal_failed)  # raises StepStuck when stuck
             self._discard()
         return self._apply(grads, v, started)
@@ -246,12 +274,17 @@ class LiveTrainer(Trainer):
         """Who took part, who healed, and who leads from here (the same on every replica)."""
         for r in range(self.workers):
             if v[HEAD + self.workers + r] > 0:
-                self.heals.append(Heal(rank=r, step=self.loop.step - 1, heal_s=float(v[HEAD + self.workers + r]),
-                                       at=time.time(), lost_steps=0))  # fmt: skip
+                heal_s = float(v[HEAD + self.workers + r])
+                self.heals.append(Heal(rank=r, step=self.loop.step - 1, heal_s=heal_s, at=time.time(), lost_steps=0))
         self.healed = None
         if participants != self.participants:  # (the time: Ray shows a worker's log lines without one)
-            log.warning("step %d trained by replicas %s of %d (committed at %.3f)", self.loop.step, participants,
-                        self.workers, self.last_step_at)  # fmt: skip
+            log.warning(
+                "step %d trained by replicas %s of %d (committed at %.3f)",
+                self.loop.step,
+                participants,
+                self.workers,
+                self.last_step_at,
+            )
         self.participants = participants
         leader = self.leader if self.leader in participants else min(participants)
         # A replacement that healed from a peer may inherit the lead (the process it replaces led, and rejoined
@@ -281,8 +314,9 @@ class LiveTrainer(Trainer):
         if self.leader == self.ray_rank:
             if self.checkpointer.write_done():
                 self.checkpointer.commit(wait=False)
-            self.checkpointer.save_if_due(self.loop.step, last, self.checkpointer.time_due(),
-                                          self._checkpoint_metrics())  # fmt: skip
+            self.checkpointer.save_if_due(
+                self.loop.step, last, self.checkpointer.time_due(), self._checkpoint_metrics()
+            )
 
     def _leave(self, row: MetricsRow) -> None:
         """This SIGTERMed replica leaves at this step boundary, its step committed, and is replaced live; when every
@@ -292,8 +326,9 @@ class LiveTrainer(Trainer):
             self.checkpoint(sync=True)
         if self.metrics is not None:
             self.metrics.flush(10.0)
-        log.warning("replica %d: SIGTERM: leaving after step %d (committed); replaced live", self.ray_rank,
-                    self.loop.step)  # fmt: skip
+        log.warning(
+            "replica %d: SIGTERM: leaving after step %d (committed); replaced live", self.ray_rank, self.loop.step
+        )
         preemption.checkpoint_saved()
         raise preemption.Preempted(f"replica {self.ray_rank} left at step {self.loop.step} (SIGTERM)")
 
@@ -309,18 +344,19 @@ class LiveTrainer(Trainer):
     sigtermed = 0  # replicas of the last step that got SIGTERM
 
     def evaluate(self, rows=None) -> float:
-        """The eval split's loss as an ordinary run of ``replicas`` workers computes it (each one's slice summed in
-        rank order), on this replica alone: every replica knows it, whoever is missing."""
+        """The eval split's loss as an ordinary run of ``replicas`` workers computes it, on this replica alone: every
+        replica knows it, whoever is missing (:func:`~.live.eval_as_replicas`)."""
         self._phase("evaluating")
-        t, parts = self.cfg.train, []
-        for r in range(self.replicas):
-            view = _Slice(r, self.replicas, parts)
-            eval_loss(self.model, rows or self.eval_rows, view, self.device, self.autocast, t.micro_batch_size,
-                      t.eval_max_batches)  # fmt: skip
-        loss_sum, count = 0.0, 0.0
-        for part_loss, part_count in parts:
-            loss_sum, count = loss_sum + part_loss, count + part_count
-        return loss_sum / max(count, 1.0)
+        t = self.cfg.train
+        return eval_as_replicas(
+            self.model,
+            rows or self.eval_rows,
+            self.replicas,
+            self.device,
+            self.autocast,
+            t.micro_batch_size,
+            t.eval_max_batches,
+        )
 
     # -- the end ----------------------------------------------------------------------------------------------------
     def _finish_checkpoints(self, done: bool) -> None:
@@ -343,25 +379,3 @@ class LiveTrainer(Trainer):
             self.replica.shutdown()
         if self.heartbeat is not None:
             self.heartbeat.stop()
-
-
-class _Slice:
-    """Rank ``rank`` of ``world``'s view for one eval slice: its sums are kept, not reduced (``evaluate``)."""
-
-    def __init__(self, rank: int, world: int, parts: list):
-        self.rank, self.world_size, self.parts = rank, world, parts
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        self.parts.append(tuple(values))
-        return list(values)
-
-
-def _attempt_training(cfg, attempt: int) -> bool:
-    """This attempt's heartbeat already shows training: this process is a replacement, not the job's start."""
-    from ray_jobs.storage import Layout
-
-    try:
-        beat = Beat.read(Layout(cfg.storage).heartbeat(cfg.name))
-    except Exception:
-        return False
-    return beat is not None and beat.attempt == attempt and beat.phase != "loading" and beat.replicas is not None

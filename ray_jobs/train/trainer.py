@@ -5,15 +5,14 @@ through a :class:`~ray_jobs.train.runtime.Runtime` (tests run the same loop in-p
 :class:`~ray_jobs.checkpoint.checkpointer.Checkpointer`'s and :mod:`.resume`'s; eval, export, samples: modules beside.
 
 Ranks must take the same decisions at the same step (checkpoint now, report a finished write, stop for a
-preemption), or their collectives would deadlock. Each step therefore ends with one small all-reduce of the loss,
-the token count and three flags; every decision is taken from that agreed vector only."""
+preemption), or their collectives would deadlock: every decision is taken from one small all-reduce that ends each
+step (:mod:`.agreement`)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from ray_jobs import checkpoint as ckpt
@@ -25,15 +24,16 @@ from ray_jobs.contracts.checkpoint import CheckpointManifest
 from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Phase
 from ray_jobs.contracts.metrics import MetricsRow
-from ray_jobs.data.cache import ShardCache
-from ray_jobs.data.reading import Cursor, ShardRows, StepPlan, open_rows
+from ray_jobs.data.reading import Cursor, ShardRows, open_rows
 from ray_jobs.storage import Layout
 from ray_jobs.train import model as models
 from ray_jobs.train import preemption, rowtrace
+from ray_jobs.train.agreement import Agreed, agree
 from ray_jobs.train.determinism import setup_determinism
 from ray_jobs.train.eval import eval_loss, series_eval_rows, write_score
 from ray_jobs.train.export import write_final
 from ray_jobs.train.heartbeat import Heartbeat, start_heartbeat
+from ray_jobs.train.inputs import shard_cache, train_plan
 from ray_jobs.train.metrics import MetricsLog, Throughput
 from ray_jobs.train.model import autocast_for, build_model, build_optimizer, clip_grads, grad_sync, to_device
 from ray_jobs.train.resume import load_checkpoint, resume_agreed
@@ -42,19 +42,6 @@ from ray_jobs.train.samples import write_samples
 from ray_jobs.train.tracking import open_trackers
 
 log = logging.getLogger("unbroken.train")
-
-
-@dataclass
-class Agreed:
-    """One step's outcome as every rank sees it (the result of the per-step all-reduce)."""
-
-    loss: float
-    tokens: int
-    grad_norm: float  # this rank's (identical on every rank after the gradient all-reduce)
-    write_done: bool
-    time_due: bool
-    preempt: bool  # a rank got SIGTERM
-    notice: DrainNotice | None = None  # Ray Train's drain notice for a node of this group (when polled)
 
 
 class Trainer:
@@ -83,8 +70,7 @@ class Trainer:
             self.heartbeat.attach(self)
 
     def _load_model_and_data(self) -> None:
-        self.cache = ShardCache(self.cfg.storage, self.manifest.dataset_id, self.cfg.data.cache_dir,
-                                self.cfg.data.cache_max_gb * 1e9)  # fmt: skip
+        self.cache = shard_cache(self.cfg, self.manifest)
         with ThreadPoolExecutor(1, thread_name_prefix="warm-cache") as pool:
             # This rank's shards are fetched (checksum-verified) and decoded into the node cache while the model
             # loads: the job warms its own cache, no separate Ray job before it.
@@ -98,16 +84,8 @@ class Trainer:
         return build_model(self.cfg, self.model_path, self.rt)  # the hf engine's leaves the wrapping to HF
 
     def _load_data(self) -> None:
-        seq_len, t = self.manifest.seq_len, self.cfg.train
-        # Laid out for cluster.num_workers' max whatever the world size now (reading.StepPlan): rows memory-mapped,
-        # read as batches take them. Position ids restart per packed example: with them (and no KV cache) the model
-        # attends within examples only.
-        self.plan = StepPlan(self.cache, self.manifest.shards["train"], seq_len,
-                             data_ranks=self.cfg.cluster.max_workers, grad_accum_steps=t.grad_accum_steps,
-                             micro_batch_size=t.micro_batch_size, seed=t.seed, rank=self.rt.rank,
-                             world_size=self.rt.world_size, epochs=t.epochs,
-                             pad_id=self.manifest.tokenizer.pad_token_id)  # fmt: skip
-        self.eval_rows = open_rows(self.cache, self.manifest.shards["eval"], seq_len)
+        self.plan = train_plan(self.cfg, self.manifest, self.cache, self.rt.rank, self.rt.world_size)
+        self.eval_rows = open_rows(self.cache, self.manifest.shards["eval"], self.manifest.seq_len)
         self.pad_id = self.manifest.tokenizer.pad_token_id
 
     def _init_progress(self) -> None:
@@ -135,23 +113,37 @@ class Trainer:
         if url is None:
             log.info("rank %d: no valid checkpoint, starting fresh", self.rt.rank)
         else:
-            log.info("rank %d: resumed from %s at step %d (%s; data at %s)", self.rt.rank, url, self.loop.step,
-                     reason, self.cursors)  # fmt: skip
+            log.info(
+                "rank %d: resumed from %s at step %d (%s; data at %s)",
+                self.rt.rank,
+                url,
+                self.loop.step,
+                reason,
+                self.cursors,
+            )
         if self.rt.rank == 0:
             self._open_log(self.loop.step if url else None)
 
     def _open_log(self, resumed: int | None) -> None:
         """Rank 0's metrics log and trackers, keeping what was logged up to ``resumed`` (None: a fresh run)."""
         self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed)
-        self.metrics.trackers = open_trackers(self.cfg, self.attempt, self.manifest.dataset_id, resumed,
-                                              self.model, self.manifest.seq_len, self.rt.world_size,
-                                              self.parent)  # fmt: skip
+        self.metrics.trackers = open_trackers(
+            self.cfg,
+            self.attempt,
+            self.manifest.dataset_id,
+            resumed,
+            self.model,
+            self.manifest.seq_len,
+            self.rt.world_size,
+            self.parent,
+        )
 
     def _load_checkpoint(self, url: str, manifest: CheckpointManifest) -> bool:
         """Load a checkpoint every rank agreed on (:func:`~ray_jobs.train.resume.load_checkpoint`); False when a
         rank found its part bad."""
-        restored, read = load_checkpoint(self.rt, self.cfg, url, manifest, self.model, self.optimizer,
-                                         self.scheduler, self.plan.data_ranks)  # fmt: skip
+        restored, read = load_checkpoint(
+            self.rt, self.cfg, url, manifest, self.model, self.optimizer, self.scheduler, self.plan.data_ranks
+        )
         self.bytes_resumed = read or self.bytes_resumed
         if restored is None:
             return False
@@ -159,9 +151,13 @@ class Trainer:
         self.loop, self.cursors, self.last_eval = restored.loop, restored.cursors, restored.last_eval
         written_by, self.loop.world_size = self.loop.world_size, self.rt.world_size
         if written_by != self.rt.world_size and self.rt.rank == 0:
-            log.warning("resuming at world size %d from a checkpoint written by %d workers: each worker runs %d "
-                        "micro-batches per step (the global batch and the rows of every step are unchanged)",
-                        self.rt.world_size, written_by, self.plan.micro_batches)  # fmt: skip
+            log.warning(
+                "resuming at world size %d from a checkpoint written by %d workers: each worker runs %d "
+                "micro-batches per step (the global batch and the rows of every step are unchanged)",
+                self.rt.world_size,
+                written_by,
+                self.plan.micro_batches,
+            )
         self.resumed_from = url
         self.checkpointer.last_step = self.loop.step
         return True
@@ -259,20 +255,12 @@ class Trainer:
         return loss_sum, tokens, grad_norm
 
     def _agree(self, loss, tokens: int, grad_norm) -> Agreed:
-        """Every rank's step outcome, agreed with one small all-reduce; the step's only wait for the device."""
-        loss, grad_norm = float(loss), float(grad_norm)
-        rank0 = self.rt.rank == 0
-        time_due = self.checkpointer.time_due()
-        write_done = self.checkpointer.write_done()  # this rank's part is on storage
-        poll_due = rank0 and time.monotonic() - self.last_notice_poll >= self.cfg.fault_tolerance.preemption_poll_s
-        flags = [float(write_done), float(time_due), float(preemption.requested()), float(poll_due)]
-        v = self.rt.all_reduce_sum([loss, tokens, *flags])
-        notice = None
-        if v[5] > 0:  # Ray Train's notice is itself a barrier: asked only every preemption_poll_s, by every rank
-            self.last_notice_poll = time.monotonic()
-            notice = self.rt.preemption_notice()
-        every_part = v[2] >= self.rt.world_size
-        return Agreed(v[0] / self.rt.world_size, int(v[1]), grad_norm, every_part, v[3] > 0, v[4] > 0, notice)
+        """Every rank's step outcome, agreed with one small all-reduce (:func:`~.agreement.agree`)."""
+        poll_s = self.cfg.fault_tolerance.preemption_poll_s
+        agreed, self.last_notice_poll = agree(
+            self.rt, self.checkpointer, poll_s, self.last_notice_poll, loss, tokens, grad_norm
+        )
+        return agreed
 
     def _step_row(self, a: Agreed) -> tuple[MetricsRow, bool]:
         """The step's metrics row (logged columns on log steps, the eval loss on eval steps), and whether it is the
@@ -325,8 +313,9 @@ class Trainer:
         self.notice_taken = True
         taken = self.checkpointer.last_step == self.loop.step and self.checkpointer.pending is None
         save = (lambda: 0.0) if taken else (lambda: self.checkpoint(sync=True))
-        preemption.checkpoint_and_wait(notice, save, self.rt.rank, self.loop.step,
-                                       self.cfg.fault_tolerance.preemption_grace_s, self._phase)  # fmt: skip
+        preemption.checkpoint_and_wait(
+            notice, save, self.rt.rank, self.loop.step, self.cfg.fault_tolerance.preemption_grace_s, self._phase
+        )
 
     # -- checkpoints: when and how is the checkpointer's; what is in one is the trainer's --------------------
     def checkpoint(self, sync: bool) -> float:
@@ -343,8 +332,9 @@ class Trainer:
         files: dict[str, tuple[str, Any]] = {ckpt.rank_file(r): ("json", ckpt.rank_state(self.cursors[r]))}
         files |= ckpt.tensor_files(r, self.model, self.optimizer, self.staging, self.fsdp, self.lora)
         if r == 0:
-            state = ckpt.loop_state_file(self.loop, self.scheduler, self.last_eval, self.cfg, self.plan.data_ranks,
-                                         self.cursors)  # fmt: skip
+            state = ckpt.loop_state_file(
+                self.loop, self.scheduler, self.last_eval, self.cfg, self.plan.data_ranks, self.cursors
+            )
             files[ckpt.STATE_FILE] = ("json", state)
         return ckpt.Part(self.loop.step, files, ready=self.staging.ready())
 
@@ -354,8 +344,9 @@ class Trainer:
         self._phase("evaluating")
         model = self.model if self.fsdp else unwrap(self.model)
         t = self.cfg.train
-        return eval_loss(model, rows or self.eval_rows, self.rt, self.device, self.autocast, t.micro_batch_size,
-                         t.eval_max_batches)  # fmt: skip
+        return eval_loss(
+            model, rows or self.eval_rows, self.rt, self.device, self.autocast, t.micro_batch_size, t.eval_max_batches
+        )
 
     def _log(self, row: MetricsRow) -> None:
         if self.metrics is not None and len(row) > 1:

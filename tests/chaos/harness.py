@@ -17,8 +17,8 @@ from pathlib import Path
 
 from control import registry
 from control.backends.base import ClusterHandle, jobs_client
+from control.describe import describe
 from control.jobs import submit, write_job_spec
-from control.records.describe import describe
 from control.registry import submission_id
 from control.watchdog import check_run
 from ray_jobs.config import ClusterConfig, Config, load_config

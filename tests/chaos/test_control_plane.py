@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from control.backends.base import ClusterHandle
-from control.records.describe import describe
+from control.describe import describe
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
 from ray_jobs.train.metrics import read_rows

@@ -15,7 +15,7 @@ import pytest
 
 from control import registry
 from control.backends.base import ClusterHandle, jobs_client
-from control.records.describe import describe
+from control.describe import describe
 from ray_jobs.storage import Layout
 from tests.chaos.harness import (
     REPORT,

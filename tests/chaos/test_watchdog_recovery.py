@@ -24,7 +24,7 @@ import pytest
 from control import registry
 from control.backends.base import jobs_client
 from control.backends.local import head_pids
-from control.records.describe import describe
+from control.describe import describe
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout

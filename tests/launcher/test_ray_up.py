@@ -13,7 +13,7 @@ import pytest
 
 from control.backends import backend_for
 from control.backends.base import reachable
-from control.records.describe import describe
+from control.describe import describe
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.storage import Layout
 from tasks.cluster import provision_cluster

@@ -13,7 +13,7 @@ import pytest
 import ray_jobs.checkpoint as ckpt
 from control.backends import health
 from control.records.run import Attempt, ClusterRecord, RunRecord
-from control.watchdog.decide import note_health
+from control.watchdog.notes import note_health
 from control.watchdog.observe import Observations
 from ray_jobs.config import Config
 from ray_jobs.faults import FILE_ENV

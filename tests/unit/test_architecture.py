@@ -105,15 +105,76 @@ def test_no_import_cycle_between_files() -> None:
     assert _cycles(GRAPH) == []
 
 
-def test_no_import_cycle_between_packages() -> None:
-    packages: dict[str, set[str]] = defaultdict(set)
+def _unit(module: str) -> str:
+    """What a cycle is counted between: a module's package -- but a file beside subpackages (``control/registry.py``
+    beside ``control/backends/``) is a unit of its own, so a cycle through a package and its parent is seen too."""
+    if MODULES[module].name == "__init__.py":
+        return module
+    package = module.rpartition(".")[0]
+    return module if any(m.startswith(package + ".") and _unit_package(m) != package for m in MODULES) else package
+
+
+def _unit_package(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def test_no_import_cycle_between_packages_a_package_and_its_parent_included() -> None:
+    units: dict[str, set[str]] = defaultdict(set)
     for a, bs in GRAPH.items():
-        pa = a.rpartition(".")[0] if MODULES[a].name != "__init__.py" else a
-        for b in bs:
-            pb = b.rpartition(".")[0] if MODULES[b].name != "__init__.py" else b
-            if pa != pb and not pb.startswith(pa + ".") and not pa.startswith(pb + "."):
-                packages[pa].add(pb)
-    assert _cycles(packages) == []
+        units[_unit(a)] |= {_unit(b) for b in bs} - {_unit(a)}
+    assert _cycles(units) == []
+
+
+def test_no_private_name_is_used_across_modules() -> None:
+    """``from m import _name`` or ``m._name`` of a project module: a name another module needs is public."""
+    found = []
+    for module, path in MODULES.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for a in node.names:
+                    if f"{base}.{a.name}" in MODULES:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+                    elif base in MODULES and _private(a.name):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} from {base} import {a.name}")
+            elif isinstance(node, ast.Import):
+                aliases |= {a.asname or a.name: a.name for a in node.names if a.name in MODULES}
+        for node in ast.walk(tree):
+            value = node.value if isinstance(node, ast.Attribute) and _private(node.attr) else None
+            if isinstance(value, ast.Name) and value.id in aliases:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {value.id}.{node.attr}")
+    assert found == [], "\n".join(found)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_fmt_skip_only_on_data_tables() -> None:
+    """Code is laid out by ``ruff format`` (make lint checks it), so the sizes above are of formatted code; ``# fmt:
+    skip`` keeps a data table's rows one a line, nothing else: the statement it ends assigns a display (a dict, list,
+    tuple or set)."""
+    found = []
+    for path in MODULES.values():
+        text = path.read_text()
+        if "fmt: skip" not in text:
+            continue
+        ends = {node.end_lineno: node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.stmt)}
+        for n, line in enumerate(text.splitlines(), 1):
+            if "# fmt: skip" in line and not _table(ends.get(n)):
+                found.append(f"{path.relative_to(ROOT)}:{n}")
+    assert found == [], "# fmt: skip outside a data table:\n" + "\n".join(found)
+
+
+def _table(node: ast.stmt | None) -> bool:
+    value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+    return isinstance(value, ast.Dict | ast.List | ast.Tuple | ast.Set)
 
 
 def test_prefect_stays_above_the_control_plane() -> None:

@@ -34,7 +34,7 @@ def api(monkeypatch):
 
     monkeypatch.setattr(jobs.jobsapi, "read_job", read_job)
     monkeypatch.setattr(jobs, "STATUS_POLL_S", 0.01)
-    monkeypatch.setattr(jobs._LogForwarder, "follow", no_tail)
+    monkeypatch.setattr(jobs.LogForwarder, "follow", no_tail)
     monkeypatch.setattr(jobs.jobsapi, "job_logs", lambda *a, **k: None)
     return script
 
@@ -77,7 +77,7 @@ def test_the_log_lines_the_stream_has_not_delivered_when_the_job_ends_come_from_
         def info(self, fmt, line, extra=None):
             logged.append(line)
 
-    fwd = jobs._LogForwarder("http://127.0.0.1:1", "sid", Log())
+    fwd = jobs.LogForwarder("http://127.0.0.1:1", "sid", Log())
     fwd._forward(["a", "", "b"], 0)  # what the stream delivered (a blank line counts, is not forwarded)
     fwd._forward(["b", "c"], 2)  # a re-opened stream repeats what was seen
     monkeypatch.setattr(jobs.jobsapi, "job_logs", lambda *a, **k: "a\n\nb\nc\n\x1b[36md\x1b[0m\ne\n")

@@ -8,10 +8,11 @@ import copy
 
 from control.backends import backend_class, health
 from control.backends.health import Health
-from control.records.describe import _incident_line
+from control.describe import _incident_line
 from control.records.run import Attempt, ClusterRecord, RunRecord
 from control.watchdog import act
-from control.watchdog.decide import ReplaceNodes, note_health
+from control.watchdog.decision import ReplaceNodes
+from control.watchdog.notes import note_health
 from control.watchdog.observe import Observations
 from ray_jobs.config import load_config
 from tests.conftest import ROOT

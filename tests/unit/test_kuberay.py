@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from control import registry, watchdog
-from control.backends import ClusterError, backend_for, kuberay
+from control.backends import ClusterError, backend_for, kubemanifests, kuberay
 from ray_jobs.config import load_config
 from tests.conftest import ROOT
 from tests.kube import FakeKube
@@ -93,7 +93,7 @@ def kube(tmp_path, monkeypatch):
 
 def test_the_gpu_recipes_raycluster_has_only_kuberay_and_kubernetes_fields(tmp_path) -> None:
     cfg = gpu_recipe(tmp_path)
-    m = kuberay.raycluster_manifest(cfg, "qwen05b-sft")
+    m = kubemanifests.raycluster_manifest(cfg, "qwen05b-sft")
     check_raycluster(m)
     worker = m["spec"]["workerGroupSpecs"][0]
     assert worker["replicas"] == 8, "one worker pod per training worker"
@@ -111,7 +111,7 @@ def test_the_gpu_recipes_raycluster_has_only_kuberay_and_kubernetes_fields(tmp_p
 def test_a_pvc_is_mounted_at_the_storage_path_on_every_pod(tmp_path) -> None:
     cfg = gpu_recipe(tmp_path, **{"storage": "/mnt/shared/unbroken", "cluster.kuberay.storage_pvc": "ckpt-rwx",
                                   "cluster.num_workers": "{min: 1, max: 2}"})  # fmt: skip
-    m = kuberay.raycluster_manifest(cfg, "r")
+    m = kubemanifests.raycluster_manifest(cfg, "r")
     check_raycluster(m)
     for group in (m["spec"]["headGroupSpec"], m["spec"]["workerGroupSpecs"][0]):
         pod = group["template"]["spec"]

@@ -184,7 +184,7 @@ def test_a_sync_wait_for_a_job_polls_the_hook_in_the_callers_context(monkeypatch
     views = iter([JobView("ok", "RUNNING"), JobView("ok", "RUNNING"), JobView("ok", "SUCCEEDED")])
     monkeypatch.setattr(jobs.jobsapi, "read_job", lambda *a, **k: next(views))
     monkeypatch.setattr(jobs, "STATUS_POLL_S", 0.001)
-    monkeypatch.setattr(jobs._LogForwarder, "follow", lambda self: asyncio.sleep(0))
+    monkeypatch.setattr(jobs.LogForwarder, "follow", lambda self: asyncio.sleep(0))
     monkeypatch.setattr(jobs.jobsapi, "job_logs", lambda *a, **k: None)
     run = contextvars.ContextVar("run", default=None)
     polled_in: list = []

@@ -11,11 +11,11 @@ import pytest
 
 from control import lease as leases
 from control import registry
+from control.describe import describe
 from control.jobsapi import JobView
-from control.records.describe import describe
 from control.records.run import Attempt, Incident, RunRecord, Suspect
-from control.watchdog.decide import cleared, confirm
 from control.watchdog.policy import backoff_s, budget_used, give_up_reason
+from control.watchdog.suspects import cleared, confirm
 from control.watchdog.verdict import Verdict, classify, still_submitting
 from ray_jobs.config import load_config
 from ray_jobs.contracts.heartbeat import Beat

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from control.records.run import Attempt, Incident, RunRecord
-from control.registry import _pick, load
+from control.registry import load, pick
 from ray_jobs.contracts.base import RecordError
 from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.errors import RunNotFound
@@ -38,7 +38,7 @@ def describe(storage: str, run: str) -> str:
     for a in reg.attempts:
         msg = f"  {a.message.splitlines()[0][:100]}" if a.message else ""
         lines.append(f"  #{a.attempt} {a.submission_id}  {a.status:<9} {_when(a.started_at)}  {_took(a)}{msg}")
-    lines.append(f"restarts: {reg.restarts} of {_pick(reg.config, 'fault_tolerance.max_restarts')}")
+    lines.append(f"restarts: {reg.restarts} of {pick(reg.config, 'fault_tolerance.max_restarts')}")
     lines.append("incidents:" if reg.incidents else "incidents: none")
     lines += [_incident_line(i) for i in reg.incidents]
     if reg.state == "failed" and reg.reason:
