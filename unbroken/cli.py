@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
-from control.config import check_flow, load_config
-from ray_jobs.config.loading import raw_config
+from control.config import check_flow, load_config, validate
+from ray_jobs.config.loading import RawTree, raw_config
 from ray_jobs.secrets import export_credentials, mask, mask_logs
 from unbroken import convert, errors, output
 from unbroken.arguments import parser
@@ -280,8 +280,9 @@ def _dispatch(args: argparse.Namespace, debug: bool) -> int:
     relative: list[tuple[str, str]] = []
     try:
         if args.command in ("run", "tune", "stage", "train", "check"):
-            relative = output.relative_paths(raw_config(args.config, args.overrides))
-            _load(args)
+            raw = raw_config(args.config, args.overrides)
+            relative = output.relative_paths(raw)
+            _load(args, raw)
         if not debug and args.command in ("run", "tune", "stage", "watchdog", "serve"):
             errors.hide_user_errors()
         if not args.verbose and args.command in ("run", "tune", "stage"):
@@ -292,11 +293,11 @@ def _dispatch(args: argparse.Namespace, debug: bool) -> int:
         raise
 
 
-def _load(args: argparse.Namespace) -> None:
+def _load(args: argparse.Namespace, raw: RawTree) -> None:
     """The config, loaded once before Prefect is imported (the commands take it from here; a flow loads its own
     again from the path and overrides, its parameters: what a flow run started from the UI or a deployment has),
     and ``check``'s checks for the commands that run."""
-    cfg = args.cfg = load_config(args.config, args.overrides)
+    cfg = args.cfg = validate(raw, str(args.config))
     if args.command in ("run", "tune"):
         check_flow(cfg, search=args.command == "tune", source=args.config)
         from control.cluster import preflight

@@ -21,6 +21,7 @@ from control.check import plan as plans
 from control.check import probes
 from control.check.findings import Finding, Report, RunRefused, ok, problem, warning
 from ray_jobs.config import Config
+from ray_jobs.errors import UserError
 
 __all__ = ["Finding", "Report", "RunRefused", "check", "cluster", "refuse_early"]
 
@@ -90,15 +91,14 @@ def _data_early(cfg: Config) -> list[Finding]:
 
 
 def _size(paths: list[str]) -> float:
-    from pathlib import Path
+    """Bytes of the sources' files, listed as staging lists them (a folder's data files only); 0 when one cannot be
+    listed (the scan names it)."""
+    from ray_jobs.data.fingerprint import describe
 
-    total = 0.0
-    for path in map(Path, paths):
-        if not path.exists():
-            return 0.0  # the scan names it
-        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-        total += sum(f.stat().st_size for f in files)
-    return total
+    try:
+        return float(sum(f.size for p in paths for f in describe(p, "data")))
+    except UserError:
+        return 0.0
 
 
 def cluster(cfg: Config) -> tuple[list[Finding], tuple[float | None, str]]:

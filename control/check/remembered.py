@@ -18,6 +18,8 @@ from pathlib import Path
 from control.check.findings import Finding
 from control.check.plan import ModelShape
 from ray_jobs.config import Config
+from ray_jobs.errors import UserError
+from ray_jobs.storage import write_bytes_atomic
 
 VERSION = 1  # of what is remembered: a change of the probe's findings or of ModelShape bumps it
 
@@ -52,7 +54,8 @@ def recall(cfg: Config) -> tuple[list[Finding], ModelShape] | None:
 
 
 def remember(cfg: Config, found: list[Finding], shape: ModelShape) -> None:
-    """Keep the answer (written whole: a temporary file renamed); a cache that cannot be written is no error."""
+    """Keep the answer (written whole, as every record: ray_jobs/storage.py); a cache that cannot be written is no
+    error."""
     k = key(cfg)
     if k is None:
         return
@@ -60,8 +63,6 @@ def remember(cfg: Config, found: list[Finding], shape: ModelShape) -> None:
     body = {"findings": [dataclasses.asdict(f) for f in found], "shape": dataclasses.asdict(shape)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(path)
-    except OSError:
+        write_bytes_atomic(str(path), json.dumps(body).encode())
+    except (OSError, UserError):  # a full or read-only disk: the storage layer's errors are user errors
         pass
