@@ -76,11 +76,12 @@ def run_unbroken(cfg: Config, manifest: DatasetManifest, model: str, warmup: int
     import ray
 
     from ray_jobs.job import build_trainer, worker_config
+    from ray_jobs.local import inputs_of
     from ray_jobs.storage import Layout
 
     ray.init(num_cpus=WORLD, include_dashboard=False, log_to_driver=False)
     try:
-        build_trainer(cfg, worker_config(cfg, manifest, model)).fit()
+        build_trainer(cfg, worker_config(cfg, manifest, inputs_of(cfg, manifest, model))).fit()
     finally:
         ray.shutdown()
     lines = Path(Layout(cfg.storage).metrics(cfg.name)).read_text().splitlines()

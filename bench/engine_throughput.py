@@ -43,10 +43,11 @@ def bench_config(root: Path, engine: str, steps: int, real: bool, name: str) -> 
 
 def one_run(cfg: Config, manifest: DatasetManifest, model: str) -> float:
     from ray_jobs.job import worker_config
+    from ray_jobs.local import inputs_of
     from ray_jobs.train.runtime import LocalRuntime
     from ray_jobs.train.worker import make_trainer
 
-    t = make_trainer(cfg, worker_config(cfg, manifest, model), LocalRuntime(), None)
+    t = make_trainer(cfg, worker_config(cfg, manifest, inputs_of(cfg, manifest, model)), LocalRuntime(), None)
     t.resume_or_start()
     t.fit()
     return t.loop.tokens_seen / t.loop.elapsed_s

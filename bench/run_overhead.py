@@ -161,13 +161,14 @@ def torchrun(storage: Path, args) -> dict:
     """The same training as two plain torch.distributed processes (ray_jobs.local), on what unbroken staged."""
     from control.jobs import write_job_spec
     from ray_jobs.config import load_config
+    from ray_jobs.contracts.job_spec import AttemptInputs
     from tasks.model import prepare_base_model
     from tasks.stage import stage_dataset
 
     cfg = load_config(DEMO, overrides(storage, "bench-torchrun", args))
     model = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model)
-    spec = write_job_spec(cfg, 1, staged.manifest_url, model, None)
+    spec = write_job_spec(cfg, 1, AttemptInputs(manifest_url=staged.manifest_url, model_path=model))
     p = Timed([str(VENV_BIN / "torchrun"), "--nproc-per-node", "2", "-m", "ray_jobs.local", "--spec", spec],
               dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))  # fmt: skip
     end = p.wait()

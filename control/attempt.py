@@ -7,59 +7,45 @@ flow never overwrites the spec of the attempt that won."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from control import lease as leases
 from control import registry, series
 from control.backends import ClusterHandle, ClusterSeen
 from control.cluster import release
 from control.jobs import write_job_spec
 from control.logs import run_logger
-from control.records.run import AttemptInputs
 from control.records.series import Verdict
 from ray_jobs.config import Config
-
-
-@dataclass(frozen=True)
-class JobInputs:
-    """What an attempt's job is given besides its config and where it resumes (control/jobs.write_job_spec)."""
-
-    manifest_url: str  # the staged dataset
-    model_path: str  # the weights to start from: the base model, or a warm start's folder
-    score_manifest_url: str | None = None  # the series' pinned eval set the finished model is scored on
-    parent: str | None = None  # the series run it warm-starts from
-    samples: bool = False  # the job writes the run's sample generations (the finetune flow's summary publishes them)
+from ray_jobs.contracts.job_spec import AttemptInputs
 
 
 def start_attempt(
     cfg: Config,
     cluster: ClusterSeen,
     dataset_id: str,
-    job: JobInputs,
-    extra: AttemptInputs,
+    inputs: AttemptInputs,
     *,
     resume_from: str | None = None,
     started_by: str = "finetune-flow",
     lease: leases.Lease | None = None,
     flow_run_id: str | None = None,
+    trials: list[str] | None = None,
 ) -> tuple[int, str]:
-    """Record a new attempt on ``cluster`` (``extra``: what the record keeps of the run's inputs) and write its job
-    spec; returns (attempt, job spec URL). A flow passes no ``lease`` (the write takes the run's); a watchdog the one
-    it holds (fenced)."""
+    """Record a new attempt on ``cluster`` with what it is given (``inputs``: the run record keeps them, the job spec
+    carries them) and write its job spec; returns (attempt, job spec URL). A flow passes no ``lease`` (the write
+    takes the run's); a watchdog the one it holds (fenced). ``trials``: a search's trials' run names."""
     specs: dict[int, str] = {}
 
     def job_spec(attempt: int) -> None:
-        specs[attempt] = write_job_spec(
-            cfg, attempt, job.manifest_url, job.model_path, resume_from, job.score_manifest_url, job.parent, job.samples
-        )
+        specs[attempt] = write_job_spec(cfg, attempt, inputs, resume_from)
 
     attempt = registry.begin_attempt(
         cfg,
         cluster,
         dataset_id,
+        inputs,
         resume_from=resume_from,
         started_by=started_by,
-        extra=extra,
+        trials=trials,
         lease=lease,
         flow_run_id=flow_run_id,
         job_spec=job_spec,

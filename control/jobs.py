@@ -22,7 +22,7 @@ from control.confirm import Suspicion
 from control.joblog import LogForwarder, RunLogger
 from control.logs import run_logger
 from ray_jobs.config import Config
-from ray_jobs.contracts.job_spec import JobSpec
+from ray_jobs.contracts.job_spec import AttemptInputs, JobSpec
 from ray_jobs.poll import poll_until
 from ray_jobs.secrets import MaskedError
 from ray_jobs.storage import Layout, write_json_atomic
@@ -84,33 +84,13 @@ def stop_and_wait(address: str, submission_id: str, wait_s: float = 60.0) -> boo
     return True
 
 
-def write_job_spec(
-    cfg: Config,
-    attempt: int,
-    manifest_url: str,
-    model_path: str,
-    resume_from: str | None,
-    score_manifest_url: str | None = None,
-    parent: str | None = None,
-    samples: bool = False,
-) -> str:
-    """Everything a job needs, on shared storage where the cluster can read it; returns its URL.
-    ``model_path``: the weights to start from (the base model, or a warm start's folder); ``score_manifest_url``:
-    the series' pinned eval set the finished model is scored on; ``parent``: the series run it warm-starts from
-    (its trackers tag the run with it); ``samples``: the job writes the run's sample generations after its export
-    (the finetune flow publishes them)."""
+def write_job_spec(cfg: Config, attempt: int, inputs: AttemptInputs, resume_from: str | None = None) -> str:
+    """Everything attempt ``attempt``'s job needs, on shared storage where the cluster can read it: its config, what
+    it is given (``inputs``) and the checkpoint it resumes from (None: the newest valid one, or a fresh start).
+    Returns its URL."""
     url = Layout(cfg.storage).job_spec(cfg.name, attempt)
-    spec = JobSpec(
-        config=json.loads(cfg.model_dump_json()),
-        manifest_url=manifest_url,
-        model_path=model_path,
-        resume_from=resume_from,
-        attempt=attempt,
-        score_manifest_url=score_manifest_url,
-        parent=parent,
-        samples=samples,
-    )
-    write_json_atomic(url, spec.model_dump(mode="json"))  # every field, its schema_version too
+    spec = JobSpec(config=json.loads(cfg.model_dump_json()), inputs=inputs, resume_from=resume_from, attempt=attempt)
+    write_json_atomic(url, spec.dump(full=True))  # every field, this version first
     return url
 
 

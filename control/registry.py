@@ -15,13 +15,15 @@ from collections.abc import Callable
 from typing import Any
 
 from control import lease as leases
+from control import lifecycle
 from control.backends import ClusterSeen, backend_class
 from control.backends import record as cluster_record
-from control.records.run import ACTIVE, STATES, Attempt, AttemptInputs, Incident, RunRecord, State, storage_tag
+from control.records.run import ACTIVE, STATES, Attempt, Incident, RunRecord, State, storage_tag
 from control.records.run import load_record as load
 from control.resumable import RunConflict, check_resumable, pick
 from ray_jobs.config import Config
 from ray_jobs.contracts.base import RecordError
+from ray_jobs.contracts.job_spec import AttemptInputs
 from ray_jobs.errors import UserError
 from ray_jobs.storage import (
     Layout,
@@ -179,24 +181,26 @@ def begin_attempt(
     cfg: Config,
     cluster: ClusterSeen,
     dataset_id: str,
+    inputs: AttemptInputs | None = None,
     *,
     resume_from: str | None = None,
     started_by: str = "finetune-flow",
-    extra: AttemptInputs | None = None,
+    trials: list[str] | None = None,
     lease: leases.Lease | None = None,
     flow_run_id: str | None = None,
     job_spec: Callable[[int], object] | None = None,
 ) -> int:
     """Record a new attempt (state ``submitted``) and return its number (1-based).
 
-    ``extra`` is what the watchdog needs to resubmit without the flow: manifest URL and base-model path. A flow
+    ``inputs``: what the attempt is given, kept in the record (what the watchdog resubmits without the flow);
+    ``trials``: a search's trials' run names. A flow
     (``lease`` None) takes the run's lease for this write and is refused with RunBusy while another attempt is in
     flight; a watchdog passes the lease it holds. ``job_spec(attempt)`` writes what the attempt's job is given: called
     under the lease, after the busy check and before the attempt is recorded, so a flow that is refused never
     overwrites the job spec of the attempt that won. ``flow_run_id``: the flow run that starts it (its cancel and
     crash hooks act on this attempt alone).
     """
-    args = (cfg, cluster, dataset_id, resume_from, started_by, extra, flow_run_id, job_spec)
+    args = (cfg, cluster, dataset_id, inputs, trials, resume_from, started_by, flow_run_id, job_spec)
     if lease is not None:
         lease.check()  # fenced: a watchdog that lost its lease records nothing
         return _begin(*args)
@@ -208,9 +212,10 @@ def _begin(
     cfg: Config,
     cluster: ClusterSeen,
     dataset_id: str,
+    inputs: AttemptInputs | None,
+    trials: list[str] | None,
     resume_from: str | None,
     started_by: str,
-    extra: AttemptInputs | None,
     flow_run_id: str | None,
     job_spec: Callable[[int], object] | None,
 ) -> int:
@@ -226,7 +231,12 @@ def _begin(
     # which backend made the run's cluster, from what (``spec``), where it answers and who owns it (``mode``)
     recorded = cluster_record(cfg, cluster)
     config = json.loads(cfg.model_dump_json())
-    reg.set(state="submitted", config=config, dataset_id=dataset_id, cluster=recorded, **(extra or {}))
+    lifecycle.move(reg, "submitted")
+    reg.set(config=config, dataset_id=dataset_id, cluster=recorded)
+    if inputs is not None:
+        reg.inputs = inputs
+    if trials is not None:  # a search: its trials are runs of their own
+        reg.set(kind="search", trials=trials)
     reg.attempts.append(_new_attempt(cfg, attempt, started_by, resume_from, flow_run_id))
     # a run whose backend leaves something behind if it ends without its ``down``: the janitor's, once it is over
     assert recorded.backend is not None, "a backend's record() names it (control/backends/base.py: record)"
@@ -313,7 +323,7 @@ def mark_running(storage: str, run: str, attempt: int) -> bool:
 
 def set_running(reg: RunRecord, attempt: int) -> bool:
     """In ``reg``: the current attempt ``attempt`` was SUBMITTED and now runs. False when that is not news."""
-    return reg.mark_running(attempt)
+    return lifecycle.mark_running(reg, attempt)
 
 
 def end_attempt(
@@ -355,7 +365,7 @@ def _end(
         if dealt_with and not status == entry.status == "SUCCEEDED":
             return None
         entry.set(status=status, ended_at=time.time(), message=message)
-        reg.state = state or ("succeeded" if status == "SUCCEEDED" else "failed")
+        lifecycle.move(reg, state or ("succeeded" if status == "SUCCEEDED" else "failed"))
         if reg.state == "succeeded" and reg.closing_since is None:  # to be closed: scored, its cluster released
             reg.closing_since = time.time()
         if reg.state == "failed" and not reg.reason:

@@ -15,9 +15,10 @@ import time
 from typing import TYPE_CHECKING
 
 from ray_jobs.config import Config, job_spec
+from ray_jobs.config.engines import engine_of
 from ray_jobs.contracts.dataset import DatasetManifest, read_manifest
 from ray_jobs.contracts.failure import JobFailure
-from ray_jobs.contracts.job_spec import JobSpec, WorkerSpec
+from ray_jobs.contracts.job_spec import AttemptInputs, JobSpec, WorkerSpec
 from ray_jobs.secrets import mask, mask_output
 from ray_jobs.storage import Layout, fs_and_path, join, pyarrow_filesystem, read_bytes, strip_protocol
 
@@ -34,21 +35,18 @@ log = logging.getLogger("unbroken.job")
 POLL_INTERVAL_ENV, POLL_INTERVAL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 
 
-def worker_config(cfg: Config, manifest: DatasetManifest, model_path: str) -> WorkerSpec:
-    """What every rank is given to train ``cfg`` on the staged ``manifest`` from ``model_path`` (a fresh start, or
-    the newest valid checkpoint): local mode's, and the benchmarks'."""
-    return WorkerSpec(config=cfg.model_dump_json(), manifest=manifest, model_path=model_path)
+def worker_config(cfg: Config, manifest: DatasetManifest, inputs: AttemptInputs) -> WorkerSpec:
+    """What every rank is given to train ``cfg`` on the staged ``manifest`` (``inputs.manifest_url``'s) from
+    ``inputs.model_path`` (a fresh start, or the newest valid checkpoint): local mode's, and the benchmarks'."""
+    return WorkerSpec(config=cfg.model_dump_json(), inputs=inputs, manifest=manifest)
 
 
 def loop_config(spec: JobSpec, cfg: Config) -> WorkerSpec:
     """What every rank is given, from a job spec: the manifests are read once, here, not by every rank."""
-    score = read_manifest(spec.score_manifest_url) if spec.score_manifest_url else None
-    return worker_config(cfg, read_manifest(spec.manifest_url), spec.model_path).set(
-        resume_from=spec.resume_from,
-        attempt=spec.attempt,
-        score_manifest=score,
-        parent=spec.parent,
-        samples=spec.samples,
+    inputs = spec.inputs
+    score = read_manifest(inputs.score_manifest_url) if inputs.score_manifest_url else None
+    return worker_config(cfg, read_manifest(inputs.manifest_url), inputs).set(
+        resume_from=spec.resume_from, attempt=spec.attempt, score_manifest=score
     )
 
 
@@ -118,10 +116,11 @@ def set_aside_torn_snapshot(run_dir: str) -> str | None:
 
 
 def lighthouse(cfg: Config) -> dict | None:
-    """torchft's lighthouse for live recovery (None: off): a quorum of one live replica is enough to step, a
-    replica silent for ``replica_timeout_s`` is left out, a quorum waits that long for a replica joining it."""
+    """torchft's lighthouse, for an engine whose replicas are torchft's (live recovery; None: any other): a quorum
+    of one live replica is enough to step, a replica silent for ``replica_timeout_s`` is left out, a quorum waits
+    that long for a replica joining it."""
     ft = cfg.fault_tolerance
-    if not ft.live_recovery:
+    if not engine_of(cfg).torchft:
         return None
     ms = int(ft.replica_timeout_s * 1000)
     return {"min_replicas": 1, "heartbeat_timeout_ms": ms, "join_timeout_ms": ms, "quorum_tick_ms": 50}

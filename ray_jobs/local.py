@@ -25,8 +25,12 @@ import sys
 from typing import TYPE_CHECKING, NoReturn
 
 from ray_jobs.config import Config, ConfigError, job_spec
-from ray_jobs.contracts.job_spec import JobSpec, WorkerSpec
+from ray_jobs.config.engine import refusal
+from ray_jobs.config.engines import engine_of
+from ray_jobs.contracts.dataset import DatasetManifest
+from ray_jobs.contracts.job_spec import AttemptInputs, JobSpec, WorkerSpec
 from ray_jobs.secrets import mask_output
+from ray_jobs.storage import Layout
 
 if TYPE_CHECKING:
     from ray_jobs.train.runtime import Runtime
@@ -65,12 +69,8 @@ def local_problems(cfg: Config, world_size: int, local_world_size: int, cuda_dev
             f"cluster.use_gpu: {local_world_size} process(es) need as many CUDA devices; this machine has "
             f"{cuda_devices}"
         )
-    if cfg.fault_tolerance.live_recovery:
-        out.append(
-            "fault_tolerance.live_recovery: needs Ray Train (it replaces a lost worker's replica group while "
-            "the others step on); local mode runs a fixed set of processes that end together (set it to "
-            "false, or use `unbroken run`)"
-        )
+    if not (engine := engine_of(cfg)).local_mode:
+        out.append(refusal(engine, "local_mode"))
     if cfg.model.init_from != "base":
         out.append(
             f"model.init_from: {cfg.model.init_from} starts from the series' registry, which local mode does "
@@ -100,7 +100,13 @@ def prepare(cfg: Config) -> WorkerSpec:
     model_path, _ = ensure_base_model(cfg)
     staged = stage(cfg.data, load_tokenizer(model_path, cfg.data.cache_dir), model_path, cfg.storage)
     log.info("dataset %s (%s)", staged.dataset_id, "cache hit" if staged.cache_hit else "staged")
-    return worker_config(cfg, staged.manifest, model_path)
+    return worker_config(cfg, staged.manifest, inputs_of(cfg, staged.manifest, model_path))
+
+
+def inputs_of(cfg: Config, manifest: DatasetManifest, model_path: str) -> AttemptInputs:
+    """What a run trained here is given: the dataset staged under ``cfg.storage`` and the weights at
+    ``model_path`` (no series, no samples: local mode and the benchmarks)."""
+    return AttemptInputs(manifest_url=Layout(cfg.storage).dataset_manifest(manifest.dataset_id), model_path=model_path)
 
 
 def runtime(cfg: Config) -> Runtime:

@@ -10,16 +10,16 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from control import registry, series
-from control.attempt import JobInputs, close_run, release_unless_kept, start_attempt
+from control.attempt import close_run, release_unless_kept, start_attempt
 from control.backends.base import ClusterHandle
 from control.jobs import cancelled, stop_and_wait
 from control.logs import run_logger
-from control.records.run import AttemptInputs
 from control.records.series import EvalPin
 from control.summaries import VerdictSummary, verdict_summary
 from control.tracking import end_tracker_runs
 from control.watchdog import failed_job_incident
 from ray_jobs.config import Config
+from ray_jobs.contracts.job_spec import AttemptInputs
 
 
 @task(name="check-run-compatible", cache_policy=NO_CACHE)
@@ -37,18 +37,15 @@ def record_attempt(
     flow that is refused never overwrites the winner's -- and the run's place in its series (a search's trials too:
     each a run). Returns (attempt, job spec URL)."""
     _stop_superseded_job(cfg)
-    extra: AttemptInputs = {
-        "manifest_url": manifest_url,
-        "model_path": start,
-        "parent": parent,
-        "score_manifest_url": pin.manifest_url,
-    }
+    # the summarize task publishes the sample generations the job writes
+    inputs = AttemptInputs(
+        manifest_url=manifest_url, model_path=start, score_manifest_url=pin.manifest_url, parent=parent, samples=True
+    )
+    trials = None
     if cfg.tune is not None:  # a search: its trials are runs of their own, recorded before it starts
-        trials = series.record_trials(cfg, dataset_id, extra)
-        extra |= {"kind": "search", "trials": [t.name for t in trials]}
+        trials = [t.name for t in series.record_trials(cfg, dataset_id, inputs)]
     run_id = str(flow_run.id) if flow_run.id else None
-    job = JobInputs(manifest_url, start, pin.manifest_url, parent, samples=True)  # summarize publishes them
-    attempt, spec_url = start_attempt(cfg, handle.to_dict(), dataset_id, job, extra, flow_run_id=run_id)
+    attempt, spec_url = start_attempt(cfg, handle.to_dict(), dataset_id, inputs, flow_run_id=run_id, trials=trials)
     series.begin_run(cfg, dataset_id, pin, parent, flow_run.id)
     return attempt, spec_url
 

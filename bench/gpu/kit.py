@@ -142,7 +142,7 @@ def trainer(cfg):
     loop = prepare(cfg)
     if cfg.train.engine == "hf":
         from ray_jobs.train.hf import HfTrainer as Trainer  # noqa: N814 (the same constructor)
-    t = Trainer(cfg, loop.manifest, loop.model_path, LocalRuntime(device()))
+    t = Trainer(cfg, loop.manifest, loop.inputs.model_path, LocalRuntime(device()))
     t.resume_or_start()
     return t
 
@@ -273,7 +273,7 @@ def leg_checkpoint(work: Path, size: Size, model: Path) -> dict:
         t = trainer(cfg)
         stalls, device_s = [], []
         for _ in range(2):
-            t._agree(*t.train_step())
+            t.agreed(*t.train_step())
             t.loop.step += 1
             sync()
             t0 = time.perf_counter()

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ray_jobs.config import Config
+from ray_jobs.config.engines import engine_of, needs
 
 GB = 1024**3
 ACTIVATION_VALUES = 17  # per token, per hidden unit, per layer, without activation checkpointing
@@ -95,7 +96,7 @@ def remedies(part: str) -> list[str]:
             "a smaller train.micro_batch_size (raise train.grad_accum_steps to keep the batch)",
             "a shorter data.seq_len",
         ],
-        "logits": ["a smaller train.micro_batch_size", "train.engine: hf with hf_args.use_liger_kernel (CUDA)"],
+        "logits": ["a smaller train.micro_batch_size", f"{needs('hf_args')} with hf_args.use_liger_kernel (CUDA)"],
     }[part]
 
 
@@ -113,7 +114,7 @@ def memory(cfg: Config, shape: ModelShape, gpu: bool) -> dict[str, float]:
     tokens = t.micro_batch_size * cfg.data.seq_len
     per_layer = 1 if t.gradient_checkpointing else ACTIVATION_VALUES
     activations = tokens * shape.hidden * act_bytes * (per_layer * shape.layers + (ACTIVATION_VALUES - per_layer))
-    liger = t.engine == "hf" and bool(t.hf_args.get("use_liger_kernel"))
+    liger = engine_of(cfg).hf_args and bool(t.hf_args.get("use_liger_kernel"))
     return {
         "weights": weights / shard,
         "gradients": shape.trainable * 4.0 / shard,

@@ -14,6 +14,7 @@ from control.check.findings import Finding, ok, problem, warning
 from control.check.plan import ModelShape
 from ray_jobs.config import Config, DataConfig
 from ray_jobs.config.data import TrainSource
+from ray_jobs.config.record_formats import record_format
 from ray_jobs.errors import UserError
 
 if TYPE_CHECKING:  # check imports without torch/transformers; the model probe imports them when it runs
@@ -142,11 +143,11 @@ def data(cfg: Config) -> list[Finding]:
             except UserError as e:
                 found.append(problem("data", str(e)))
                 continue
-        finding, detected = _source(cfg, field, url, None if own == "auto" else own)
+        finding, detected = _source(cfg, field, url, None if record_format(own).detected else own)
         fmt = fmt or detected
         found.append(finding)
     if d.eval:
-        found.append(_source(cfg, "data.eval", d.eval, fmt if d.format == "auto" else d.format)[0])
+        found.append(_source(cfg, "data.eval", d.eval, fmt if record_format(d.format).detected else d.format)[0])
     return found
 
 
@@ -185,7 +186,7 @@ def _source(cfg: Config, field: str, url: str, fmt: str | None) -> tuple[Finding
         )
         # certain only when no bad record is tolerated: otherwise staging rejects this one and goes on
         return (problem if d.max_reject_fraction == 0 else warning)("data", text), fmt
-    detected = " (detected)" if d.format == "auto" else ""
+    detected = " (detected)" if record_format(d.format).detected else ""
     return ok("data", f"{field}: {len(files)} file(s); the first records ({first}) are {fmt}{detected}"), fmt
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from control.check.findings import Finding, ok, problem, warning
 from ray_jobs.config import Config, DataConfig
+from ray_jobs.config.record_formats import record_format
 from ray_jobs.errors import UserError
 
 if TYPE_CHECKING:  # check imports without transformers; the scan imports it when it runs
@@ -264,7 +265,7 @@ def _source_line(s: SourceScan) -> str:
 
 def _splits(s: Scan) -> Finding:
     c, d = s.counts, s.data
-    unit = "pieces" if d.format == "text" else "records"
+    unit = record_format(d.format).unit
     held = "data.eval" if d.eval else f"data.eval_fraction={d.eval_fraction:g} of data.train by record hash"
     return ok(
         "data",

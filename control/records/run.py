@@ -1,24 +1,22 @@
 """The run record ``<storage>/runs/<run>/run.json``, typed: the contract between the finetune flow, the watchdog and
 ``unbroken status``. State, the config it trains with, dataset, cluster, every attempt and every incident.
 
-States: ``submitted`` (a job was submitted) -> ``running`` (Ray says RUNNING) -> ``succeeded``; on trouble
-``recovering`` (an open incident: the watchdog will restart it, or is waiting out a backoff) and ``failed``
-(terminal: gave up, the user cancelled, or it failed before training could start).
-A search's trial (``search`` set) is a run too, but its job is the search's: its state follows the search's
-trials (``stopped-early``: the search's scheduler stopped it, a verdict on its values, not a failure); the
-watchdog looks after the search, never a trial on its own.
+Its states and the moves between them are ``control/lifecycle.py``'s table, and only that module changes a record's
+``state``. A search's trial (``search`` set) is a run too, but its job is the search's: its state follows the
+search's trials; the watchdog looks after the search, never a trial on its own.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal, TypedDict
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, JsonValue
 
 from ray_jobs.config import Config, from_json
 from ray_jobs.contracts.base import Part, Record, RecordError
 from ray_jobs.contracts.failure import JobFailure
+from ray_jobs.contracts.job_spec import AttemptInputs
 from ray_jobs.secrets import reveal
 
 State = Literal["submitted", "running", "recovering", "succeeded", "failed", "stopped-early"]
@@ -148,24 +146,14 @@ class Shape(Part):
     nodes: int = 0
 
 
-class AttemptInputs(TypedDict, total=False):
-    """What the record keeps of a run's inputs with each attempt, so the watchdog can resubmit without its flow
-    (and, for a search, its trials' names): fields of :class:`RunRecord`."""
-
-    manifest_url: str | None
-    model_path: str | None
-    score_manifest_url: str | None
-    parent: str | None
-    kind: Literal["run", "search"]
-    trials: list[str]
-
-
 class RunRecord(Record):
     """``runs/<run>/run.json``. Version 1: the untyped files of earlier releases (same fields, no version); 2: typed;
-    3: what this release adds (an attempt's flow run, incidents' heartbeat stamp and failed restarts, a succeeded
-    run's closing) -- a version-2 release refuses it by its version, not by a field it does not know."""
+    3: an attempt's flow run, incidents' heartbeat stamp and failed restarts, a succeeded run's closing; 4: the
+    attempt's inputs as one part (``inputs``: ``manifest_url``, ``model_path``, ``score_manifest_url`` and
+    ``parent`` were top-level fields) -- an older release refuses a newer record by its version, not by a field it
+    does not know."""
 
-    SCHEMA: ClassVar[int] = 3
+    SCHEMA: ClassVar[int] = 4
 
     name: str = ""  # the run folder's name when a record (a test's, a hand-written one) leaves it out
     created_at: float | None = None
@@ -180,11 +168,8 @@ class RunRecord(Record):
     restarts: int = 0
     reason: str | None = None
     final_model: str | None = None
-    # what the watchdog needs to resubmit without the flow
-    manifest_url: str | None = None
-    model_path: str | None = None
-    score_manifest_url: str | None = None
-    parent: str | None = None  # the series run this one was warm-started from
+    # what the current attempt was given: what the watchdog resubmits without the flow (a trial: its search's)
+    inputs: AttemptInputs | None = None
     suspect: Suspect | None = None
     shape: Shape | None = None
     # a hyperparameter search (``kind: search``: its trials' run names) and its trials (``search``: whose)
@@ -202,6 +187,13 @@ class RunRecord(Record):
             tree["schema_version"] = 2
         if tree["schema_version"] == 2:  # v2 -> v3: new optional fields only
             tree["schema_version"] = 3
+        if tree["schema_version"] == 3:  # v3 -> v4: the attempt's inputs gathered into one part
+            given = {
+                k: tree.pop(k) for k in ("manifest_url", "model_path", "score_manifest_url", "parent") if k in tree
+            }
+            if given.get("manifest_url") is not None and given.get("model_path") is not None:
+                tree["inputs"] = {k: v for k, v in given.items() if v is not None}
+            tree["schema_version"] = 4
         return tree
 
     @property
@@ -229,15 +221,6 @@ class RunRecord(Record):
     def open_incident(self) -> Incident | None:
         """The incident not acted on yet (no restart, not given up), if any."""
         return next((i for i in self.incidents if i.open), None)
-
-    def mark_running(self, attempt: int) -> bool:
-        """The current attempt ``attempt`` was SUBMITTED and now runs. False when that is not news."""
-        if len(self.attempts) != attempt or self.current.status != "SUBMITTED":
-            return False
-        self.current.status = "RUNNING"
-        if self.state == "submitted":
-            self.state = "running"
-        return True
 
     def cfg(self) -> Config:
         """The typed config the current attempt was given, its credentials revealed from this process's environment

@@ -13,38 +13,38 @@ import contextlib
 import json
 import time
 
-from control import registry
-from control.records.run import AttemptInputs, RunRecord
+from control import lifecycle, registry
+from control.records.run import RunRecord, State
 from control.records.series import SeriesRecord, Verdict
 from control.series import promotion
 from control.series.lineage import mutate
 from control.series.retention import trim_checkpoints
 from ray_jobs.config import Config
 from ray_jobs.contracts.heartbeat import Beat
+from ray_jobs.contracts.job_spec import AttemptInputs
 from ray_jobs.contracts.trials import TrialEntry, TrialState
 from ray_jobs.search.trials import Trial, trial_states, trials
 from ray_jobs.storage import Layout, exists
 
 # A trial's state in trials.json -> its run record's state
-RUN_STATE: dict[TrialState, str] = {"pending": "submitted", "running": "running", "completed": "succeeded", "stopped-early": "stopped-early",
+RUN_STATE: dict[TrialState, State] = {"pending": "submitted", "running": "running", "completed": "succeeded", "stopped-early": "stopped-early",
              "failed": "failed"}  # fmt: skip
 
 
-def record_trials(cfg: Config, dataset_id: str, extra: AttemptInputs) -> list[Trial]:
+def record_trials(cfg: Config, dataset_id: str, inputs: AttemptInputs) -> list[Trial]:
     """Each trial's run record (``unbroken runs`` and ``status`` show a trial like any run): written once, when
-    the search first starts; ``extra``: the search's manifest, base model and eval set, which every trial shares."""
+    the search first starts; ``inputs``: the search's (its manifest, base model and eval set), which every trial shares."""
     out = trials(cfg)
     for t in out:
         if registry.load(cfg.storage, t.name) is None:
             reg = RunRecord(
                 name=t.name,
                 created_at=time.time(),
-                state="submitted",
                 config=json.loads(t.config.model_dump_json()),
                 dataset_id=dataset_id,
                 search=cfg.name,
                 params=t.params,
-                **extra,
+                inputs=inputs,
             )
             registry.save(cfg.storage, t.name, reg)
     return out
@@ -62,7 +62,8 @@ def sync_trials(storage: str, search: str) -> dict[str, TrialEntry]:
         final = Layout(storage).final_model(name)
         final_model = final if state == "succeeded" and exists(final) else None
         if (reg.state, reg.final_model) != (state, final_model):
-            reg.set(state=state, final_model=final_model)
+            lifecycle.move(reg, state)
+            reg.final_model = final_model
             registry.save(storage, name, reg)
     return found
 
@@ -76,7 +77,8 @@ def end_unfinished(storage: str, search: str, why: str) -> list[str]:
     for name in reg.trials if reg else []:
         trial = registry.load(storage, name)
         if trial is not None and trial.state in ("submitted", "running"):
-            trial.set(state="failed", reason=why)
+            lifecycle.move(trial, "failed")
+            trial.reason = why
             registry.save(storage, name, trial)
             ended.append(name)
     return ended

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from control import lifecycle
 from control.rayapi import first_line
 from control.records.run import Incident, RunRecord
 from control.watchdog.decision import (
@@ -83,7 +84,8 @@ def handle_incident(reg: RunRecord, incident: Incident, cfg: Config, now: float,
     reason = give_up_reason(reg, cfg, incident)
     if reason is not None:
         incident.set(action="gave-up", reason=reason, gave_up_at=now)
-        reg.set(state="failed", reason=reason)
+        lifecycle.move(reg, "failed")
+        reg.reason = reason
         steps = [GiveUp(), Log("error", f"run {reg.name}: giving up: {reason}")]
         return Decision(reg, actions + steps + _release(cfg), Outcome(reg.name, "gave-up", reason, incident))
     due = (incident.last_try_at or incident.detected_at) + backoff_s(cfg, budget_used(reg, cfg, incident))
@@ -137,7 +139,7 @@ def healthy(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) ->
     changed, actions = changed | noted | replaced, actions + more
     findings = []
     if verdict.status == "RUNNING":
-        changed |= reg.mark_running(reg.current.attempt)
+        changed |= lifecycle.mark_running(reg, reg.current.attempt)
         noted, findings, more = note_health(reg, cfg, obs)
         changed, actions = changed | noted, actions + more
     step = verdict.heartbeat.step if verdict.heartbeat else "-"
@@ -153,7 +155,7 @@ def finish(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) -> 
     note_progress(reg, verdict.heartbeat)
     attempt = reg.current
     attempt.set(status="SUCCEEDED", ended_at=attempt.ended_at or obs.now)
-    reg.state = "succeeded"
+    lifecycle.move(reg, "succeeded")
     reg.closing_since = reg.closing_since or obs.now
     if obs.final_model:
         reg.final_model = obs.final_model
@@ -219,7 +221,7 @@ def open_incident(reg: RunRecord, verdict: Verdict, cfg: Config, obs: Observatio
     status = {"job-failed": "FAILED", "stalled": "STALLED"}.get(verdict.kind, "LOST")
     reg.current.set(status=status, ended_at=obs.now, message=incident.detail)
     reg.incidents.append(incident)
-    reg.state = "recovering"
+    lifecycle.move(reg, "recovering")
     return incident
 
 
@@ -237,7 +239,7 @@ def stand_down(reg: RunRecord, incident: Incident, verdict: Verdict, now: float)
     attempt.set(status="RUNNING" if verdict.status == "RUNNING" else "SUBMITTED", message="")
     if incident.detected_by != "watchdog":
         attempt.set(adopted_by="watchdog", adopted_at=now)
-    reg.state = "running" if attempt.status == "RUNNING" else "submitted"
+    lifecycle.move(reg, "running" if attempt.status == "RUNNING" else "submitted")
 
 
 def resumed_step(resume_from: str | None) -> int:

@@ -13,15 +13,15 @@ import time
 from dataclasses import replace
 
 from control import lease as leases
-from control import registry, series
-from control.attempt import JobInputs, start_attempt
+from control import lifecycle, registry, series
+from control.attempt import start_attempt
 from control.backends import backend_for
 from control.backends.base import ClusterError, ClusterHandle, StopUnverified
 from control.cluster import provision
 from control.jobs import entrypoint, stop_and_wait, submit
 from control.logs import run_logger
 from control.rayapi import first_line
-from control.records.run import AttemptInputs, Incident, RunRecord
+from control.records.run import Incident, RunRecord
 from control.watchdog import credentials
 from control.watchdog.decide import Outcome, resumed_step
 from control.watchdog.observe import heartbeat_seen, recorded_handle
@@ -84,23 +84,15 @@ def _begin(
     brought it up, now or before)."""
     was = reg.recorded_cluster
     owned = handle.started_here or (was.started_here and was.url() == handle.address)
-    manifest_url, model_path, dataset_id = reg.manifest_url, reg.model_path, reg.dataset_id
-    extra: AttemptInputs = {
-        "manifest_url": manifest_url,
-        "model_path": model_path,
-        "score_manifest_url": reg.score_manifest_url,
-    }
-    if manifest_url is None or model_path is None or dataset_id is None:  # a flow records them with every attempt
-        raise RecordError(
-            f"run {cfg.name}: its record lacks what a resubmission needs (manifest_url, model_path, dataset_id)"
-        )
-    job = JobInputs(manifest_url, model_path, reg.score_manifest_url, reg.parent)
+    if reg.inputs is None or reg.dataset_id is None:  # a flow records them with every attempt
+        raise RecordError(f"run {cfg.name}: its record lacks what a resubmission needs (its inputs, dataset_id)")
+    # what the run was given, but its sample generations: nobody is left to publish them (the flow's summary's)
+    inputs = reg.inputs.model_copy(update={"samples": False})
     return start_attempt(
         cfg,
         replace(handle, started_here=owned).to_dict(),
-        dataset_id,
-        job,
-        extra,
+        reg.dataset_id,
+        inputs,
         resume_from=resume_from,
         started_by="watchdog",
         lease=lease,
@@ -118,7 +110,7 @@ def _submission_failed(cfg: Config, attempt: int, e: Exception, lease: leases.Le
     current = reg.current
     if current.attempt == attempt:
         current.set(status="FAILED", ended_at=time.time(), message=first_line(f"its submission failed: {e}"))
-        reg.set(state="recovering")
+        lifecycle.move(reg, "recovering")
     return failed_restart(cfg, reg, incident, e, lease)
 
 
@@ -231,5 +223,6 @@ def restarted(
         restarted_at=now,
         reprovisioned=reprovisioned,
     )
-    reg.set(restarts=reg.restarts + 1, state="submitted")
+    reg.restarts += 1
+    lifecycle.move(reg, "submitted")
     return incident

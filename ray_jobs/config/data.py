@@ -12,6 +12,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ray_jobs.config.base import Section
 
+# record_formats.FORMATS' names (tests/unit/test_record_formats.py holds them equal): the literal validates a config,
+# types it, and lists the choices in the reference
 Format = Literal["pairs", "text", "chat", "alpaca", "sharegpt", "prompt_completion", "preference", "auto"]
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # owner/name, or a bare name
 _SPLIT = re.compile(r"\w[\w.-]*")  # a split's name: no slicing (``train[:10%]``), which would stage the whole split

@@ -1,11 +1,15 @@
-"""``train.engine``: what the ``hf`` engine can run, and ``train.hf_args`` checked against the installed
-``transformers.TrainingArguments`` (names and value types), before any cluster work."""
+"""``train.engine``: what a config asks of its engine checked against the engine's row (``ENGINES``,
+``ray_jobs/config/engines.py``), and ``train.hf_args`` checked against the installed ``transformers.TrainingArguments``
+(names and value types), before any cluster work."""
 
 from __future__ import annotations
 
 import difflib
 import functools
 from typing import Any
+
+from ray_jobs.config.engines import ENGINES, Engine, engine_of, needs
+from ray_jobs.config.record_formats import record_format
 
 # TrainingArguments fields unbroken sets itself (ray_jobs/train/hf.py): the config field a user sets instead.
 OWNED = {
@@ -79,31 +83,75 @@ def hf_args_problems(hf_args: dict[str, Any], dpo: bool = False) -> list[str]:
     return problems
 
 
+# The refusal a config gets when it asks for what its engine lacks (an engine's row may say more: its
+# ``refusals``). {engine}: the engine's name; {field}: what chooses it; {by}: that choice as set; {needs}: how to
+# choose one that can.
+REFUSALS = {
+    "preference": "data.format: preference records are trained by DPO (TRL's DPOTrainer), which needs {needs}",
+    "hf_args": "train.hf_args: only read with {needs}",
+    "fsdp": "{field}: {engine} runs DDP only (train.parallelism=fsdp needs {needs})",
+    "live_recovery": "{field}: {engine} cannot run fault_tolerance.live_recovery (its replicas run the steps of "
+    "{needs})",
+    "standbys": "fault_tolerance.standby_replicas: needs {needs} (a standby is a live replica that steps with the "
+    "others)",
+    "lora": "model.lora: {by} trains no LoRA adapters (they need {needs})",
+    "quantization": "model.quantization: 4bit is not supported with {by} (it needs {needs})",
+    "local_mode": "{field}: {by} needs Ray Train; local mode runs a fixed set of processes (use `unbroken run`)",
+}
+
+
+def asked(cfg: Any) -> dict[str, bool]:
+    """Each capability of an engine (``Engine``'s fields) and whether ``cfg`` asks for it (``live_recovery``: by
+    turning its switch on, :func:`capability_problems`)."""
+    t, ft = cfg.train, cfg.fault_tolerance
+    return {
+        "preference": record_format(cfg.data.format).pairs,
+        "hf_args": bool(t.hf_args),
+        "fsdp": t.parallelism == "fsdp",
+        "standbys": ft.standby_replicas > 0,
+        "lora": cfg.model.lora is not None,
+        "quantization": cfg.model.quantization != "none",
+    }
+
+
+def refusal(engine: Engine, capability: str) -> str:
+    """What a config asking ``engine`` for ``capability``, which it lacks, is told (naming the field)."""
+    text = engine.refusals.get(capability) or REFUSALS[capability]
+    return text.format(engine=engine.name, field=engine.chooser, by=engine.chosen_by, needs=needs(capability))
+
+
+def capability_problems(cfg: Any) -> list[str]:
+    """What ``cfg`` asks of its engine that the engine's row (``ENGINES``) says it cannot do. An engine a switch
+    turns on (live recovery) runs the steps of the one ``train.engine`` chooses: when that one cannot run under it,
+    that is refused, and the rest is asked of the chosen one."""
+    chosen, running = ENGINES[cfg.train.engine], engine_of(cfg)
+    problems = []
+    if running is not chosen and not chosen.live_recovery:
+        problems.append(refusal(chosen, "live_recovery"))
+        running = chosen
+    wanted = [c for c, asks in asked(cfg).items() if asks and not getattr(running, c)]
+    return problems + [refusal(running, c) for c in wanted]
+
+
 def engine_problems(cfg: Any) -> list[str]:
-    """Why the config's engine cannot run it: the ``hf`` engine steps with HF's DDP (accelerate), one replica per
-    worker, so FSDP and live recovery (the native loop's) are refused by name."""
-    t, problems = cfg.train, []
-    if cfg.data.format == "preference":
-        if t.engine != "hf":
-            problems.append(
-                "data.format: preference records are trained by DPO (TRL's DPOTrainer), which needs train.engine=hf"
-            )
-        if cfg.data.too_long == "truncate":
-            problems.append("data.too_long: truncate cannot cut a preference pair; use reject or drop")
+    """Why the config's engine cannot run it: what it asks for that its engine lacks (:func:`capability_problems`),
+    what a preference pair or an adapter export cannot take, a 4-bit base's needs, and ``train.hf_args`` checked
+    against HF's arguments when the engine reads them."""
+    t, problems = cfg.train, capability_problems(cfg)
+    fmt, engine = record_format(cfg.data.format), ENGINES[t.engine]
+    if fmt.pairs and cfg.data.too_long == "truncate":
+        problems.append("data.too_long: truncate cannot cut a preference pair; use reject or drop")
     if t.export == "adapter" and cfg.model.lora is None:
         problems.append("train.export: adapter exports LoRA adapters; set model.lora (or train.export=merged)")
     if cfg.model.quantization != "none":
         problems += [f"model.quantization: {p}" for p in quantization_problems(cfg)]
-    if t.engine != "hf":
-        return problems + (["train.hf_args: only read with train.engine=hf"] if t.hf_args else [])
+    if not (engine.hf_args and t.hf_args):
+        return problems
     if t.hf_args.get("use_liger_kernel") and (p := liger_problem(cfg.cluster.use_gpu, cfg.cluster.backend_name)):
         problems.append(f"train.hf_args.use_liger_kernel: {p}")
-    if t.parallelism == "fsdp":
-        problems.append("train.engine: hf runs DDP only (train.parallelism=fsdp needs the native engine)")
-    if cfg.fault_tolerance.live_recovery:
-        problems.append("train.engine: hf cannot run fault_tolerance.live_recovery (the native loop's replicas)")
     # auto may detect preference records: their DPOConfig (TrainingArguments' fields and DPO's) is checked then
-    return problems + hf_args_problems(t.hf_args, dpo=cfg.data.format in ("preference", "auto"))
+    dpo = engine.preference and (fmt.pairs or fmt.detected)
+    return problems + hf_args_problems(t.hf_args, dpo=dpo)
 
 
 def missing_here(backend: str, module: str) -> bool:
@@ -127,18 +175,12 @@ def liger_problem(use_gpu: bool, backend: str) -> str | None:
 
 def quantization_problems(cfg: Any) -> list[str]:
     """Why ``model.quantization: 4bit`` (QLoRA) cannot run this config: a 4-bit base is frozen, so only LoRA adapters
-    train on it; live recovery heals a replica from its peer's state, which has not been shown to hold for a 4-bit
-    base; the workers need ``bitsandbytes``."""
+    train on it; the workers need ``bitsandbytes``. (Which engines train on one: ``Engine.quantization``.)"""
     problems = []
     if cfg.model.lora is None:
         problems.append(
             "4bit keeps the base model frozen in 4-bit: only LoRA adapters train on it (QLoRA); "
             "set model.lora (or model.quantization=none)"
-        )
-    if cfg.fault_tolerance.live_recovery:
-        problems.append(
-            "4bit is not supported with fault_tolerance.live_recovery yet (a replica is healed from its "
-            "peer's state; not shown for a 4-bit base): the watchdog and Ray Train's restarts cover it"
         )
     if missing_here(cfg.cluster.backend_name, "bitsandbytes"):
         problems.append("4bit needs the bitsandbytes package: pip install 'unbroken[qlora]'")

@@ -9,6 +9,7 @@ from ray_jobs.config.checkpoint import CheckpointConfig
 from ray_jobs.config.cluster import ClusterConfig
 from ray_jobs.config.data import DataConfig
 from ray_jobs.config.engine import engine_problems
+from ray_jobs.config.engines import engine_of
 from ray_jobs.config.fault_tolerance import FaultToleranceConfig
 from ray_jobs.config.model import BUILTIN_PREFIX, ModelConfig
 from ray_jobs.config.series import (
@@ -96,7 +97,7 @@ class Config(Section):
     @property
     def workers(self) -> tuple[int, int]:
         """(fewest, most) training processes the job runs: ``cluster.num_workers`` plus live recovery's standbys."""
-        extra = self.fault_tolerance.standby_replicas if self.fault_tolerance.live_recovery else 0
+        extra = self.fault_tolerance.standby_replicas if engine_of(self).standbys else 0
         return self.cluster.min_workers + extra, self.cluster.max_workers + extra
 
     @property
@@ -130,11 +131,6 @@ class Config(Section):
             raise ValueError("\n  - ".join(problems))
         if self.fault_tolerance.live_recovery and (p := live_recovery_problem(self)):
             raise ValueError(f"fault_tolerance.live_recovery: {p}")
-        if self.fault_tolerance.standby_replicas and not self.fault_tolerance.live_recovery:
-            raise ValueError(
-                "fault_tolerance.standby_replicas: needs fault_tolerance.live_recovery=true (a standby is "
-                "a live replica that steps with the others)"
-            )
         problem = batch_split_problem(self.cluster.min_workers, self.cluster.max_workers, self.train.grad_accum_steps)
         if problem:
             raise ValueError(f"cluster.num_workers: {problem}")
@@ -174,14 +170,11 @@ def local_cpus() -> float:
 
 
 def live_recovery_problem(cfg: Config) -> str | None:
-    """Why live recovery cannot run this config, or None: each worker must hold a whole replica (DDP), and a fixed
-    number of them (Ray Train replaces only a replica group of a fixed-size group), at least two."""
+    """Why live recovery cannot run this config's cluster, or None: a fixed number of workers (Ray Train replaces
+    only a replica group of a fixed-size group), at least two, and no best-checkpoint ranking. (What its engine
+    cannot run -- FSDP, a 4-bit base -- is its row's in ``ray_jobs/config/engines.py``, checked by
+    ``engine_problems``.)"""
     c = cfg.cluster
-    if cfg.train.parallelism == "fsdp":
-        return (
-            "needs train.parallelism=ddp (a replica is one worker holding the whole model; under FSDP a worker "
-            "holds a shard, and a lost shard restarts every worker from the last checkpoint)"
-        )
     if c.elastic:
         return (
             f"needs a fixed cluster.num_workers, not {{min: {c.min_workers}, max: {c.max_workers}}} (Ray Train "

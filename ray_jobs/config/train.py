@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ray_jobs.config.base import Section
+from ray_jobs.config.engines import EngineName
 
 
 class TrainConfig(Section):
@@ -70,7 +71,7 @@ class TrainConfig(Section):
     (``save_pretrained``'s ``max_shard_size``)."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """``ddp`` replicates the model on every worker; ``fsdp`` shards it (FSDP2) for models too big for one device."""
-    engine: Literal["native", "hf"] = "native"
+    engine: EngineName = "native"
     """Who runs each step: ``native``, unbroken's own loop; ``hf``, Hugging Face ``transformers.Trainer`` (its
     forward, loss and backward, its options through ``train.hf_args``) inside the same job -- unbroken still feeds the
     data from its cursor, owns the optimizer, the schedule, the checkpoints, the heartbeat and the metrics, so a

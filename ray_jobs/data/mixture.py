@@ -29,6 +29,7 @@ import numpy as np
 from pydantic import JsonValue
 
 from ray_jobs.config import DataConfig
+from ray_jobs.config.record_formats import record_format
 from ray_jobs.data.fingerprint import Source
 from ray_jobs.data.formats.base import StagingError
 from ray_jobs.data.pack import ShardPart
@@ -95,10 +96,10 @@ def prepare(data: DataConfig) -> tuple[DataConfig, Mixture | None]:
         return resolve_format(data.model_copy(update={"train": s.url, "format": s.format}), s.url, s.field), None
     mix = Mixture([replace(s, format=resolve_format(_as(data, s.format), s.url, s.field).format) for s in sources])
     formats = {s.format for s in mix.sources}
-    if "preference" in formats and len(formats) > 1:
+    if any(record_format(f).pairs for f in formats) and len(formats) > 1:  # a row of pairs is trained another way
         named = ", ".join(f"{s.field} is {s.format}" for s in mix.sources)
         raise StagingError(f"data.train: preference records cannot be mixed with other shapes ({named})")
-    if data.format == "auto":
+    if record_format(data.format).detected:
         data = data.model_copy(update={"format": mix.sources[0].format})
     return data, mix
 

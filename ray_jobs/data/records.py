@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Required, TypedDict
 
 from ray_jobs.config import DataConfig
+from ray_jobs.config.record_formats import record_format
 from ray_jobs.data.formats import reader_for
 from ray_jobs.data.lines import LongLine, capped, parse_line
-from ray_jobs.data.shapes import RecordProblem, shape, string_field  # RecordProblem: imported from here too
+from ray_jobs.data.shapes import RecordProblem, shape  # RecordProblem: imported from here too
 from ray_jobs.data.sources import SourceBatch, SourceFile, position_unit
 from ray_jobs.secrets import mask
 
@@ -119,8 +120,9 @@ def parse_records(
 
 
 def record_char_limit(data: DataConfig) -> int | None:
-    """``data.max_record_chars``; unset, its default for records that are not text documents (those have none)."""
-    if data.max_record_chars is None and data.format != "text":
+    """``data.max_record_chars``; unset, its default for records that are not documents (those have none: they are
+    cut into pieces)."""
+    if data.max_record_chars is None and not record_format(data.format).documents:
         return DEFAULT_MAX_RECORD_CHARS
     return data.max_record_chars
 
@@ -174,17 +176,14 @@ def _rows(src: SourceFile) -> Iterator[tuple[int, Any, None, str]]:
 
 def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos: int, split: str) -> Record:
     """The Record of one decoded object under ``data.format`` (resolved: never ``auto``); raises RecordProblem. A
-    ``render`` (the chat template) puts every conversation, and alpaca records, on the chat path."""
+    ``render`` (the chat template) puts every conversation, and alpaca records, on the chat path; a document is a
+    target with no prompt, learned whole."""
     if not isinstance(obj, dict):
         raise RecordProblem(f"expected a JSON object, got {type(obj).__name__}")
-    if data.format == "text":
-        text = string_field(obj, data.text_field)
-        rec = Record(file, pos, "", text, text, [(0, len(text))], split)
-    else:
-        s = shape(obj, data, render is not None)
-        rec = _shaped(s.messages, s.prompt, s.target, s.shown, render, file, pos, split)
-        if s.rejected or s.rejected_messages:
-            rec.pair = _shaped(s.rejected_messages, s.prompt, s.rejected, s.shown, render, file, pos, split)
+    s = shape(obj, data, render is not None)
+    rec = _shaped(s.messages, s.prompt, s.target, s.shown, render, file, pos, split)
+    if s.rejected or s.rejected_messages:
+        rec.pair = _shaped(s.rejected_messages, s.prompt, s.rejected, s.shown, render, file, pos, split)
     limit, chars = record_char_limit(data), len(rec.text) + (len(rec.pair.text) if rec.pair else 0)
     if limit is not None and chars > limit:
         raise RecordProblem(f"record is {chars} characters, over data.max_record_chars ({limit})")

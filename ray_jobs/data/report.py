@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ray_jobs.config.record_formats import staged_format
 from ray_jobs.contracts.dataset import Counts, DatasetManifest, MixedSource, Shard
 from ray_jobs.data.fingerprint import Source
 from ray_jobs.data.mixture import Mixture, source_rows, staged_rows
@@ -45,7 +46,7 @@ def mixed_sources(mix: Mixture, spill: Spill, files: list[Source]) -> list[Mixed
 def summary(manifest: DatasetManifest) -> str:
     """What staging made of the records, in one line (the staging log's, and the flow's)."""
     counts, conf = manifest.counts, manifest.staging_config
-    if manifest.format == "text":
+    if staged_format(manifest.format).documents:
         out = (
             f"{counts.documents} documents -> {counts.pieces} pieces ({counts.cut_documents} cut into "
             f"pieces of at most {conf['seq_len']} tokens), {counts.train_tokens} train tokens"

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ray_jobs.config import DataConfig
+from ray_jobs.config.record_formats import FORMATS, record_format
 from ray_jobs.data.formats import reader_for
 from ray_jobs.data.lines import parse_line
 from ray_jobs.data.sources import SourceUnreadable, StagingError, list_sources
@@ -49,41 +51,26 @@ ALPACA_INPUT_HEAD = (
     "Write a response that appropriately completes the request."
 )
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-# Shapes whose records are all conversations (the tokenizer must have a chat template), and those that are
-# conversations only when it has one (alpaca), or when a record is a list of messages (prompt_completion, preference).
-CHAT_ONLY = ("chat", "sharegpt")
-CHAT_IF_TEMPLATE = ("alpaca", "prompt_completion", "preference")
 
 
 def shape(obj: dict, data: DataConfig, templated: bool) -> Shaped:
-    """The record ``obj`` under ``data.format`` (any but ``text`` and ``auto``); ``templated``: the tokenizer has a
-    chat template (decided once per staging, so a file never mixes the two paths for one shape)."""
-    fmt = data.format
-    if fmt == "pairs":
-        return Shaped(prompt=string_field(obj, data.input_field), target=string_field(obj, data.target_field))
-    if fmt == "chat":
-        return Shaped(messages=conversation(message_list(obj, data.messages_field)))
-    if fmt == "alpaca":
-        return _alpaca(obj, templated)
-    if fmt == "sharegpt":
-        return Shaped(messages=_sharegpt(obj))
-    if fmt == "prompt_completion":
-        return _prompt_completion(obj, templated)
-    if fmt == "preference":
-        return _preference(obj, templated)
-    raise ValueError(f"data.format={fmt} has no record shape (resolve_format names auto's before staging)")
+    """The record ``obj`` under ``data.format`` (resolved: any but ``auto``), by its row in ``SHAPES``; ``templated``:
+    the tokenizer has a chat template (decided once per staging, so a file never mixes the two paths for one shape)."""
+    if data.format not in SHAPES:
+        raise ValueError(f"data.format={data.format} has no record shape (resolve_format names auto's before staging)")
+    return SHAPES[data.format](obj, data, templated)
 
 
 def uses_template(data: DataConfig, tokenizer, name: str) -> bool:
-    """Whether this staging renders records with the tokenizer's chat template; a shape that needs one fails here,
-    before any source is read (``chat`` fails in ``chat_renderer``, with its own message)."""
-    has = bool(getattr(tokenizer, "chat_template", None))
-    if data.format == "sharegpt" and not has:
+    """Whether this staging renders records with the tokenizer's chat template (the format's ``chat``); a format
+    whose records all are conversations fails here without one, before any source is read."""
+    has, fmt = bool(getattr(tokenizer, "chat_template", None)), record_format(data.format)
+    if fmt.chat == "always" and not has:
         raise StagingError(
-            f"data.format=sharegpt needs a tokenizer with a chat template; the tokenizer of {name} has none "
-            "(convert the conversations to data.format=pairs, or use a model whose tokenizer has a chat_template)"
+            f"data.format={fmt.name} needs a tokenizer with a chat template; the tokenizer of {name} has none "
+            f"({fmt.no_template})"
         )
-    return data.format == "chat" or (has and data.format in CHAT_ONLY + CHAT_IF_TEMPLATE)
+    return has and fmt.chat != "never"
 
 
 def _missing(key: str, fmt: str | None) -> RecordProblem:
@@ -133,7 +120,22 @@ def conversation(msgs: list[dict]) -> list[dict]:
     return msgs
 
 
-def _alpaca(obj: dict, templated: bool) -> Shaped:
+def _pairs(obj: dict, data: DataConfig, templated: bool) -> Shaped:
+    """A prompt and its target, in the fields ``data`` names."""
+    return Shaped(prompt=string_field(obj, data.input_field), target=string_field(obj, data.target_field))
+
+
+def _text(obj: dict, data: DataConfig, templated: bool) -> Shaped:
+    """A document: its text is the target, learned whole (staging cuts a long one into pieces)."""
+    return Shaped(target=string_field(obj, data.text_field))
+
+
+def _chat(obj: dict, data: DataConfig, templated: bool) -> Shaped:
+    """A list of messages ending in the assistant's reply."""
+    return Shaped(messages=conversation(message_list(obj, data.messages_field)))
+
+
+def _alpaca(obj: dict, data: DataConfig, templated: bool) -> Shaped:
     """A chat of the instruction (and input) and the output; with no template, Stanford Alpaca's prompt, whose
     preamble a ``system`` field replaces."""
     instruction, output = string_field(obj, "instruction", "alpaca"), string_field(obj, "output", "alpaca")
@@ -147,7 +149,7 @@ def _alpaca(obj: dict, templated: bool) -> Shaped:
     return Shaped(prompt=f"{preamble}\n\n{body}### Response:\n", target=output, shown=question)
 
 
-def _sharegpt(obj: dict) -> list[dict]:
+def _sharegpt(obj: dict, data: DataConfig, templated: bool) -> Shaped:
     """``conversations: [{from, value}]`` as messages (a top-level ``system`` string, as LLaMA-Factory writes it,
     first)."""
     if "conversations" not in obj:
@@ -167,10 +169,10 @@ def _sharegpt(obj: dict) -> list[dict]:
         if not t["value"].strip():
             raise RecordProblem(f"conversations[{i}] has empty value")
         msgs.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
-    return conversation(msgs)
+    return Shaped(messages=conversation(msgs))
 
 
-def _prompt_completion(obj: dict, templated: bool) -> Shaped:
+def _prompt_completion(obj: dict, data: DataConfig, templated: bool) -> Shaped:
     """TRL's shape: two strings (a prompt and its completion), or two lists of messages (a conversation)."""
     for key in ("prompt", "completion"):
         if key not in obj:
@@ -190,7 +192,7 @@ def _prompt_completion(obj: dict, templated: bool) -> Shaped:
     )
 
 
-def _preference(obj: dict, templated: bool) -> Shaped:
+def _preference(obj: dict, data: DataConfig, templated: bool) -> Shaped:
     """TRL's preference shape: a prompt with a chosen and a rejected answer -- three strings, or three lists of
     messages (the prompt's conversation, then each answer's assistant turn)."""
     keys = ("prompt", "chosen", "rejected")
@@ -214,6 +216,18 @@ def _preference(obj: dict, templated: bool) -> Shaped:
     )
 
 
+# Each record format's shape (every one of FORMATS but the detected ``auto``): a new format is its row there and here.
+SHAPES: dict[str, Callable[[dict, DataConfig, bool], Shaped]] = {
+    "pairs": _pairs,
+    "text": _text,
+    "chat": _chat,
+    "alpaca": _alpaca,
+    "sharegpt": _sharegpt,
+    "prompt_completion": _prompt_completion,
+    "preference": _preference,
+}
+
+
 # Detection (data.format=auto) ------------------------------------------------------------------------------------
 
 SNIFF_BYTES = 1 << 20  # of a JSONL file read to detect its shape, whatever its size or the length of its lines
@@ -221,21 +235,14 @@ SNIFF_RECORDS = 5
 
 
 def _rules(data: DataConfig) -> list[tuple[str, tuple[str, ...]]]:
-    """(format, the fields that tell it), first match wins."""
-    return [
-        ("preference", ("prompt", "chosen", "rejected")),
-        ("chat", (data.messages_field,)),
-        ("sharegpt", ("conversations",)),
-        ("alpaca", ("instruction", "output")),
-        ("prompt_completion", ("prompt", "completion")),
-        ("pairs", (data.input_field, data.target_field)),
-        ("text", (data.text_field,)),
-    ]
+    """(format, the fields that tell it), in the order ``auto`` tries them (``FORMATS``'), first match wins."""
+    return [(name, fields_of(name, data)) for name, fmt in FORMATS.items() if not fmt.detected]
 
 
 def fields_of(fmt: str, data: DataConfig) -> tuple[str, ...]:
     """The top-level fields a record of format ``fmt`` must have (as ``data`` names them)."""
-    return dict(_rules(data))[fmt]
+    f = record_format(fmt)
+    return f.fields + tuple(getattr(data, setting) for setting in f.field_settings)
 
 
 def shape_of(keys: list[str], data: DataConfig) -> str | None:
@@ -247,7 +254,7 @@ def resolve_format(data: DataConfig, source: str | None = None, field_name: str 
     """``data`` with ``format: auto`` replaced by the shape of the first records of ``source`` (``data.train`` by
     default; a copy; ``data`` itself when its format is named). Reads at most ``SNIFF_BYTES`` of one file, or a
     columnar file's schema. ``field_name``: the config field that names ``source``."""
-    if data.format != "auto":
+    if not record_format(data.format).detected:
         return data
     if source is None:
         assert isinstance(data.train, str), "a list of sources is resolved source by source (data/mixture.py)"

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 from pydantic import JsonValue
 
 from ray_jobs.config import DataConfig
+from ray_jobs.config.record_formats import record_format
 from ray_jobs.contracts.dataset import Counts, DatasetManifest, Shard, StagedSource, TokenizerInfo, read_manifest
 from ray_jobs.data.fingerprint import Source, describe, hash_file, known_hashes, resolve_hashes
 from ray_jobs.data.mixture import Mixture, empty_sources, mixture_shards, one_source_a_file, prepare
@@ -177,14 +178,13 @@ def staging_config(data: DataConfig, mix: Mixture | None = None) -> dict[str, Js
     )
     out: dict[str, JsonValue] = {k: getattr(data, k) for k in keys}
     out["separate_eval"] = data.eval is not None
-    formats = (
-        {data.format} if mix is None else {s.format for s in mix.sources} | ({data.format} if data.eval else set())
-    )
-    if "text" in formats:  # fields only some formats read: the others keep their id when these change
+    names = {data.format} if mix is None else {s.format for s in mix.sources} | ({data.format} if data.eval else set())
+    formats = [record_format(name) for name in names]
+    if any(f.documents for f in formats):  # fields only some formats read: the others keep their id when these change
         out["text_overlap_tokens"] = data.text_overlap_tokens
-    if formats - {"text"}:
+    if not all(f.documents for f in formats):
         out["too_long"] = data.too_long
-    if formats - {"pairs", "text"}:
+    if any(f.chat != "never" for f in formats):
         out["train_on"] = data.train_on
     if mix is not None:
         out["format"] = mix.format
@@ -366,7 +366,7 @@ def packer_for(data: DataConfig) -> type:
     from ray_jobs.data.pack import Packer
     from ray_jobs.data.preference import PairPacker
 
-    return PairPacker if data.format == "preference" else Packer
+    return PairPacker if record_format(data.format).pairs else Packer
 
 
 def split_shards(rows: int, split: str, data: DataConfig) -> int:

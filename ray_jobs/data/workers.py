@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from ray_jobs.config import DataConfig
+from ray_jobs.config.record_formats import record_format
 from ray_jobs.data.documents import DocPieces, DocSink, Documents
 from ray_jobs.data.records import Record, Reject, batch_records, record_char_limit, record_in_eval
 from ray_jobs.data.sources import Position, SourceBatch, SourceRange, read_range
@@ -104,8 +105,8 @@ class BatchWork:
         if data.format not in self._renders:
             render = None
             if uses_template(data, self.tokenizer, self.tokenizer_name):
-                # a preference record's answers are its final replies: earlier assistant turns are the prompt
-                train_on = "last_assistant" if data.format == "preference" else data.train_on
+                # the format's own train_on when it forces one (a preference record learns its final replies)
+                train_on = record_format(data.format).train_on or data.train_on
                 render = chat_renderer(self.tokenizer, self.tokenizer_name, train_on)
             self._renders[data.format] = render
         return self._renders[data.format]
@@ -118,7 +119,7 @@ class BatchWork:
         out.relative = isinstance(piece, SourceRange)
         counts = {"documents": 0, "pieces": 0, "cut_documents": 0, "truncated": 0}
         for name, recs in zip(("train", "eval"), self._split(records), strict=True):
-            if data.format == "text":
+            if record_format(data.format).documents:
                 docs = Documents(self.tokenizer, recs, data.seq_len, data.text_overlap_tokens, DocSink(self.doc_dir))
                 out.long[name] = docs.long
                 counts["documents"] += docs.counts.documents

@@ -29,8 +29,10 @@ from typing import Any
 
 from ray_jobs import faults
 from ray_jobs.checkpoint.rng import rng_state, set_rng_state
+from ray_jobs.config.record_formats import staged_format
 from ray_jobs.contracts.metrics import MetricsRow
-from ray_jobs.train.model import Placement, build_model
+from ray_jobs.train import model as models
+from ray_jobs.train.model import Placement
 from ray_jobs.train.trainer import Agreed, Trainer
 
 
@@ -55,10 +57,10 @@ class _Unwrapped:
 class HfTrainer(Trainer):
     """The native trainer whose steps HF's ``Trainer`` computes (module docstring)."""
 
-    def _build_model(self):
-        self.preference = self.manifest.format == "preference"
+    def build_model(self):
+        self.preference = staged_format(self.manifest.format).pairs
         self._engine, self._window, self._eval_extra = None, {}, {}
-        return build_model(self.cfg, self.model_path, _Unwrapped(self.rt))
+        return models.build_model(self.cfg, self.model_path, _Unwrapped(self.rt))
 
     def engine(self):
         """HF's (or TRL's) trainer, built once, after the resume (so it trains the steps left)."""
@@ -68,7 +70,7 @@ class HfTrainer(Trainer):
             set_rng_state(rng)
         return self._engine
 
-    def _train_to(self, end: int) -> None:
+    def train_to(self, end: int) -> None:
         if self.loop.step >= end:
             return
         self._step_loss, self._step_tokens, self._grad_norm = 0.0, 0, 0.0
@@ -84,25 +86,25 @@ class HfTrainer(Trainer):
             for key, values in self._engine._metrics["train"].items():
                 self._window.setdefault(key, []).extend(values)
             self._engine._metrics["train"].clear()
-        agreed = self._agree(self._step_loss, self._step_tokens, self._grad_norm)
+        agreed = self.agreed(self._step_loss, self._step_tokens, self._grad_norm)
         self.cursors = self.plan.after(self.cursors)
-        self._advance(agreed, self._step_started)
-        self._after_step(agreed)
+        self.advance(agreed, self._step_started)
+        self.after_step(agreed)
         self._step_loss, self._step_tokens = 0.0, 0
         self._step_started = time.monotonic()
         return self.loop.step >= self.stop_at
 
-    def _extra_columns(self) -> MetricsRow:
+    def extra_columns(self) -> MetricsRow:
         window, self._window = self._window, {}
         return _rewards(window)
 
-    def _eval_at_start(self) -> None:
+    def eval_at_start(self) -> None:
         if self.loop.step == 0:
             self.last_eval = self.evaluate()
-            self._log({"step": 0, "eval_loss": self.last_eval, **self._eval_extra})
+            self.log_row({"step": 0, "eval_loss": self.last_eval, **self._eval_extra})
 
-    def _step_row(self, a: Agreed) -> tuple[MetricsRow, bool]:
-        row, last = super()._step_row(a)
+    def step_row(self, a: Agreed) -> tuple[MetricsRow, bool]:
+        row, last = super().step_row(a)
         if "eval_loss" in row:
             row |= self._eval_extra
         return row, last
@@ -112,7 +114,7 @@ class HfTrainer(Trainer):
         eval (mean loss per target token)."""
         if not self.preference:
             return super().evaluate(rows)
-        self._phase("evaluating")
+        self.enter_phase("evaluating")
         loss, metrics = dpo_eval(self, rows or self.eval_rows)
         self._eval_extra = {"eval_" + k: v for k, v in _rewards(metrics).items() if k == "reward_accuracy"}
         return loss

@@ -20,13 +20,14 @@ import logging
 import os
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Self
 
 from ray_jobs import faults
 from ray_jobs.checkpoint import LoopState, rng_state, set_rng_state, trainable_names
 from ray_jobs.contracts.checkpoint import StateDict
 from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Heal, LiveFields
+from ray_jobs.contracts.job_spec import WorkerSpec
 from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.reading import Cursor, StepPlan
 from ray_jobs.train import preemption, rowtrace
@@ -72,8 +73,12 @@ class LiveTrainer(Trainer):
         if self.trace is not None:  # one group per job (its replicas train each step together), ranks as Ray's
             self.trace = rowtrace.RowTrace(os.environ[rowtrace.ENV], group, self.ray_rank, self.workers)
 
-    def _load_data(self) -> None:
-        super()._load_data()  # as one worker: every data rank's rows (this replica may compute anyone's share)
+    @classmethod
+    def for_worker(cls, cfg, spec: WorkerSpec, rt, heartbeat=None) -> Self:
+        return cls(cfg, spec.manifest, spec.inputs.model_path, rt, spec.attempt, spec.group)  # its heartbeat: its own
+
+    def load_data(self) -> None:
+        super().load_data()  # as one worker: every data rank's rows (this replica may compute anyone's share)
         assert isinstance(self.plan, StepPlan) and self.plan.micro_batches % self.replicas == 0
 
     def _writes_heartbeat(self) -> bool:
@@ -94,7 +99,7 @@ class LiveTrainer(Trainer):
 
     # -- joining: heal from a live peer, or resume from storage like any run ---------------------------------------
     def resume_or_start(self, explicit_checkpoint: str | None = None) -> None:
-        self._phase("loading")
+        self.enter_phase("loading")
         timeout_s = max(10.0, 10 * self.cfg.fault_tolerance.replica_timeout_s)
         self.replica = Replica(self.ray_rank, self.device, timeout_s, self._heal_state, self._load_heal_state)
         self._quorum = self._join()
@@ -104,7 +109,7 @@ class LiveTrainer(Trainer):
         super().resume_or_start(explicit_checkpoint)  # nobody ahead: a job (re)start
         self.replica.set_step(self.loop.step, self.replicas)
 
-    def _open_log(self, resumed: int | None) -> None:
+    def open_log(self, resumed: int | None) -> None:
         self.history_base = resumed  # opened when this replica leads (_lead)
 
     def _heal_state(self) -> StateDict:
@@ -156,7 +161,7 @@ class LiveTrainer(Trainer):
         return quorum
 
     # -- a step ---------------------------------------------------------------------------------------------------
-    def _step(self) -> Agreed:
+    def step(self) -> Agreed:
         faults.on_step()
         started = time.monotonic()
         retries = Retries(self.ray_rank, self.cfg.fault_tolerance.replica_timeout_s)
@@ -296,32 +301,30 @@ class LiveTrainer(Trainer):
     def _lead(self) -> None:
         """This replica leads from now: the attempt's log reopened, every row of it written again (once)."""
         if self.metrics is None:
-            Trainer._open_log(self, self.history_base)
-            assert self.metrics is not None, "Trainer._open_log opens it"
+            Trainer.open_log(self, self.history_base)
+            assert self.metrics is not None, "Trainer.open_log opens it"
             for row in self.history:
                 self.metrics.append(row)
         log.info("replica %d leads (heartbeat, metrics, checkpoints) from step %d", self.ray_rank, self.loop.step)
 
     # -- after a step -----------------------------------------------------------------------------------------------
-    def _extra_columns(self) -> MetricsRow:
+    def extra_columns(self) -> MetricsRow:
         return {"participants": len(self.participants), "heals": len(self.heals)}
 
-    def _after_step(self, a: Agreed) -> None:
-        row, last = self._step_row(a)
+    def after_step(self, a: Agreed) -> None:
+        row, last = self.step_row(a)
         if a.preempt and preemption.requested():
             self._leave(row)
-        self._log(row)
+        self.log_row(row)
         if self.leader == self.ray_rank:
             if self.checkpointer.write_done():
                 self.checkpointer.commit(wait=False)
-            self.checkpointer.save_if_due(
-                self.loop.step, last, self.checkpointer.time_due(), self._checkpoint_metrics()
-            )
+            self.checkpointer.save_if_due(self.loop.step, last, self.checkpointer.time_due(), self.checkpoint_metrics())
 
     def _leave(self, row: MetricsRow) -> None:
         """This SIGTERMed replica leaves at this step boundary, its step committed, and is replaced live; when every
         replica of the step got one (the whole job is being stopped), the leader saves the step first."""
-        self._log(row)
+        self.log_row(row)
         if self.sigtermed >= len(self.participants) and self.leader == self.ray_rank:
             self.checkpoint(sync=True)
         if self.metrics is not None:
@@ -332,7 +335,7 @@ class LiveTrainer(Trainer):
         preemption.checkpoint_saved()
         raise preemption.Preempted(f"replica {self.ray_rank} left at step {self.loop.step} (SIGTERM)")
 
-    def _log(self, row: MetricsRow) -> None:
+    def log_row(self, row: MetricsRow) -> None:
         """Every replica keeps the row (a replica that takes the lead writes them all); the leader writes it."""
         if len(row) > 1:
             row = {**row, "time": time.time()}
@@ -346,7 +349,7 @@ class LiveTrainer(Trainer):
     def evaluate(self, rows=None) -> float:
         """The eval split's loss as an ordinary run of ``replicas`` workers computes it, on this replica alone: every
         replica knows it, whoever is missing (:func:`~.live.eval_as_replicas`)."""
-        self._phase("evaluating")
+        self.enter_phase("evaluating")
         t = self.cfg.train
         return eval_as_replicas(
             self.model,
@@ -359,9 +362,9 @@ class LiveTrainer(Trainer):
         )
 
     # -- the end ----------------------------------------------------------------------------------------------------
-    def _finish_checkpoints(self, done: bool) -> None:
+    def finish_checkpoints(self, done: bool) -> None:
         if self.leads():
-            super()._finish_checkpoints(done)
+            super().finish_checkpoints(done)
         else:
             self.checkpointer.writer.close()
 

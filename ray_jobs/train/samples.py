@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ray_jobs.config import Config
+from ray_jobs.config.record_formats import staged_format
 from ray_jobs.contracts.samples import Sample, Samples
 from ray_jobs.data.tokenize import IGNORE_INDEX
 from ray_jobs.storage import Layout, write_json_atomic
@@ -91,13 +92,14 @@ def greedy(model_path: str, cfg: Config, prompts: list[list[int]], budgets: list
 
 def generate_samples(base_path: str, final_url: str, cfg: Config, rows: ShardRows, fmt: str, device) -> list[Sample]:
     """Held-out prompts of the staged eval ``rows`` (``fmt``: the staged format) answered by the base model
-    (``before``) and the fine-tuned one (``output``). None when ``train.sample_generations`` is 0, or for ``text``
-    records (no expected answer)."""
+    (``before``) and the fine-tuned one (``output``). None when ``train.sample_generations`` is 0, or for documents
+    (``text``: no expected answer)."""
     from ray_jobs.model.loading import load_tokenizer
 
-    if cfg.train.sample_generations == 0 or fmt == "text":
+    staged = staged_format(fmt)
+    if cfg.train.sample_generations == 0 or staged.documents:
         return []
-    examples = staged_examples(rows, fmt == "preference", cfg.train.sample_generations)
+    examples = staged_examples(rows, staged.pairs, cfg.train.sample_generations)
     tok = load_tokenizer(base_path, cfg.data.cache_dir)
     prompts = [p for p, _ in examples]
     targets = [tok.decode(t, skip_special_tokens=True) for _, t in examples]

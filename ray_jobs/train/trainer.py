@@ -6,14 +6,15 @@ through a :class:`~ray_jobs.train.runtime.Runtime` (tests run the same loop in-p
 
 Ranks must take the same decisions at the same step (checkpoint now, report a finished write, stop for a
 preemption), or their collectives would deadlock: every decision is taken from one small all-reduce that ends each
-step (:mod:`.agreement`)."""
+step (:mod:`.agreement`). This is the native engine: another engine's trainer subclasses it, overriding only the
+public hooks :class:`~ray_jobs.train.engine.EngineHooks` documents."""
 
 from __future__ import annotations
 
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs import faults
@@ -23,6 +24,7 @@ from ray_jobs.config import Config
 from ray_jobs.contracts.checkpoint import CheckpointManifest
 from ray_jobs.contracts.dataset import DatasetManifest
 from ray_jobs.contracts.heartbeat import Phase
+from ray_jobs.contracts.job_spec import WorkerSpec
 from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.data.reading import Cursor, ShardRows, open_rows
 from ray_jobs.storage import Layout
@@ -35,7 +37,7 @@ from ray_jobs.train.export import write_final
 from ray_jobs.train.heartbeat import Heartbeat, start_heartbeat
 from ray_jobs.train.inputs import shard_cache, train_plan
 from ray_jobs.train.metrics import MetricsLog, Throughput
-from ray_jobs.train.model import autocast_for, build_model, build_optimizer, clip_grads, grad_sync, to_device
+from ray_jobs.train.model import autocast_for, build_optimizer, clip_grads, grad_sync, to_device
 from ray_jobs.train.resume import load_checkpoint, resume_agreed
 from ray_jobs.train.runtime import DrainNotice, Runtime
 from ray_jobs.train.samples import write_samples
@@ -63,27 +65,33 @@ class Trainer:
         self.trace = rowtrace.open_trace(rt)  # test-only (None unless UNBROKEN_TRACE_ROWS is set)
         self.metrics: MetricsLog | None = None
         self.staging = ckpt.HostStaging()  # host buffers reused by every checkpoint's device-to-host copy
-        self.checkpointer = Checkpointer(cfg, rt, self.layout.checkpoints_dir(cfg.name), self._snapshot, self._phase)
+        self.checkpointer = Checkpointer(
+            cfg, rt, self.layout.checkpoints_dir(cfg.name), self._snapshot, self.enter_phase
+        )
         self.last_eval: float | None = None
         self._init_progress()
         if self.heartbeat is not None:
             self.heartbeat.attach(self)
+
+    @classmethod
+    def for_worker(cls, cfg: Config, spec: WorkerSpec, rt: Runtime, heartbeat: Heartbeat | None) -> Self:
+        return cls(cfg, spec.manifest, spec.inputs.model_path, rt, heartbeat)
 
     def _load_model_and_data(self) -> None:
         self.cache = shard_cache(self.cfg, self.manifest)
         with ThreadPoolExecutor(1, thread_name_prefix="warm-cache") as pool:
             # This rank's shards are fetched (checksum-verified) and decoded into the node cache while the model
             # loads: the job warms its own cache, no separate Ray job before it.
-            warming = pool.submit(self._load_data)
-            self.model = self._build_model()
+            warming = pool.submit(self.load_data)
+            self.model = self.build_model()
             warming.result()
         self.warmup = self.cache.counters()  # a cold cache shows misses here; a warm one, a restart's, none
         log.info("rank %d node cache warm-up: %s", self.rt.rank, self.warmup)
 
-    def _build_model(self):
-        return build_model(self.cfg, self.model_path, self.rt)  # the hf engine's leaves the wrapping to HF
+    def build_model(self):
+        return models.build_model(self.cfg, self.model_path, self.rt)  # the hf engine's leaves the wrapping to HF
 
-    def _load_data(self) -> None:
+    def load_data(self) -> None:
         self.plan = train_plan(self.cfg, self.manifest, self.cache, self.rt.rank, self.rt.world_size)
         self.eval_rows = open_rows(self.cache, self.manifest.shards["eval"], self.manifest.seq_len)
         self.pad_id = self.manifest.tokenizer.pad_token_id
@@ -107,7 +115,7 @@ class Trainer:
         """Resume from the checkpoint rank 0 picks (see :func:`~ray_jobs.train.resume.choose_resume`), else start
         fresh. Safe to run twice. If any rank finds its part bad (a truncated or corrupt file), every rank falls back
         to the previous checkpoint together."""
-        self._phase("loading")
+        self.enter_phase("loading")
         checkpoints = self.layout.checkpoints_dir(self.cfg.name)
         url, reason = resume_agreed(self.rt, checkpoints, explicit_checkpoint, self._load_checkpoint)
         if url is None:
@@ -122,9 +130,9 @@ class Trainer:
                 self.cursors,
             )
         if self.rt.rank == 0:
-            self._open_log(self.loop.step if url else None)
+            self.open_log(self.loop.step if url else None)
 
-    def _open_log(self, resumed: int | None) -> None:
+    def open_log(self, resumed: int | None) -> None:
         """Rank 0's metrics log and trackers, keeping what was logged up to ``resumed`` (None: a fresh run)."""
         self.metrics = MetricsLog(self.layout.metrics(self.cfg.name), resumed)
         self.metrics.trackers = open_trackers(
@@ -169,40 +177,40 @@ class Trainer:
         first = self.loop.step + 1
         self.started_step, self.first_step_at = self.loop.step, None
         own_heartbeat = self._start_heartbeat()  # only when nobody started one (tests, benchmarks)
-        self._eval_at_start()
-        self._phase("training")
+        self.eval_at_start()
+        self.enter_phase("training")
         self.throughput.restart(self.loop.tokens_seen)
         preemption.training(True)
         try:
-            self._train_to(end)
-            self._finish_checkpoints(stop_at is None)
+            self.train_to(end)
+            self.finish_checkpoints(stop_at is None)
         finally:
             self._stop_training(own_heartbeat)
         self._log_trained(first)
         return self.loop
 
-    def _train_to(self, end: int) -> None:
+    def train_to(self, end: int) -> None:
         while self.loop.step < end:
-            self._after_step(self._step())
+            self.after_step(self.step())
 
-    def _finish_checkpoints(self, done: bool) -> None:
+    def finish_checkpoints(self, done: bool) -> None:
         if done:
-            self.checkpointer.finish(self.loop.step, self._checkpoint_metrics())
+            self.checkpointer.finish(self.loop.step, self.checkpoint_metrics())
         else:  # "died" here (``fit(stop_at)``): a write in flight completes (manifest and all), never reported
             self.checkpointer.stop()
 
-    def _eval_at_start(self) -> None:
+    def eval_at_start(self) -> None:
         if self.loop.step == 0:
             self.last_eval = self.evaluate()
-            self._log({"step": 0, "eval_loss": self.last_eval})
+            self.log_row({"step": 0, "eval_loss": self.last_eval})
 
-    def _step(self) -> Agreed:
+    def step(self) -> Agreed:
         """One optimizer step, its outcome agreed by every rank, and the loop state advanced."""
         faults.on_step()
         started = time.monotonic()
-        return self._advance(self._agree(*self.train_step()), started)
+        return self.advance(self.agreed(*self.train_step()), started)
 
-    def _advance(self, agreed: Agreed, started: float) -> Agreed:
+    def advance(self, agreed: Agreed, started: float) -> Agreed:
         """The loop state after a step every rank agreed on (started at ``started``, monotonic)."""
         self.loop.step += 1
         if self.trace is not None:
@@ -254,7 +262,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, tokens, grad_norm
 
-    def _agree(self, loss, tokens: int, grad_norm) -> Agreed:
+    def agreed(self, loss, tokens: int, grad_norm) -> Agreed:
         """Every rank's step outcome, agreed with one small all-reduce (:func:`~.agreement.agree`)."""
         poll_s = self.cfg.fault_tolerance.preemption_poll_s
         agreed, self.last_notice_poll = agree(
@@ -262,7 +270,7 @@ class Trainer:
         )
         return agreed
 
-    def _step_row(self, a: Agreed) -> tuple[MetricsRow, bool]:
+    def step_row(self, a: Agreed) -> tuple[MetricsRow, bool]:
         """The step's metrics row (logged columns on log steps, the eval loss on eval steps), and whether it is the
         last step."""
         t, step = self.cfg.train, self.loop.step
@@ -270,34 +278,34 @@ class Trainer:
         row: MetricsRow = {"step": step}
         if step % t.log_every_steps == 0 or last:
             row |= {"loss": a.loss, "grad_norm": a.grad_norm, "lr": self.scheduler.get_last_lr()[0]}
-            row |= self.throughput.row(self.loop) | self._extra_columns()
+            row |= self.throughput.row(self.loop) | self.extra_columns()
         if step % t.eval_every_steps == 0 or last:
             row["eval_loss"] = self._eval_during_training()
         return row, last
 
-    def _extra_columns(self) -> MetricsRow:
+    def extra_columns(self) -> MetricsRow:
         return {}  # live recovery's: who took part, who healed
 
-    def _after_step(self, a: Agreed) -> None:
-        row, last = self._step_row(a)
+    def after_step(self, a: Agreed) -> None:
+        row, last = self.step_row(a)
         step = self.loop.step
         if a.write_done:
             self.checkpointer.commit(wait=False)
         if a.preempt:
-            self._log(row)
+            self.log_row(row)
             self._on_preemption()
         if a.notice and not last and not self.notice_taken:
-            self._log(row)
+            self.log_row(row)
             self._on_drain_notice(a.notice)
             return
-        stall = self.checkpointer.save_if_due(step, last, a.time_due, self._checkpoint_metrics())
+        stall = self.checkpointer.save_if_due(step, last, a.time_due, self.checkpoint_metrics())
         if stall is not None:
             row["ckpt_stall_s"] = stall
-        self._log(row)
+        self.log_row(row)
 
     def _eval_during_training(self) -> float:
         self.last_eval = self.evaluate()
-        self._phase("training")
+        self.enter_phase("training")
         if self.loop.best_eval_loss is None or self.last_eval < self.loop.best_eval_loss:
             self.loop.best_eval_loss = self.last_eval
         return self.last_eval
@@ -314,15 +322,15 @@ class Trainer:
         taken = self.checkpointer.last_step == self.loop.step and self.checkpointer.pending is None
         save = (lambda: 0.0) if taken else (lambda: self.checkpoint(sync=True))
         preemption.checkpoint_and_wait(
-            notice, save, self.rt.rank, self.loop.step, self.cfg.fault_tolerance.preemption_grace_s, self._phase
+            notice, save, self.rt.rank, self.loop.step, self.cfg.fault_tolerance.preemption_grace_s, self.enter_phase
         )
 
     # -- checkpoints: when and how is the checkpointer's; what is in one is the trainer's --------------------
     def checkpoint(self, sync: bool) -> float:
         """Take a checkpoint of this step now; returns the seconds training was blocked."""
-        return self.checkpointer.save(self.loop.step, self._checkpoint_metrics(), sync)
+        return self.checkpointer.save(self.loop.step, self.checkpoint_metrics(), sync)
 
-    def _checkpoint_metrics(self) -> Reported:
+    def checkpoint_metrics(self) -> Reported:
         """What Ray Train is told with a checkpoint (``checkpoint.keep_best_by`` ranks by these)."""
         return {"step": self.loop.step, "eval_loss": self.last_eval}
 
@@ -341,14 +349,14 @@ class Trainer:
     # -- measuring ------------------------------------------------------------------------------------------
     def evaluate(self, rows: ShardRows | None = None) -> float:
         """Mean loss per target token over the eval split (or ``rows``), every rank reading its own slice."""
-        self._phase("evaluating")
+        self.enter_phase("evaluating")
         model = self.model if self.fsdp else unwrap(self.model)
         t = self.cfg.train
         return eval_loss(
             model, rows or self.eval_rows, self.rt, self.device, self.autocast, t.micro_batch_size, t.eval_max_batches
         )
 
-    def _log(self, row: MetricsRow) -> None:
+    def log_row(self, row: MetricsRow) -> None:
         if self.metrics is not None and len(row) > 1:
             self.metrics.append({**row, "time": time.time()})
             log.info("step %d %s", row["step"], {k: v for k, v in row.items() if k != "step"})
@@ -361,7 +369,7 @@ class Trainer:
         self.heartbeat.attach(self)
         return self.heartbeat
 
-    def _phase(self, phase: Phase) -> None:
+    def enter_phase(self, phase: Phase) -> None:
         """Enter a phase: rank 0's heartbeat says so at once (watchers judge a stall by the phase's limit)."""
         if self.heartbeat is not None:
             self.heartbeat.enter(phase)
@@ -380,10 +388,13 @@ class Trainer:
 
     def export_final(self, samples: bool = False) -> str | None:
         """``runs/<run>/final``, then (``samples``) the sample generations: all in ``exporting`` (a kill then is no done)."""
-        self._phase("exporting")
+        self.enter_phase("exporting")
         url = write_final(self.cfg, self.rt, self.model, self.model_path, self.manifest, self.loop, self.metrics)
         if url is not None:
             if samples:  # from the staged eval split; a failure there is a warning, never a failed run
                 write_samples(self.cfg, self.model_path, url, self.eval_rows, self.manifest, self.device)
-            self._phase("done")
+            self.enter_phase("done")
         return url
+
+    def close(self) -> None:
+        """Nothing to release here (the worker stops the heartbeat it started)."""

@@ -8,7 +8,9 @@ import logging
 from pydantic import JsonValue
 
 from ray_jobs.config import Config, from_json
+from ray_jobs.config.engines import Engine, engine_of, needs
 from ray_jobs.config.epochs import resolve_epochs
+from ray_jobs.config.record_formats import staged_format
 from ray_jobs.contracts.job_spec import WorkerSpec
 from ray_jobs.model.loading import forgo_bitsandbytes
 from ray_jobs.secrets import mask_output
@@ -35,16 +37,16 @@ def run_worker(spec: WorkerSpec, rt: Runtime) -> Trainer:
     cfg = resolve_epochs(from_json(spec.config), spec.manifest)  # train.epochs -> its steps, as the flow did
     forgo_bitsandbytes(cfg.model.quantization)  # this process is this run's alone
     attempt = spec.attempt
-    live = cfg.fault_tolerance.live_recovery
-    heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 and not live else None  # before the model loads
+    own = engine_of(cfg).own_heartbeat  # live recovery's: written by whichever replica leads
+    heartbeat = start_heartbeat(cfg, attempt) if rt.rank == 0 and not own else None  # before the model loads
     trainer = None
     try:
         trainer = make_trainer(cfg, spec, rt, heartbeat)
-        trainer.attempt, trainer.parent = attempt, spec.parent
+        trainer.attempt, trainer.parent = attempt, spec.inputs.parent
         trainer.resume_or_start(spec.resume_from)
         trainer.fit()
         trainer.score(spec.score_manifest)
-        final = trainer.export_final(spec.samples)
+        final = trainer.export_final(spec.inputs.samples)
         _end_tracking(trainer, "FINISHED", final)
     except BaseException:
         _end_tracking(trainer, "FAILED", None)  # a restart of the worker group reopens the same tracker runs
@@ -52,9 +54,8 @@ def run_worker(spec: WorkerSpec, rt: Runtime) -> Trainer:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
-        close = getattr(trainer, "close", None)  # live recovery's: its replica leaves the quorum, its heartbeat stops
-        if close is not None:
-            close()
+        if trainer is not None:  # live recovery's: its replica leaves the quorum, its heartbeat stops
+            trainer.close()
     after = {k: v - trainer.warmup[k] for k, v in trainer.cache.counters().items()}  # what training itself read
     log.info(
         "rank %d shard cache after warm-up: %s; checkpoint stalls (s): %s",
@@ -66,22 +67,23 @@ def run_worker(spec: WorkerSpec, rt: Runtime) -> Trainer:
 
 
 def make_trainer(cfg: Config, spec: WorkerSpec, rt: Runtime, heartbeat: Heartbeat | None) -> Trainer:
-    """The trainer of this rank for ``cfg``'s engine and fault-tolerance mode."""
-    manifest, model_path = spec.manifest, spec.model_path
-    if manifest.format == "preference" and cfg.train.engine != "hf":  # data.format=auto found it
+    """The trainer of this rank: the class of ``cfg``'s engine (its row in ``ray_jobs/config/engines.py``), built
+    for this worker."""
+    engine = engine_of(cfg)
+    if staged_format(spec.manifest.format).pairs and not engine.preference:  # data.format=auto found them
         raise ValueError(
-            "data.format: the records are preference pairs, trained by DPO (TRL's DPOTrainer), which "
-            "needs train.engine=hf"
+            "data.format: the records are preference pairs, trained by DPO (TRL's DPOTrainer), which needs "
+            + needs("preference")
         )
-    if cfg.fault_tolerance.live_recovery:
-        from ray_jobs.train.live_trainer import LiveTrainer
+    return trainer_class(engine).for_worker(cfg, spec, rt, heartbeat)
 
-        return LiveTrainer(cfg, manifest, model_path, rt, spec.attempt, spec.group)
-    if cfg.train.engine == "hf":
-        from ray_jobs.train.hf import HfTrainer
 
-        return HfTrainer(cfg, manifest, model_path, rt, heartbeat)
-    return Trainer(cfg, manifest, model_path, rt, heartbeat)
+def trainer_class(engine: Engine) -> type[Trainer]:
+    """The trainer class an engine's row names (``module:Class``), imported now: on the worker alone."""
+    import importlib
+
+    module, _, name = engine.trainer.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _end_tracking(trainer: Trainer | None, status: str, final_model: str | None) -> None:

@@ -22,6 +22,7 @@ from control.jobs import submit, write_job_spec
 from control.registry import submission_id
 from control.watchdog import check_run
 from ray_jobs.config import ClusterConfig, Config, load_config
+from ray_jobs.contracts.job_spec import AttemptInputs
 from ray_jobs.faults import FILE_ENV
 from ray_jobs.storage import Layout, join, read_bytes
 from ray_jobs.train import rowtrace
@@ -79,7 +80,9 @@ def start_training(
     ``env``: variables for the job (``UNBROKEN_INJECT_DELAY`` to slow a phase down, see ray_jobs/faults.py)."""
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
-    spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, resume_from)
+    spec = write_job_spec(
+        cfg, attempt, AttemptInputs(manifest_url=staged.manifest_url, model_path=model_path), resume_from
+    )
     return submit(handle, submission_id(cfg.storage, cfg.name, attempt), "ray_jobs.job", spec, env=env)
 
 
@@ -88,9 +91,9 @@ def start_run(handle: ClusterHandle, cfg: Config, env: dict | None = None) -> st
     from here on a watchdog can look after it."""
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
-    extra = {"manifest_url": staged.manifest_url, "model_path": model_path}
-    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, extra=extra)
-    spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, None)
+    inputs = AttemptInputs(manifest_url=staged.manifest_url, model_path=model_path)
+    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, inputs)
+    spec = write_job_spec(cfg, attempt, inputs)
     return submit(handle, submission_id(cfg.storage, cfg.name, attempt), "ray_jobs.job", spec, env=env)
 
 
@@ -132,7 +135,7 @@ def start_uninterrupted(root: Path, **extra: object) -> Callable[[], tuple[str, 
     cfg = chaos_config(root / "storage", "baseline", **TRACKING, **extra)  # what a resumed run's trackers show too
     model_path = prepare_base_model.fn(cfg)
     staged = stage_dataset.fn(cfg, model_path)
-    spec = write_job_spec(cfg, 1, staged.manifest_url, model_path, None)
+    spec = write_job_spec(cfg, 1, AttemptInputs(manifest_url=staged.manifest_url, model_path=model_path))
     rows = root / "rows"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{rowtrace.ENV: str(rows)})
     torchrun = str(Path(sys.executable).parent / "torchrun")

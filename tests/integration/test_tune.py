@@ -27,6 +27,7 @@ from control.jobs import submit, write_job_spec
 from control.records.series import EvalPin
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, load_config
+from ray_jobs.contracts.job_spec import AttemptInputs
 from ray_jobs.contracts.trials import TrialEntry
 from ray_jobs.faults import FILE_ENV
 from ray_jobs.search.trials import trial_states, trials
@@ -150,11 +151,10 @@ def start_search(handle, cfg: Config) -> None:
     staged = stage_dataset.fn(cfg, model_path)
     pin = EvalPin(dataset_id=staged.dataset_id, manifest_url=staged.manifest_url, source="the search's eval split")
     series.begin_run(cfg, staged.dataset_id, pin, None, None)
-    extra = {"manifest_url": staged.manifest_url, "model_path": model_path, "score_manifest_url": pin.manifest_url}
-    names = [t.name for t in series.record_trials(cfg, staged.dataset_id, extra)]
-    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id,
-                                     extra=extra | {"kind": "search", "trials": names})  # fmt: skip
-    spec = write_job_spec(cfg, attempt, staged.manifest_url, model_path, None, pin.manifest_url)
+    inputs = AttemptInputs(manifest_url=staged.manifest_url, model_path=model_path, score_manifest_url=pin.manifest_url)
+    names = [t.name for t in series.record_trials(cfg, staged.dataset_id, inputs)]
+    attempt = registry.begin_attempt(cfg, handle.to_dict(), staged.dataset_id, inputs, trials=names)
+    spec = write_job_spec(cfg, attempt, inputs)
     submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), "ray_jobs.search_job", spec)
 
 

@@ -169,7 +169,7 @@ def _gate(hold: str | None, asked: str | None) -> None:
     from ray_jobs.train.live_trainer import LiveTrainer
 
     if hold:
-        step = LiveTrainer._step
+        step = LiveTrainer.step
 
         def held(self):
             deadline = time.monotonic() + 120
@@ -177,7 +177,7 @@ def _gate(hold: str | None, asked: str | None) -> None:
                 time.sleep(0.02)
             return step(self)
 
-        LiveTrainer._step = held
+        LiveTrainer.step = held
     if asked:
         start_quorum = Manager.start_quorum
 

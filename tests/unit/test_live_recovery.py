@@ -293,7 +293,7 @@ def test_who_leads_after_a_step_and_whether_it_opens_the_log(
         opened.append(resumed)
         self.metrics = Log()
 
-    monkeypatch.setattr(Trainer, "_open_log", open_log)
+    monkeypatch.setattr(Trainer, "open_log", open_log)
     t = object.__new__(live_trainer.LiveTrainer)
     t.ray_rank, t.workers, t.leader, t.participants, t.heals, t.healed = rank, 2, leader, [0, 1], [], None
     t.metrics = Log() if writing else None

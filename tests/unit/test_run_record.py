@@ -12,6 +12,7 @@ import pytest
 from control import registry
 from control.records.run import RunRecord
 from ray_jobs.contracts.base import RecordError
+from ray_jobs.contracts.job_spec import AttemptInputs, JobSpec
 
 # A run.json as the untyped registry wrote it (no schema_version): a run that failed once, was restarted by the
 # watchdog, noted a lost node and succeeded.
@@ -49,17 +50,30 @@ def write(tmp_path: Path, tree: dict) -> str:
     return str(tmp_path)
 
 
+INPUTS = ("manifest_url", "model_path", "parent", "score_manifest_url")  # top-level fields before version 4
+
+
 def test_a_record_of_the_untyped_release_loads_and_writes_back_the_same_fields(tmp_path: Path) -> None:
     storage = write(tmp_path, V1)
     reg = registry.load(storage, "r")
-    assert reg.schema_version == RunRecord.SCHEMA == 3
+    assert reg.schema_version == RunRecord.SCHEMA == 4
     assert reg.current.resume_from.endswith("00000040") and reg.incidents[0].resumed_step == 40
     assert reg.open_incident() is None and not reg.active
+    assert reg.inputs is not None and (reg.inputs.model_path, reg.inputs.parent) == ("/s/models/tiny", None)
     registry.save(storage, "r", reg)
     again = json.loads((tmp_path / "runs" / "r" / "run.json").read_text())
-    assert again.pop("schema_version") == 3
+    assert again.pop("schema_version") == 4
     assert again.pop("updated_at") >= V1["updated_at"]
-    assert again == {k: v for k, v in V1.items() if k != "updated_at"}
+    # the attempt's inputs gathered into one part (version 4), every other field as it was
+    assert again.pop("inputs") == {k: V1[k] for k in INPUTS if V1[k] is not None}
+    assert again == {k: v for k, v in V1.items() if k != "updated_at" and k not in INPUTS}
+
+
+def test_a_job_spec_of_version_1_reads_with_its_inputs_gathered(tmp_path: Path) -> None:
+    tree = {"config": {}, "manifest_url": "m", "model_path": "p", "parent": "a", "resume_from": "c", "attempt": 2}
+    spec = JobSpec.parse(tree, "job-spec-002.json")
+    assert spec.inputs == AttemptInputs(manifest_url="m", model_path="p", parent="a")
+    assert (spec.resume_from, spec.attempt, spec.schema_version) == ("c", 2, 2)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from control.backends.base import ClusterHandle
 from control.jobs import write_job_spec
 from control.records.run import Incident
 from ray_jobs.config import job_spec, load_config
-from ray_jobs.contracts.job_spec import JobSpec
+from ray_jobs.contracts.job_spec import AttemptInputs, JobSpec
 from ray_jobs.secrets import CREDENTIALS_ENV, job_env
 from tests.conftest import ROOT, made_manifest, tiny_overrides
 
@@ -38,14 +38,18 @@ def cfg(tmp_path: Path):
                        tiny_overrides(tmp_path / "storage", name="r", **{"tracking.mlflow.tracking_uri": URI}))  # fmt: skip
 
 
+INPUTS = AttemptInputs(manifest_url="m", model_path="p")
+
+
 def files_under(root: Path) -> dict[str, str]:
     return {str(p): p.read_text(errors="replace") for p in root.rglob("*") if p.is_file()}
 
 
 def first_attempt(tmp_path: Path):
     c = cfg(tmp_path)
-    registry.begin_attempt(c, {"address": "http://127.0.0.1:1"}, "ds-1", extra={"manifest_url": "m", "model_path": "p"},
-                           job_spec=lambda n: write_job_spec(c, n, "m", "p", None))  # fmt: skip
+    registry.begin_attempt(
+        c, {"address": "http://127.0.0.1:1"}, "ds-1", INPUTS, job_spec=lambda n: write_job_spec(c, n, INPUTS)
+    )
     return c
 
 
@@ -67,8 +71,9 @@ def test_a_password_with_a_slash_a_question_mark_a_hash_or_a_quote_is_written_ma
     uri = f"postgresql+psycopg2://mlflow:{odd}@db.example.com:5432/mlflow?sslmode=require"
     c = load_config(ROOT / "configs" / "demo.yaml",
                     tiny_overrides(tmp_path / "storage", name="r", **{"tracking.mlflow.tracking_uri": uri}))  # fmt: skip
-    registry.begin_attempt(c, {"address": "http://127.0.0.1:1"}, "ds-1", extra={"manifest_url": "m", "model_path": "p"},
-                           job_spec=lambda n: write_job_spec(c, n, "m", "p", None))  # fmt: skip
+    registry.begin_attempt(
+        c, {"address": "http://127.0.0.1:1"}, "ds-1", INPUTS, job_spec=lambda n: write_job_spec(c, n, INPUTS)
+    )
     written = files_under(tmp_path / "storage")
     assert written and not [p for p, text in written.items() if "p/w?x#y" in text or "x#y'z" in text]
     monkeypatch.setenv(CREDENTIALS_ENV, job_env(c.model_dump())[CREDENTIALS_ENV])
@@ -86,7 +91,7 @@ def test_the_flow_submits_the_job_with_the_credentials_in_its_environment(tmp_pa
 
 
 def test_the_job_reveals_its_config_from_its_environment_or_says_what_it_lacks(tmp_path, monkeypatch, caplog) -> None:
-    url = write_job_spec(cfg(tmp_path), 1, "m", "p", None)
+    url = write_job_spec(cfg(tmp_path), 1, INPUTS)
     monkeypatch.setenv(CREDENTIALS_ENV, URI)
     _, given = job_spec("ray_jobs.job", JobSpec, ["--spec", url])
     assert given.tracking.mlflow.tracking_uri == URI

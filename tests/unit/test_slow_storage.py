@@ -111,8 +111,8 @@ def test_a_checkpoint_due_while_the_previous_write_is_in_flight_is_deferred_not_
     from ray_jobs.train import trainer as trainer_mod
 
     monkeypatch.setattr(writer, "write_part", slow_write)
-    real_log = trainer_mod.Trainer._log
-    monkeypatch.setattr(trainer_mod.Trainer, "_log", lambda self, row: (trainer_steps.append(row["step"]),
+    real_log = trainer_mod.Trainer.log_row
+    monkeypatch.setattr(trainer_mod.Trainer, "log_row", lambda self, row: (trainer_steps.append(row["step"]),
                                                                        real_log(self, row)))  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="unbroken"):
         t = train(c, manifest, model)

@@ -170,7 +170,7 @@ def test_records_this_release_cannot_read_are_named_and_never_hide_the_others(tm
     unreadable: list[tuple[str, str]] = []
     assert registry.active_runs(str(tmp_path), unreadable) == ["healthy"]
     why = dict(unreadable)
-    assert "runs/from-the-future/run.json: schema_version 99 is newer than this unbroken reads (3)" in why[
+    assert "runs/from-the-future/run.json: schema_version 99 is newer than this unbroken reads (4)" in why[
         "from-the-future"]  # fmt: skip
     assert "runs/torn/run.json: not a JSON record" in why["torn"]
     assert "runs/strange/run.json: colour" in why["strange"]

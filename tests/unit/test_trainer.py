@@ -14,6 +14,7 @@ import pytest
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config, load_config
 from ray_jobs.contracts.dataset import DatasetManifest
+from ray_jobs.contracts.job_spec import AttemptInputs
 from ray_jobs.data.staging import stage
 from ray_jobs.model.builtin import build_builtin
 from ray_jobs.model.loading import load_tokenizer
@@ -293,7 +294,7 @@ def test_job_maps_retention_and_preemption_settings_onto_ray_train() -> None:
          "fault_tolerance.max_failures=5", "fault_tolerance.preemption_grace_s=12",
          "fault_tolerance.max_preemptions=7"],
     )  # fmt: skip
-    loop = worker_config(cfg, made_manifest(), "/m")
+    loop = worker_config(cfg, made_manifest(), AttemptInputs(manifest_url="/d/manifest.json", model_path="/m"))
     trainer = build_trainer(cfg, loop)
     run = trainer.run_config
     assert run.name == "demo" and run.storage_path == "/tmp/x/ray"
@@ -551,6 +552,8 @@ def test_a_torn_ray_train_checkpoint_record_is_moved_aside_before_the_trainer_is
     run_dir.mkdir(parents=True)
     if content is not None:
         (run_dir / RAY_TRAIN_SNAPSHOT).write_bytes(content)
-    build_trainer(cfg, worker_config(cfg, made_manifest(), "/m"))
+    build_trainer(
+        cfg, worker_config(cfg, made_manifest(), AttemptInputs(manifest_url="/d/manifest.json", model_path="/m"))
+    )
     assert (run_dir / f"{RAY_TRAIN_SNAPSHOT}.torn").exists() == moved
     assert (run_dir / RAY_TRAIN_SNAPSHOT).exists() == (content is not None and not moved)

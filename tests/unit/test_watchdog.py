@@ -19,6 +19,7 @@ from control.watchdog.suspects import cleared, confirm
 from control.watchdog.verdict import Verdict, classify, still_submitting
 from ray_jobs.config import load_config
 from ray_jobs.contracts.heartbeat import Beat
+from ray_jobs.contracts.job_spec import AttemptInputs
 from ray_jobs.coordination import create_exclusive
 from tests.conftest import ROOT
 
@@ -511,7 +512,7 @@ def test_a_restart_whose_submission_fails_is_a_counted_try_and_the_next_pass_res
     from control.watchdog.observe import Observations
 
     c = cfg(tmp_path, "fault_tolerance.max_restarts=2", "fault_tolerance.restart_backoff_s=1")
-    registry.begin_attempt(c, {"address": "http://h:8265"}, "ds-1", extra={"manifest_url": "m", "model_path": "p"})
+    registry.begin_attempt(c, {"address": "http://h:8265"}, "ds-1", AttemptInputs(manifest_url="m", model_path="p"))
     registry.end_attempt(c, 1, "FAILED", "boom", state="recovering")
     reg = registry.load(c.storage, "r")
     reg.incidents.append(Incident(kind="job-failed", detected_by="watchdog", detected_at=0.0, attempt=1))
