@@ -213,7 +213,7 @@ def test_new_data_is_a_warm_started_run_of_the_series_and_the_same_data_again_tr
     rows = series.table(str(storage), "served")
     assert [r["run"] for r in rows][0] == first and len(rows) == 2, rows
     second = rows[1]["run"]
-    assert rows[1]["parent"] == first and read_registry(storage, second)["parent"] == first
+    assert rows[1]["parent"] == first and read_registry(storage, second)["inputs"]["parent"] == first
     first_eval = lambda run: next(r["eval_loss"] for r in _metrics(storage, run) if "eval_loss" in r)  # noqa: E731
     assert first_eval(second) < 0.8 * first_eval(first), "a warm start begins far below a base-model start"
     champion = min(rows, key=lambda r: r["score"])["run"]

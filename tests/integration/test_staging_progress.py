@@ -69,7 +69,8 @@ def test_staging_100_mb_shows_progress_in_the_log_and_the_artifact(tmp_path: Pat
     out = r.stdout + r.stderr
     lines = [(datetime.strptime(t, "%H:%M:%S.%f"), int(p)) for t, p in PROGRESS.findall(out)]
     (staged,) = [datetime.strptime(t, "%H:%M:%S.%f") for t in STAGED.findall(out)]
-    assert len(lines) >= 3 and lines[-1][1] == 100, r.explain()
+    # at least one line while it stages (a 100 MB file stages in 8-20 s here, so one to three of them), then 100 %
+    assert len(lines) >= 2 and lines[0][1] < 100 and lines[-1][1] == 100, r.explain()
     stamps = [t for t, _ in lines] + [staged]
     gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:], strict=False)]
     assert max(gaps) <= 10, gaps
@@ -79,5 +80,5 @@ def test_staging_100_mb_shows_progress_in_the_log_and_the_artifact(tmp_path: Pat
     assert len(final) == 1 and final[0][1] == 100.0, final  # one artifact, updated in place to 100
     assert {i for i, _, _ in seen} == {final[0][0]}, seen
     progress = [p for _, p, _ in seen]
-    assert len(set(progress)) >= 3 and progress == sorted(progress), seen
+    assert len(set(progress)) >= 2 and progress[0] < 100 and progress == sorted(progress), seen  # as the lines
     assert "records" in final[0][2] and "MB/s" in final[0][2], final
