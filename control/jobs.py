@@ -100,15 +100,21 @@ def entrypoint(cfg: Config) -> str:
 
 
 def submit(
-    handle: ClusterHandle, submission_id: str, module: str, spec_url: str, env: dict[str, str] | None = None
+    handle: ClusterHandle,
+    submission_id: str,
+    module: str,
+    spec_url: str,
+    env: dict[str, str] | None = None,
+    flags: tuple[str, ...] = (),
 ) -> str:
-    """Submit ``python -m <module> --spec <url>``; a job already submitted under this id is not submitted twice.
-    ``env``: extra variables for the job's processes (its runtime_env)."""
+    """Submit ``python -m <module> --spec <url> [flags]``; a job already submitted under this id is not submitted
+    twice. ``env``: extra variables for the job's processes (its runtime_env); ``flags``: ``--attach`` for a driver
+    that re-attaches to its attempt's run host (ray_jobs/host.py)."""
     log = run_logger()
     if _already_submitted(handle.address, submission_id):
         log.info("Ray job %s was already submitted; watching it", submission_id)
         return submission_id
-    entrypoint = f"{shlex.quote(handle.python)} -m {module} --spec {shlex.quote(spec_url)}"
+    entrypoint = " ".join([shlex.quote(handle.python), "-m", module, "--spec", shlex.quote(spec_url), *flags])
     runtime_env = _runtime_env(submission_id, env)
 
     def job() -> None:  # a client per try: a head that just came up may not have answered the last one

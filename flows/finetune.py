@@ -30,7 +30,7 @@ from ray_jobs.config.epochs import resolve_epochs
 from ray_jobs.contracts.dataset import read_manifest
 from ray_jobs.model.builtin import base_model_ready
 from tasks.cluster import ClusterHandle, begin_cluster, check_cluster_fits, provision_cluster, stop_cluster
-from tasks.jobs import submit_job, watch_job
+from tasks.jobs import reattach_driver, submit_job, watch_job
 from tasks.lineage import Lineage, check_series, find_trained_run, plan_lineage
 from tasks.model import check_model_options, prepare_base_model
 from tasks.record import (
@@ -203,11 +203,14 @@ async def _run_job(
         key=f"{cfg.name}-ray-job",
         description="the training job in the Ray dashboard",
     )
-    try:
-        await watch_job(handle, submission, cfg, attempt)
-    except JobFailed as e:
-        hand_over(cfg, attempt, handle.address, e)
-        raise
+    while True:
+        try:
+            await watch_job(handle, submission, cfg, attempt)
+            break
+        except JobFailed as e:  # its driver lost while its run host trains on: watched on under a new driver
+            if (submission := reattach_driver(cfg, attempt, submission)) is None:
+                hand_over(cfg, attempt, handle.address, e)
+                raise
     if cfg.tune is not None:
         return summarize_search(cfg, staged.dataset_id)
     return summarize(cfg, staged.dataset_id)

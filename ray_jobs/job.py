@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ray_jobs.config import Config, job_spec
 from ray_jobs.config.engines import engine_of
@@ -157,22 +157,47 @@ def root_cause(e: BaseException) -> JobFailure:
     return JobFailure(type=name, message=(lines[0] if lines else "")[:500], kinds=kinds, preempted=preempted)
 
 
-def main(argv: list[str] | None = None) -> int:
-    mask_output()  # the job's log never shows a credential (ray_jobs/secrets.py); its workers mask their own
+def fit_outcome(argv: list[str]) -> dict[str, Any]:
+    """Train what the job spec in ``argv`` says, to its end: ``{"result": {metrics, checkpoint}}``, or
+    ``{"failure": <the root cause's UNBROKEN_FAILURE line>}`` -- in the driver, or in its run host (ray_jobs/host.py)."""
     spec, cfg = job_spec("ray_jobs.job", JobSpec, argv)
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # One row-trace group per job (tests): a live replica replaced mid-job trains in the same group as its peers.
     trainer = build_trainer(cfg, loop_config(spec, cfg).set(group=time.time_ns()))
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps worker errors; name the root cause plainly for the watchdog's policy
         log.error("training failed: %s", e)
-        print(root_cause(e).line(), flush=True)
-        return 1
+        return {"failure": root_cause(e).line()}
     ckpt = result.checkpoint.path if result.checkpoint else None
-    print("UNBROKEN_RESULT " + json.dumps({"metrics": result.metrics, "checkpoint": ckpt}), flush=True)
-    return 0
+    return {"result": {"metrics": result.metrics, "checkpoint": ckpt}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ray_jobs.job --spec <url> [--attach]``: train in this driver, or with ``fault_tolerance.run_host``
+    in the attempt's run host (``--attach``: a driver for an attempt whose host already trains)."""
+    import argparse
+
+    mask_output()  # the job's log never shows a credential (ray_jobs/secrets.py); its workers mask their own
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    parser = argparse.ArgumentParser(prog="ray_jobs.job", add_help=False)
+    parser.add_argument("--attach", action="store_true")
+    parser.add_argument("--spec", required=True)
+    known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    given = ["--spec", known.spec, *rest]
+    _, cfg = job_spec("ray_jobs.job", JobSpec, given)  # a bad spec is named here, in the driver's log
+    ft = cfg.fault_tolerance
+    if ft.run_host or known.attach:
+        from ray_jobs.host import drive
+
+        outcome = drive(known.spec, fit_outcome, given, ft.run_host_orphan_s, known.attach)
+    else:
+        outcome = fit_outcome(given)
+    if "result" in outcome:
+        print("UNBROKEN_RESULT " + json.dumps(outcome["result"]), flush=True)
+        return 0
+    print(outcome["failure"], flush=True)
+    return 1
 
 
 if __name__ == "__main__":

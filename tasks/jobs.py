@@ -17,6 +17,7 @@ from control.jobs import entrypoint, submit, watch
 from control.logs import run_logger
 from control.progress import TrainingProgress
 from control.watchdog.observe import live_heartbeat
+from control.watchdog.reattach import reattach_watched
 from ray_jobs.config import Config
 from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.contracts.trials import DONE
@@ -69,6 +70,14 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
     if shown is not None:
         shown.close(done=status == "SUCCEEDED")
     return status
+
+
+@task(name="reattach-driver", cache_policy=NO_CACHE)
+def reattach_driver(cfg: Config, attempt: int, watched: str) -> str | None:
+    """The watched job (``watched``) ended FAILED: when its driver died while the attempt's run host trains on
+    (``fault_tolerance.run_host``), a new driver re-attaches to it (or a watchdog's did already) and its submission
+    id is watched on; None when the job failed indeed (the run is handed over to the watchdog)."""
+    return reattach_watched(cfg, attempt, watched)
 
 
 def _beat(cfg: Config, attempt: int) -> Beat | None:

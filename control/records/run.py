@@ -63,6 +63,9 @@ class Attempt(Part):
     adopted_at: float | None = None
     adopted_because: str | None = None
     flow_run_id: str | None = None  # the Prefect flow run that started it (its cancel and crash hooks act on it alone)
+    # its earlier drivers' submission ids, each lost while its run host trained on (``submission_id``: the one a
+    # driver re-attached under, ray_jobs/host.py)
+    drivers: list[str] = Field(default_factory=list)
 
     @property
     def in_flight(self) -> bool:
@@ -150,7 +153,7 @@ class RunRecord(Record):
     """``runs/<run>/run.json``. Version 1: the untyped files of earlier releases (same fields, no version); 2: typed;
     3: an attempt's flow run, incidents' heartbeat stamp and failed restarts, a succeeded run's closing; 4: the
     attempt's inputs as one part (``inputs``: ``manifest_url``, ``model_path``, ``score_manifest_url`` and
-    ``parent`` were top-level fields) -- an older release refuses a newer record by its version, not by a field it
+    ``parent`` were top-level fields), an attempt's earlier drivers -- an older release refuses a newer record by its version, not by a field it
     does not know."""
 
     SCHEMA: ClassVar[int] = 4

@@ -23,12 +23,14 @@ from control.watchdog.decide import (
     GiveUp,
     Log,
     Outcome,
+    Reattach,
     ReleaseCluster,
     ReplaceNodes,
     Resubmit,
     Save,
 )
 from control.watchdog.observe import recorded_handle
+from control.watchdog.reattach import reattach
 from control.watchdog.restart import resubmit, stop_leftovers
 from ray_jobs.config import Config
 
@@ -53,6 +55,8 @@ def act(decision: Decision, cfg: Config, lease: leases.Lease) -> Outcome:
                 close_run(cfg, recorded_handle(reg))
         elif isinstance(action, Resubmit):
             outcome = resubmit(cfg, reg, lease)
+        elif isinstance(action, Reattach):
+            reattach(cfg, reg, lease)
     return outcome
 
 

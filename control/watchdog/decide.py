@@ -25,6 +25,7 @@ from control.watchdog.decision import (
     GiveUp,
     Log,
     Outcome,
+    Reattach,
     ReleaseCluster,
     Restart,
     Resubmit,
@@ -122,6 +123,8 @@ def recheck(reg: RunRecord, again: Observations, cfg: Config) -> Decision:
         done = finish(reg, verdict, again, cfg)
         return Decision(done.record, steps + done.actions, done.outcome)
     why = f"{incident.kind} cleared on re-check: {verdict.status or verdict.kind}"
+    if verdict.kind == "driver-lost":  # its run host trains on: a driver re-attaches, nothing is restarted
+        return Decision(reg, [*steps, Reattach()], Outcome(reg.name, "reattached", verdict.detail, incident))
     return Decision(reg, steps, Outcome(reg.name, "ok", why, incident))
 
 
@@ -134,6 +137,8 @@ def healthy(reg: RunRecord, verdict: Verdict, obs: Observations, cfg: Config) ->
     if verdict.kind == "succeeded":
         return finish(reg, verdict, obs, cfg)
     changed |= note_progress(reg, verdict.heartbeat)
+    if verdict.kind == "driver-lost":  # the re-attach records the new driver (and what else changed)
+        return Decision(reg, [Reattach()], Outcome(reg.name, "reattached", verdict.detail))
     noted, actions = note_api(reg, verdict, obs.now)
     replaced, more = note_heals(reg, verdict.heartbeat)
     changed, actions = changed | noted | replaced, actions + more

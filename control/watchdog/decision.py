@@ -27,6 +27,12 @@ class Resubmit:
 
 
 @dataclass(frozen=True)
+class Reattach:
+    """The job's driver is gone while its run host trains on: submit a driver that re-attaches to it (no restart,
+    nothing counted; control/watchdog/reattach.py)."""
+
+
+@dataclass(frozen=True)
 class GiveUp:
     """Stop what is left of the job (best effort), record the run failed, release its cluster."""
 
@@ -58,7 +64,8 @@ class Log:
 @dataclass
 class Outcome:
     run: str
-    # ok | observing | succeeded | closed | restarted | restart-failed | waiting | gave-up | skipped | inactive |
+    # ok | observing | reattached | succeeded | closed | restarted | restart-failed | waiting | gave-up | skipped |
+    # inactive |
     # elsewhere (a local head on another host) | unreadable (a record this release cannot read) | storage-unreachable
     action: str
     detail: str = ""

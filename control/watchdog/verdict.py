@@ -26,15 +26,23 @@ from ray_jobs.contracts.heartbeat import Beat
 # (tests/unit/test_watchdog.py checks it); a new kind is one more name here and in its group, and ty checks every
 # Verdict made against it.
 VerdictKind = Literal[
-    "running", "succeeded", "api-unreachable", "job-failed", "stalled", "cluster-unreachable", "job-lost"
+    "running",
+    "succeeded",
+    "api-unreachable",
+    "driver-lost",
+    "job-failed",
+    "stalled",
+    "cluster-unreachable",
+    "job-lost",
 ]
 # Kinds of trouble that are facts (the Jobs API said so; the job's own heartbeat says it is stuck): acted on at once.
 DEFINITIVE: tuple[VerdictKind, ...] = ("job-failed", "stalled")
 # Kinds that may be a blip of the observer's path (a proxy's 502, a restarting dashboard, an auth hiccup): acted on
 # only once they held for fault_tolerance.confirm_s (control/confirm.py).
 AMBIGUOUS: tuple[VerdictKind, ...] = ("cluster-unreachable", "job-lost")
-# Looks that are no trouble at all: the job runs, or its API fails while its heartbeat says it trains on.
-FINE: tuple[VerdictKind, ...] = ("running", "succeeded", "api-unreachable")
+# Looks that are no trouble at all: the job runs, or its API fails while its heartbeat says it trains on, or its driver
+# is gone while its run host trains on (a driver is re-attached: ray_jobs/host.py).
+FINE: tuple[VerdictKind, ...] = ("running", "succeeded", "api-unreachable", "driver-lost")
 
 
 @dataclass
@@ -94,18 +102,44 @@ def classify(
     if view.status == "SUCCEEDED":
         return Verdict("succeeded", status=view.status, heartbeat=beat)
     if view.status in ("FAILED", "STOPPED"):
-        if beat is not None and beat.phase == "done":  # its rank 0 exported the final model, then it ended
-            return Verdict(
-                "succeeded",
-                f"Ray job {sid} ended {view.status} after its final model was exported",
-                status=view.status,
-                heartbeat=beat,
-            )
-        detail = f"Ray job {sid} ended {view.status}: {view.message or ''}".strip()
-        if error:
-            detail += f" [{error.type}: {error.message}]"
-        return Verdict("job-failed", detail, error=error, heartbeat=beat, status=view.status)
+        return _ended(view, sid, beat, cfg, age, error)
     return stall_verdict(view.status, attempt, beat, cfg, now, age)
+
+
+def _ended(
+    view: JobView, sid: str, beat: Beat | None, cfg: Config, age: float | None, error: JobFailure | None
+) -> Verdict:
+    """The Jobs API says the job ended FAILED or STOPPED: after its final model (succeeded), with its driver lost
+    while its run host trains on, or failed."""
+    if beat is not None and beat.phase == "done":  # its rank 0 exported the final model, then it ended
+        return Verdict(
+            "succeeded",
+            f"Ray job {sid} ended {view.status} after its final model was exported",
+            status=view.status,
+            heartbeat=beat,
+        )
+    if hosted(view, beat, cfg, age, error):
+        assert beat is not None and age is not None, "hosted() holds only with a heartbeat"
+        return Verdict(
+            "driver-lost",
+            f"Ray job {sid} ended {view.status} without a word, but its run host trains on (heartbeat at step "
+            f"{beat.step}, written {age:.0f}s ago): a driver re-attaches",
+            heartbeat=beat,
+            status=view.status,
+            phase=beat.judged_phase,
+        )
+    detail = f"Ray job {sid} ended {view.status}: {view.message or ''}".strip()
+    if error:
+        detail += f" [{error.type}: {error.message}]"
+    return Verdict("job-failed", detail, error=error, heartbeat=beat, status=view.status)
+
+
+def hosted(view: JobView, beat: Beat | None, cfg: Config, age: float | None, error: JobFailure | None) -> bool:
+    """The job's driver died (FAILED, and it printed no root cause: a driver that relays its host's failure does)
+    while the attempt's run host trains on (``fault_tolerance.run_host``; its heartbeat fresh)."""
+    if not cfg.fault_tolerance.run_host or view.status != "FAILED" or error is not None:
+        return False
+    return beat is not None and age is not None and age <= fresh_s(cfg)
 
 
 def _unanswered(

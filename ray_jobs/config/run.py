@@ -149,6 +149,11 @@ class Config(Section):
             )
         if self.tune is not None:
             problems = tune_problems(self) + self._search_names(self.tune)
+            if self.fault_tolerance.run_host:
+                problems.append(
+                    "fault_tolerance.run_host: not for a search yet (its trials run under Ray Tune's driver, which "
+                    "the search job owns); set it to false"
+                )
             if self.cluster.backend_name == "local" and (p := concurrency_problem(self, local_cpus())):
                 problems.append(p + " (a local head has one CPU per core of this machine)")
             if problems:

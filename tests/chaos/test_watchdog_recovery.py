@@ -25,6 +25,7 @@ from control import registry
 from control.backends.base import jobs_client
 from control.backends.local import head_pids
 from control.describe import describe
+from control.jobs import stop_and_wait
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
@@ -285,6 +286,73 @@ def test_a_torn_checkpoint_write_a_killed_driver_a_hang_and_a_lost_head_each_res
     for log in watchdogs:  # named by each (its log and its printed outcome) -- once, not once a pass
         said = log.read_text().count("from-a-newer-release/run.json: schema_version 99 is newer than this unbroken")
         assert 1 <= said <= 2, said
+
+
+def test_a_killed_driver_leaves_its_run_host_training_and_a_new_driver_re_attaches(
+    ray_cluster, baseline, watched, watchdogs
+) -> None:
+    """``fault_tolerance.run_host``: kill -9 of the job's driver mid-run. Ray Train's controller, its workers and the
+    training function belong to the attempt's run host (a detached actor, ray_jobs/host.py), so the steps go on at
+    once; a watchdog sees a FAILED job whose heartbeat moves and re-attaches a driver, which relays the run's end. The
+    run ends succeeded in its one attempt -- nothing restarted, no step lost -- bit-identical."""
+    cfg = watched_config(watched, "hosted", **{"fault_tolerance.run_host": True})
+    with slow_steps(0.1):
+        start_run(ray_cluster, cfg)
+        started_and_checkpointed(cfg, past_step=20)
+        pid = wait_for("the job driver", lambda: driver_pid(cfg))
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        next_at = wait_for("a step after the kill", lambda: step_after(cfg, killed_at), timeout_s=60, every_s=0.05)
+        wait_for("a driver re-attached", lambda: registry.load(cfg.storage, cfg.name).current.drivers, timeout_s=60)
+    reg = until_finished(cfg, watchdogs)
+    status = describe(cfg.storage, cfg.name)
+    assert reg.state == "succeeded" and len(reg.attempts) == 1 and reg.restarts == 0, status
+    assert reg.current.drivers and reg.current.submission_id.endswith("-d2"), status
+    assert not [i for i in reg.incidents if i.action != "observed"], status  # nothing acted on, nothing counted
+    assert counted("unbroken_watchdog_restarts_total", run=cfg.name) == 0
+    # the re-attached driver relayed the run's end, and took its host down with it
+    assert jobs_client(ray_cluster.address).get_job_status(reg.current.submission_id) == "SUCCEEDED", status
+    wait_for("the run host gone", lambda: not run_hosts(ray_cluster.address), timeout_s=30)
+    REPORT.append({"scenario": "kill -9 the job driver (run host alive)", "detected_by": "watchdog (driver-lost)",
+                   "detection_s": 0.0, "recovery_s": next_at - killed_at, "lost_steps": 0})  # fmt: skip
+    assert final_weights_hash(cfg) == baseline
+
+
+@pytest.mark.full(shard=0)  # a stopped hosted job: nothing trains on unwatched
+def test_a_stopped_job_takes_its_run_host_and_its_workers_down(ray_cluster, tmp_path) -> None:
+    """A cancel, or the watchdog giving up, stops the job through the Jobs API: its driver, told by SIGTERM, kills
+    its run host first, and Ray Train's workers (the host's) go with it -- a run host never trains on unwatched. (On
+    storage no watchdog of this module looks at: a stopped job of a watched one would be restarted.)"""
+    cfg = watched_config(tmp_path / "storage", "hosted-stopped", **{"fault_tolerance.run_host": True})
+    with slow_steps(0.1):
+        sid = start_run(ray_cluster, cfg)
+        wait_for("training", lambda: heartbeat_step(cfg) > 5, timeout_s=300)
+        wait_for("its run host", lambda: run_hosts(ray_cluster.address), timeout_s=30)
+        stop_and_wait(ray_cluster.address, sid, 60)
+    wait_for("the run host gone", lambda: not run_hosts(ray_cluster.address), timeout_s=30)
+    wait_for("its workers gone", lambda: not alive_actors(ray_cluster.address, "RayTrainWorker"), timeout_s=60)
+
+
+def alive_actors(address: str, class_name: str) -> list[str]:
+    """The actors of ``class_name`` alive on the cluster."""
+    from ray.util.state import list_actors
+
+    return [a.actor_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name == class_name]  # fmt: skip
+
+
+def run_hosts(address: str) -> list[str]:
+    """The run hosts alive on the cluster (ray_jobs/host.py), by name."""
+    from ray.util.state import list_actors
+
+    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
+    return [a.name for a in alive if (a.name or "").startswith("unbroken-host-")]
+
+
+def step_after(cfg: Config, t: float) -> float | None:
+    """When the run's first step after ``t`` was done (its heartbeat's ``last_step_at``), or None before it."""
+    at = heartbeat(cfg).get("last_step_at")
+    return at if at is not None and at > t else None
 
 
 def newer_release_beside(storage: Path) -> None:

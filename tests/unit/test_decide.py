@@ -17,6 +17,7 @@ from control.watchdog.decide import (
     CloseRun,
     GiveUp,
     Log,
+    Reattach,
     ReleaseCluster,
     ReplaceNodes,
     Restart,
@@ -27,6 +28,7 @@ from control.watchdog.decide import (
 )
 from control.watchdog.observe import Observations
 from ray_jobs.config import load_config
+from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.contracts.heartbeat import Beat
 from tests.conftest import ROOT
 
@@ -610,6 +612,40 @@ def test_a_restart_is_decided_again_on_a_look_taken_right_before_it(name, view, 
     for path, want in check.items():
         assert _get(decision.record, path) == want, path
     assert reg.model_dump() == before, "recheck changed the record it was given"
+
+
+# -- a run host (fault_tolerance.run_host): the job's driver lost while what trains lives on -----------------------
+HOSTED = CFG.model_copy(update={"fault_tolerance": CFG.fault_tolerance.model_copy(update={"run_host": True})})
+HOST_ROWS = [  # (name, observations, config, outcome, actions)
+    ("driver killed, its host trains on (FAILED without a word, a fresh heartbeat): a driver re-attaches, nothing "
+     "is counted", ok(FAILED, beat(step=83)), HOSTED, "reattached", [Reattach]),
+    ("the driver relayed a root cause: the training failed indeed", ok(FAILED, beat(), error=JobFailure(**CRASH)),
+     HOSTED, "waiting", [Save, Log]),
+    ("its heartbeat went stale: the host is gone with its driver", ok(FAILED, beat(), beat_age_s=60.0), HOSTED,
+     "waiting", [Save, Log]),
+    ("a stopped job (a cancel) is no lost driver", ok(JobView("ok", "STOPPED"), beat()), HOSTED, "waiting",
+     [Save, Log]),
+    ("without a run host the same look is a failed job", ok(FAILED, beat(step=83)), CFG, "waiting", [Save, Log]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "obs", "cfg", "outcome", "actions"), HOST_ROWS, ids=[r[0] for r in HOST_ROWS])
+def test_a_driver_lost_while_its_run_host_trains_on_is_re_attached_not_restarted(name, obs, cfg, outcome, actions):
+    decision = decide(record(), obs, cfg)
+    assert decision.outcome.action == outcome, decision.outcome.detail
+    assert [type(a) for a in decision.actions] == actions
+    if outcome == "reattached":
+        assert decision.record.state == "running" and decision.record.restarts == 1
+        assert decision.record.open_incident() is None
+
+
+def test_a_flows_hand_over_of_a_lost_driver_is_stood_down_and_re_attached_on_the_re_check() -> None:
+    reg = record("FAILED", "recovering", incidents=[restarted_at(1), open_incident()])
+    decision = recheck(reg, ok(FAILED, beat()), HOSTED)
+    assert decision.outcome.action == "reattached", decision.outcome.detail
+    assert [type(a) for a in decision.actions] == [Save, Log, Reattach]
+    assert decision.record.incidents[-1].action == "observed" and decision.record.state == "submitted"
+    assert decision.record.current.adopted_by == "watchdog"
 
 
 def test_act_carries_out_and_decides_nothing() -> None:

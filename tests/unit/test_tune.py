@@ -52,6 +52,7 @@ def test_the_demo_search_loads_and_draws_the_same_trials_everywhere() -> None:
         ("checkpoint.every_steps=150", "checkpoint.every_steps: 150 must be a multiple of train.eval_every_steps"),
         ("tune.max_concurrent_trials=64", "tune.max_concurrent_trials: 64 trials x cluster.num_workers=2"),
         ("tune.num_trials=0", "tune.num_trials: Input should be greater than or equal to 1"),
+        ("fault_tolerance.run_host=true", "fault_tolerance.run_host: not for a search yet"),
     ],
 )
 def test_a_bad_search_is_one_clear_error_naming_the_field(override: str, named: str) -> None:

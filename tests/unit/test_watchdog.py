@@ -18,6 +18,7 @@ from control.watchdog.policy import backoff_s, budget_used, give_up_reason
 from control.watchdog.suspects import cleared, confirm
 from control.watchdog.verdict import Verdict, classify, still_submitting
 from ray_jobs.config import load_config
+from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.contracts.job_spec import AttemptInputs
 from ray_jobs.coordination import create_exclusive
@@ -536,3 +537,33 @@ def test_a_restart_whose_submission_fails_is_a_counted_try_and_the_next_pass_res
         assert any(isinstance(a, Resubmit) for a in recheck(reg, again, c).actions)
     gave_up = decide(reg, Observations(time.time() + 3600, None), c)
     assert gave_up.outcome.action == "gave-up" and "503 Service Unavailable" in gave_up.record.reason
+
+
+def test_the_flows_watch_re_attaches_a_driver_lost_while_its_run_host_trains_on(tmp_path: Path, monkeypatch) -> None:
+    """``fault_tolerance.run_host``: the flow's watch saw its job end FAILED. Its driver died without a word while
+    the heartbeat is fresh: a driver re-attaches under a new submission id (``--attach``), the attempt goes on, its
+    first driver kept; a driver that printed a root cause failed indeed (handed over), as does any run without a host."""
+    import json
+
+    from control.watchdog import reattach
+    from ray_jobs.storage import Layout
+
+    c = cfg(tmp_path, "fault_tolerance.run_host=true")
+    registry.begin_attempt(c, {"address": "http://h:8265"}, "ds-1", AttemptInputs(manifest_url="m", model_path="p"))
+    url = Path(Layout(c.storage).heartbeat(c.name))
+    url.parent.mkdir(parents=True, exist_ok=True)
+    url.write_text(json.dumps(beat("training", 1, 1).set(attempt=1, time=time.time()).dump()))
+    first = registry.load(c.storage, c.name).current.submission_id
+    submitted = []
+    monkeypatch.setattr(reattach.jobsapi, "read_job", lambda address, sid: JobView("ok", "FAILED"))
+    monkeypatch.setattr(reattach, "submit", lambda handle, sid, module, spec, env, flags: submitted.append(flags))
+    failure = JobFailure(type="RuntimeError", message="NCCL aborted", kinds=["RuntimeError"])
+    monkeypatch.setattr(reattach, "job_failure", lambda address, sid: failure)
+    assert reattach.reattach_watched(c, 1, first) is None and not submitted  # the training failed: handed over
+    monkeypatch.setattr(reattach, "job_failure", lambda address, sid: None)
+    assert reattach.reattach_watched(cfg(tmp_path), 1, first) is None  # no run host: a failed job
+    sid = reattach.reattach_watched(c, 1, first)
+    reg = registry.load(c.storage, c.name)
+    assert sid == f"{first}-d2" == reg.current.submission_id and reg.current.drivers == [first]
+    assert submitted == [("--attach",)] and reg.current.in_flight and len(reg.attempts) == 1 and reg.restarts == 0
+    assert reattach.reattach_watched(c, 1, first) == sid and len(submitted) == 1  # a watchdog's re-attach: watched on
