@@ -81,15 +81,21 @@ class StepStuck(RuntimeError):
     this cause) instead of retrying forever."""
 
 
+RETRY_FLOOR_S = 1.0  # the unit of Retries' bounds at the least (a heal's tries are not cut short by a quick timeout)
+
+
 class Retries:
     """How long one step has failed to commit, and when to give up. A replica whose own heal failed gives up after
     ``10 x replica_timeout_s``: it is the one that cannot catch up, and once it leaves the others step without it.
     Any replica gives up after ``60 x replica_timeout_s``: the quorum cannot form at all. (Seen on an H100, two
-    replicas sharing the GPU: a heal over NCCL that failed at every quorum held both at one step for minutes.)"""
+    replicas sharing the GPU: a heal over NCCL that failed at every quorum held both at one step for minutes.) Never
+    under 10 s and 60 s (``RETRY_FLOOR_S``): a heal moves the whole training state, which a loaded host may take
+    seconds over, however soon a silent replica is left out."""
 
     def __init__(self, rank: int, replica_timeout_s: float, clock=time.monotonic):
         self.rank, self.clock, self.since = rank, clock, None
-        self.behind_s, self.any_s = 10 * replica_timeout_s, 60 * replica_timeout_s
+        unit = max(RETRY_FLOOR_S, replica_timeout_s)
+        self.behind_s, self.any_s = 10 * unit, 60 * unit
 
     def failed(self, step: int, cause: BaseException | None, heal_failed: bool) -> None:
         """Record a failed try at ``step``; raise :class:`StepStuck` once this replica has waited long enough."""
