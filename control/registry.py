@@ -309,21 +309,16 @@ def mark_running(storage: str, run: str, attempt: int) -> bool:
     holds the run (the next poll, or the watchdog itself, does it). True once nothing is left to do: a caller polls
     until then, and takes the lease only when the registry still needs the change (one lease, not one a poll)."""
     reg = load(storage, run)
-    if reg is None or not set_running(reg.deep_copy(), attempt):
+    if reg is None or not lifecycle.mark_running(reg.deep_copy(), attempt):
         return True
     lease = leases.acquire(storage, run, ttl_s=30)
     if lease is None:
         return False
     with lease:
         reg = load(storage, run)
-        if reg is not None and set_running(reg, attempt):
+        if reg is not None and lifecycle.mark_running(reg, attempt):
             save(storage, run, reg)
     return True
-
-
-def set_running(reg: RunRecord, attempt: int) -> bool:
-    """In ``reg``: the current attempt ``attempt`` was SUBMITTED and now runs. False when that is not news."""
-    return lifecycle.mark_running(reg, attempt)
 
 
 def end_attempt(

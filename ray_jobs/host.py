@@ -63,9 +63,6 @@ class RunHost:
         self.seen = time.monotonic()
         return self.outcome
 
-    def alive(self) -> bool:
-        return not self.ended.is_set()
-
     def _train(self) -> None:
         try:
             self.outcome = self.train(self.argv)

@@ -158,9 +158,15 @@ def root_cause(e: BaseException) -> JobFailure:
 
 
 def fit_outcome(argv: list[str]) -> dict[str, Any]:
-    """Train what the job spec in ``argv`` says, to its end: ``{"result": {metrics, checkpoint}}``, or
-    ``{"failure": <the root cause's UNBROKEN_FAILURE line>}`` -- in the driver, or in its run host (ray_jobs/host.py)."""
-    spec, cfg = job_spec("ray_jobs.job", JobSpec, argv)
+    """What the attempt's run host runs (ray_jobs/host.py): the job spec in ``argv`` read in the host's own process
+    (its credentials from the job's environment, its output masked as the driver's is), then :func:`fit`."""
+    mask_output()
+    return fit(*job_spec("ray_jobs.job", JobSpec, argv))
+
+
+def fit(spec: JobSpec, cfg: Config) -> dict[str, Any]:
+    """Train what the job spec says, to its end: ``{"result": {metrics, checkpoint}}``, or ``{"failure": <the root
+    cause's UNBROKEN_FAILURE line>}`` -- in the driver, or in its run host."""
     os.environ.setdefault(POLL_INTERVAL_ENV, POLL_INTERVAL_S)
     # One row-trace group per job (tests): a live replica replaced mid-job trains in the same group as its peers.
     trainer = build_trainer(cfg, loop_config(spec, cfg).set(group=time.time_ns()))
@@ -185,14 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True)
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     given = ["--spec", known.spec, *rest]
-    _, cfg = job_spec("ray_jobs.job", JobSpec, given)  # a bad spec is named here, in the driver's log
+    spec, cfg = job_spec("ray_jobs.job", JobSpec, given)  # a bad spec is named here, in the driver's log
     ft = cfg.fault_tolerance
     if ft.run_host or known.attach:
         from ray_jobs.host import drive
 
         outcome = drive(known.spec, fit_outcome, given, ft.run_host_orphan_s, known.attach)
     else:
-        outcome = fit_outcome(given)
+        outcome = fit(spec, cfg)
     if "result" in outcome:
         print("UNBROKEN_RESULT " + json.dumps(outcome["result"]), flush=True)
         return 0

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from control import jobsapi, registry
 from control import lease as leases
-from control.jobs import submit
+from control.jobs import entrypoint, submit
 from control.logs import run_logger
 from control.records.run import RunRecord
 from control.watchdog import credentials
@@ -31,7 +31,7 @@ def reattach(cfg: Config, reg: RunRecord, lease: leases.Lease) -> str:
     lease.check()  # fenced: a watchdog that lost its lease submits nothing
     with lease.kept():
         handle = replace(recorded_handle(reg), python=cfg.cluster.python)  # the interpreter is the config's
-        submit(handle, sid, "ray_jobs.job", spec, env, flags=("--attach",))
+        submit(handle, sid, entrypoint(cfg), spec, env, flags=("--attach",))
     attempt.set(drivers=[*attempt.drivers, attempt.submission_id], submission_id=sid, status="SUBMITTED")
     attempt.unset("ended_at")
     lease.check()
