@@ -33,12 +33,14 @@ browser:
 	  $$S apt-get install -y -qq chromium >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq chromium; }; }
 	@chromium --version
 
-# sshd and rsync for the Ray cluster launcher's hosts (tests/launcher: `ray up` over SSH): Debian's packages.
+# sshd and rsync for the Ray cluster launcher's hosts (tests/launcher: `ray up` over SSH), and redis-server for the
+# multinode hosts' fault-tolerant GCS (tests/multinode: a head killed and restarted): Debian's packages.
 hosts-tools:
-	@command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd && command -v rsync >/dev/null 2>&1 || { \
-	  S=$$([ "$$(id -u)" = 0 ] || echo sudo); $$S apt-get install -y -qq openssh-server rsync >/dev/null 2>&1 || \
-	  { $$S apt-get update -qq && $$S apt-get install -y -qq openssh-server rsync; }; }
-	@echo "sshd and rsync: present"
+	@{ command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd; } && command -v rsync >/dev/null 2>&1 && \
+	  command -v redis-server >/dev/null 2>&1 || { S=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$S apt-get install -y -qq openssh-server rsync redis-server >/dev/null 2>&1 || \
+	  { $$S apt-get update -qq && $$S apt-get install -y -qq openssh-server rsync redis-server; }; }
+	@echo "sshd, rsync and redis-server: present"
 
 # The Prefect UI on http://127.0.0.1:4200 (SQLite under .unbroken/prefect); Ctrl-C stops it.
 ui: setup

@@ -16,7 +16,8 @@ steps lost (committed, then trained again after a resume). The runs log every st
 the metrics log times every commit; everything else is the demo's config, ``fault_tolerance.max_failures=-1`` (a
 worker fault never ends the job: Ray Train restarts the group, or live recovery replaces the worker),
 ``max_restarts=1000`` (a steady fault rate, not a crash loop) and, per mode, ``fault_tolerance.live_recovery`` and
-``fault_tolerance.standby_replicas`` (``standby``: one standby worker beside the demo's two).
+``fault_tolerance.standby_replicas`` (``standby``: one standby worker beside the demo's two) and
+``fault_tolerance.run_host`` (``host``: live recovery on, the run outliving its driver).
 """
 
 from __future__ import annotations
@@ -44,16 +45,17 @@ PORTS = {"cluster.dashboard_port": 8299, "cluster.head_port": 6399}  # not the d
 CYCLES = {"worker": ["kill9-worker"], "mixed": ["kill9-worker", "sigterm-worker", "kill9-driver"]}
 
 
-# mode -> (fault_tolerance.live_recovery, fault_tolerance.standby_replicas)
-MODES = {"off": (False, 0), "on": (True, 0), "standby": (True, 1)}
+# mode -> (fault_tolerance.live_recovery, fault_tolerance.standby_replicas, fault_tolerance.run_host)
+MODES = {"off": (False, 0, False), "on": (True, 0, False), "standby": (True, 1, False), "host": (True, 0, True)}
 
 
 def sets(storage: Path, name: str, args, mode: str) -> list[str]:
-    live, standby = MODES[mode]
+    live, standby, host = MODES[mode]
     over = {"name": name, "storage": storage, "data.cache_dir": storage.parent / "node-cache",
             "train.max_steps": args.steps, "train.log_every_steps": 1, "fault_tolerance.max_failures": -1,
             "fault_tolerance.max_restarts": 1000,  # a steady fault rate is the point here, not a crash loop
             "fault_tolerance.live_recovery": str(live).lower(), "fault_tolerance.standby_replicas": standby,
+            "fault_tolerance.run_host": str(host).lower(),
             "cluster.keep_running": "true", **PORTS}  # fmt: skip
     if standby:  # three workers within this 2-core machine's Ray (each still trains on one torch thread)
         over["cluster.cpus_per_worker"] = 0.5

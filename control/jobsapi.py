@@ -29,6 +29,7 @@ class JobView:
     status: str = ""
     message: str = ""
     why: str = ""  # what went wrong when api != ok
+    driver_node: str = ""  # the hex id of the node the job's driver runs (ran) on, when the Jobs API says
 
     @property
     def terminal(self) -> bool:
@@ -43,7 +44,8 @@ def read_job(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> 
     if r.status_code == 200:
         try:
             body = r.json()
-            return JobView("ok", str(body.get("status", "")), body.get("message") or "")
+            node = str(body.get("driver_node_id") or "")
+            return JobView("ok", str(body.get("status", "")), body.get("message") or "", driver_node=node)
         except ValueError:
             return JobView("unknown", why="the Jobs API answered 200 with a body that is not JSON")
     if r.status_code == 404 and api_answers(address, timeout_s):

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -62,6 +63,8 @@ class Hosts:
         ]
         self.head: Host | None = None
         self.gcs_port = self.dashboard_port = 0
+        self.redis: subprocess.Popen | None = None
+        self.redis_address = ""  # the head's GCS keeps its state there (GCS fault tolerance) once start_redis ran
 
     # -- the network -------------------------------------------------------------------------------------------
     def up(self) -> Hosts:
@@ -85,6 +88,27 @@ class Hosts:
             _ip("netns", "del", h.ns, check=False)
             _ip("link", "del", h.link, check=False)
         _ip("link", "del", self.bridge, check=False)
+        if self.redis is not None:
+            self.redis.kill()
+            self.redis.wait()
+        # a crashed session's Redis (its process title names its address)
+        subprocess.run(["pkill", "-KILL", "-f", f"^redis-server 10.{self.octet}.0.1:"], capture_output=True)
+
+    def start_redis(self, port: int) -> str:
+        """Redis for the head's GCS fault tolerance (Debian's ``redis-server``), on the machine's side of the bridge --
+        outside every host, as a managed Redis is -- empty and keeping nothing on disk; its address. A head started
+        after this keeps its GCS state there (``RAY_REDIS_ADDRESS``): killed and started again at its address, it
+        finds the cluster's actors, jobs and nodes where it left them."""
+        addr = f"10.{self.octet}.0.1"
+        server = shutil.which("redis-server") or "/usr/bin/redis-server"
+        log = (self.root / "redis.log").open("ab")
+        self.redis = subprocess.Popen(
+            [server, "--bind", addr, "--port", str(port), "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        wait_for("redis-server", lambda: _accepts(addr, port), timeout_s=30, every_s=0.1)
+        self.redis_address = f"{addr}:{port}"
+        return self.redis_address
 
     # -- Ray nodes ---------------------------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
@@ -97,6 +121,8 @@ class Hosts:
             OMP_NUM_THREADS="1",
             GLOO_SOCKET_IFNAME="eth0",
         )  # fmt: skip  (gloo: the host's own address, not the shared hostname's)
+        if self.redis_address:  # GCS fault tolerance: every node waits out a head's restart (Ray's default: 60 s)
+            env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "300"
         return env
 
     # Ray's defaults count a silent node dead after 5 missed checks of up to 10 s each, ~65 s (a killed node's refused
@@ -148,8 +174,9 @@ class Hosts:
         """The head on ``h`` (no CPUs of its own by default: training runs on the worker hosts); its Jobs API URL."""
         self.head, self.gcs_port, self.dashboard_port = h, gcs_port, dashboard_port
         subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env=self._env(), capture_output=True)
+        ft = {"RAY_REDIS_ADDRESS": self.redis_address} if self.redis_address else {}
         self._start(h, ["--head", f"--port={gcs_port}", "--dashboard-host=0.0.0.0", f"--dashboard-port={dashboard_port}",
-                        f"--num-cpus={num_cpus}"], self.HEALTH_CHECK)  # fmt: skip
+                        f"--num-cpus={num_cpus}"], self.HEALTH_CHECK | ft)  # fmt: skip
         address = f"http://{h.addr}:{dashboard_port}"
         from control.backends.base import reachable
 
@@ -235,6 +262,14 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def _listening(h: Host, port: int) -> bool:

@@ -93,6 +93,9 @@ def raycluster_manifest(cfg: Config, run: str) -> Manifest:
     k = cfg.cluster.kuberay
     head = _container(cfg, "ray-head", k.head_cpus, k.head_memory, 0)
     worker = _container(cfg, "ray-worker", k.worker_cpus, k.worker_memory, k.gpus_per_worker)
+    # GCS fault tolerance (cluster.gcs_ft): KubeRay gives the head RAY_REDIS_ADDRESS and the workers a long GCS
+    # reconnect timeout, so a head pod that dies and comes back leaves the workers' training running
+    ft = {"gcsFaultToleranceOptions": {"redisAddress": cfg.cluster.gcs_ft}} if cfg.cluster.gcs_ft else {}
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "RayCluster",
@@ -105,6 +108,7 @@ def raycluster_manifest(cfg: Config, run: str) -> Manifest:
         "spec": {
             "rayVersion": RAY_VERSION,
             "authOptions": {"mode": "token", "secretName": token_secret_name(cfg)},
+            **ft,
             "headGroupSpec": {
                 "serviceType": "ClusterIP",
                 # no training on the head: it runs Ray's control plane and the job drivers

@@ -12,9 +12,12 @@ Token auth: the YAML's start commands set ``RAY_AUTH_MODE=token`` and ship this 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shlex
 import socket
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -38,6 +41,7 @@ DASHBOARD_PORT = 8265
 GCS_PORT = 6379
 HEAD_TRIES, HEAD_RETRY_S = 3, 2.0  # asking a head the launcher knows before taking it for dead
 UP_POLL_S = 2.0  # between two looks for the Jobs API once the launcher is done
+RECONNECT_S = 600  # the workers' GCS reconnect timeout under GCS fault tolerance (KubeRay's own value)
 
 
 def yaml_problems(path: str, use_gpu: bool) -> list[str]:
@@ -137,10 +141,11 @@ class RayUp(Backend):
             # new instance waits on the dead one's IP, whose termination times out (seen here, 300 s and again). v1
             # replaces it. A user's explicit setting wins.
             os.environ.setdefault("RAY_UP_enable_autoscaler_v2", "0")
+        launch = launch_yaml(path, self._yaml(), self.cfg.cluster.gcs_ft)
         try:
             # On a live cluster: update in place, Ray not restarted (running jobs go on); the head's autoscaler
             # starts the workers the YAML asks for that are missing.
-            self._sdk().create_or_update_cluster(path, no_restart=already is not None, no_config_cache=True)
+            self._sdk().create_or_update_cluster(launch, no_restart=already is not None, no_config_cache=True)
         except Exception as e:  # the launcher's failures carry the provider's or SSH's message
             raise ClusterError(redact(f"ray up {path} failed: {type(e).__name__}: {e}")) from e
         address = poll_until(self.address, limit, every_s=UP_POLL_S)
@@ -203,3 +208,30 @@ def _accepts(host: str, port: int, timeout_s: float = 5.0) -> bool:
 
 
 BACKEND = RayUp
+
+
+def gcs_ft_yaml(spec: ClusterYaml, redis: str) -> ClusterYaml:
+    """The cluster YAML with GCS fault tolerance (``cluster.gcs_ft``): the head's start commands run with
+    ``RAY_REDIS_ADDRESS`` (its GCS state kept in Redis, under a namespace of the cluster's name, so clusters may share
+    one Redis), the workers' with a GCS reconnect timeout long enough for a head to come back (KubeRay's 600 s)."""
+    name = str(spec.get("cluster_name") or "default")
+    head = f"export RAY_REDIS_ADDRESS={shlex.quote(redis)} RAY_external_storage_namespace={shlex.quote(name)}; "
+    worker = f"export RAY_gcs_rpc_server_reconnect_timeout_s={RECONNECT_S}; "
+    out = dict(spec)
+    for key, prefix in (("head_start_ray_commands", head), ("worker_start_ray_commands", worker)):
+        listed = spec.get(key)
+        if isinstance(listed, list):
+            out[key] = [prefix + str(c) for c in listed]
+    return out
+
+
+def launch_yaml(path: str, spec: ClusterYaml, redis: str) -> str:
+    """The YAML ``ray up`` is given: the user's own, or -- with ``cluster.gcs_ft`` -- a copy with GCS fault tolerance
+    (:func:`gcs_ft_yaml`) in this machine's temp folder (the user's file is never rewritten)."""
+    if not redis:
+        return path
+    text = yaml.safe_dump(gcs_ft_yaml(spec, redis), sort_keys=False)
+    out = Path(tempfile.gettempdir()) / "unbroken-ray-up" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return str(out)

@@ -53,17 +53,7 @@ def decide(reg: RunRecord, obs: Observations, cfg: Config) -> Decision:
     if incident is not None:
         return handle_incident(reg, incident, cfg, now, [])
     assert obs.job is not None, "observe() asks the Jobs API whenever no incident is open"
-    verdict = classify(
-        obs.job,
-        reg.current,
-        obs.heartbeat,
-        cfg,
-        now,
-        reg.recorded_cluster.address,
-        obs.error,
-        obs.beat_age_s,
-        obs.job_gone,
-    )
+    verdict = verdict_of(reg, obs, cfg)
     seen = confirm(reg, verdict, cfg, now)
     if seen == "healthy":
         return healthy(reg, verdict, obs, cfg)
@@ -78,6 +68,24 @@ def decide(reg: RunRecord, obs: Observations, cfg: Config) -> Decision:
     incident = open_incident(reg, verdict, cfg, obs)
     warn = Log("warning", f"run {reg.name}: {incident.kind} detected: {verdict.detail}")
     return handle_incident(reg, incident, cfg, now, [warn])
+
+
+def verdict_of(reg: RunRecord, obs: Observations, cfg: Config) -> Verdict:
+    """What one look at the current attempt means (``obs.job``: observe() asked the Jobs API)."""
+    assert obs.job is not None, "observe() asks the Jobs API whenever no incident is open"
+    address = reg.recorded_cluster.address
+    return classify(
+        obs.job,
+        reg.current,
+        obs.heartbeat,
+        cfg,
+        obs.now,
+        address,
+        obs.error,
+        obs.beat_age_s,
+        obs.job_gone,
+        obs.driver_dead,
+    )
 
 
 def handle_incident(reg: RunRecord, incident: Incident, cfg: Config, now: float, actions: list) -> Decision:
@@ -104,17 +112,7 @@ def recheck(reg: RunRecord, again: Observations, cfg: Config) -> Decision:
     reg = reg.deep_copy()
     incident = reg.open_incident()
     assert incident is not None and again.job is not None, "a restart is decided for an open incident; look() asks"
-    verdict = classify(
-        again.job,
-        reg.current,
-        again.heartbeat,
-        cfg,
-        again.now,
-        reg.recorded_cluster.address,
-        again.error,
-        again.beat_age_s,
-        again.job_gone,
-    )
+    verdict = verdict_of(reg, again, cfg)
     if verdict.trouble:
         return Decision(reg, [Resubmit()], Outcome(reg.name, "restarting", incident.kind, incident))
     stand_down(reg, incident, verdict, again.now)

@@ -13,7 +13,7 @@ from control.backends.base import ClusterHandle
 from control.backends.health import Health, disk_usage
 from control.records.run import RunRecord
 from control.series.search import final_model
-from control.watchdog.verdict import classify, fresh_s
+from control.watchdog.verdict import classify, driver_dead, fresh_s
 from ray_jobs.config import Config
 from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.contracts.heartbeat import Beat
@@ -36,6 +36,7 @@ class Observations:
     final_model: str | None = None  # the run's final model folder (a search's: its winner's), once the job succeeded
     beat_age_s: float | None = None  # the heartbeat's age by the storage's clock (None: judged by its own ``time``)
     job_gone: bool | None = None  # the backend's evidence that no process of the job is left (asked when the API fails)
+    driver_dead: bool = False  # the cluster lists the node of the running job's driver dead (verdict.driver_dead)
 
 
 def current_heartbeat(storage: str, run: str, attempt: int) -> Beat | None:
@@ -96,14 +97,17 @@ def look(cfg: Config, reg: RunRecord, now: float) -> Observations:
     ended = view.api == "ok" and view.status in ("FAILED", "STOPPED")
     error = job_failure(address, attempt.submission_id) if ended else None
     gone = job_gone(cfg, reg) if view.api != "ok" else None
-    verdict = classify(view, attempt, beat, cfg, now, address, error, age, gone)
-    seen = Observations(now, view, beat, error, beat_age_s=age, job_gone=gone)
+    # the cluster's nodes while the job runs: noted, and where its driver ran (a run host outlives a driver's node)
+    health = backend_for(cfg).health(recorded_handle(reg)) if view.status == "RUNNING" else None
+    dead = driver_dead(view, health)
+    verdict = classify(view, attempt, beat, cfg, now, address, error, age, gone, dead)
+    seen = Observations(now, view, beat, error, beat_age_s=age, job_gone=gone, driver_dead=dead)
     if verdict.trouble:  # what else is read depends on the verdict (each is a look at storage or the cluster)
         return replace(seen, metrics_step=last_step(cfg.storage, cfg.name))
     if verdict.kind == "succeeded":
         return replace(seen, final_model=final_model(cfg.storage, cfg.name))
-    if view.status == "RUNNING":
-        return replace(seen, health=backend_for(cfg).health(recorded_handle(reg)), disk=disk_usage(cfg.storage))
+    if health is not None:
+        return replace(seen, health=health, disk=disk_usage(cfg.storage))
     return seen
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from control.backends.health import Health
 from control.jobsapi import JobView
 from control.records.run import Attempt
 from ray_jobs.config import Config
@@ -91,10 +92,12 @@ def classify(
     error: JobFailure | None = None,
     beat_age_s: float | None = None,
     job_gone: bool | None = None,
+    driver_dead: bool = False,
 ) -> Verdict:
     """One observation -> a verdict. ``job_gone``: the backend's own evidence, asked only when the Jobs API cannot
     tell, that no process of the job is left (a local head's host: its process table) -- with the heartbeat quiet too,
-    two channels agree and the silent API is acted on at once, not after ``confirm_s``."""
+    two channels agree and the silent API is acted on at once, not after ``confirm_s``. ``driver_dead``: the
+    cluster's node table lists the node of a running job's driver dead (:func:`driver_dead`)."""
     sid = attempt.submission_id
     age = heartbeat_age(beat, now, beat_age_s)
     if view.api != "ok":
@@ -103,7 +106,20 @@ def classify(
         return Verdict("succeeded", status=view.status, heartbeat=beat)
     if view.status in ("FAILED", "STOPPED"):
         return _ended(view, sid, beat, cfg, age, error)
+    if driver_dead and hosted(view, beat, cfg, age, None, driver_dead=True):
+        assert beat is not None and age is not None, "hosted() holds only with a heartbeat"
+        why = f"is {view.status} to the Jobs API, but the node its driver ran on is dead (a head restarted without it)"
+        return _driver_lost(view, sid, beat, age, why)
     return stall_verdict(view.status, attempt, beat, cfg, now, age)
+
+
+def driver_dead(view: JobView, health: Health | None) -> bool:
+    """Whether the node the job's driver ran on is dead by the cluster's own node table. A head restarted under GCS
+    fault tolerance finds its jobs where it left them: one whose driver died with the old head stays RUNNING to its
+    Jobs API (Ray 2.60 marks it failed only once a job is next submitted), while its node is listed dead."""
+    if not view.driver_node or health is None or health.nodes is None:
+        return False
+    return any(n.node_id == view.driver_node and not n.alive for n in health.nodes)
 
 
 def _ended(
@@ -120,24 +136,38 @@ def _ended(
         )
     if hosted(view, beat, cfg, age, error):
         assert beat is not None and age is not None, "hosted() holds only with a heartbeat"
-        return Verdict(
-            "driver-lost",
-            f"Ray job {sid} ended {view.status} without a word, but its run host trains on (heartbeat at step "
-            f"{beat.step}, written {age:.0f}s ago): a driver re-attaches",
-            heartbeat=beat,
-            status=view.status,
-            phase=beat.judged_phase,
-        )
+        return _driver_lost(view, sid, beat, age, f"ended {view.status} without a word")
     detail = f"Ray job {sid} ended {view.status}: {view.message or ''}".strip()
     if error:
         detail += f" [{error.type}: {error.message}]"
     return Verdict("job-failed", detail, error=error, heartbeat=beat, status=view.status)
 
 
-def hosted(view: JobView, beat: Beat | None, cfg: Config, age: float | None, error: JobFailure | None) -> bool:
-    """The job's driver died (FAILED, and it printed no root cause: a driver that relays its host's failure does)
-    while the attempt's run host trains on (``fault_tolerance.run_host``; its heartbeat fresh)."""
-    if not cfg.fault_tolerance.run_host or view.status != "FAILED" or error is not None:
+def _driver_lost(view: JobView, sid: str, beat: Beat, age: float, why: str) -> Verdict:
+    return Verdict(
+        "driver-lost",
+        f"Ray job {sid} {why}, but its run host trains on (heartbeat at step {beat.step}, written {age:.0f}s ago): "
+        "a driver re-attaches",
+        heartbeat=beat,
+        status=view.status,
+        phase=beat.judged_phase,
+    )
+
+
+def hosted(
+    view: JobView,
+    beat: Beat | None,
+    cfg: Config,
+    age: float | None,
+    error: JobFailure | None,
+    driver_dead: bool = False,
+) -> bool:
+    """The job's driver died while the attempt's run host trains on (``fault_tolerance.run_host``; its heartbeat
+    fresh): the Jobs API says FAILED and the driver printed no root cause (a driver that relays its host's failure
+    does), or the job is not ended to the Jobs API but the node its driver ran on is dead (:func:`driver_dead`)."""
+    if not cfg.fault_tolerance.run_host or error is not None:
+        return False
+    if view.status != "FAILED" and not (driver_dead and not view.terminal):
         return False
     return beat is not None and age is not None and age <= fresh_s(cfg)
 

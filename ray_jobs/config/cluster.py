@@ -134,6 +134,15 @@ class ClusterConfig(Section):
     ``prom_metrics_service_discovery.json`` under the head's temp dir); a fixed one for a static scrape config."""
     keep_running: bool = False
     """Leave a local head that unbroken started running after the flow ends."""
+    gcs_ft: str = ""
+    """The Redis that keeps the head's GCS state (``redis://host:port``, ``rediss://`` for TLS, or ``host:port``):
+    Ray's GCS fault tolerance. With it the head may die and come back at its address while training goes on on the
+    worker nodes -- the run host (``fault_tolerance.run_host``, which it needs), Ray Train's controller and torchft's
+    lighthouse are placed off the head, and a driver re-attaches once the head is back. ``ray-up``: unbroken starts
+    the head with ``RAY_REDIS_ADDRESS`` and the workers with a 600 s GCS reconnect timeout; ``kuberay``: the
+    RayCluster's ``gcsFaultToleranceOptions``; ``address``: says the existing cluster's head runs so (started with
+    ``RAY_REDIS_ADDRESS``; give its workers ``RAY_gcs_rpc_server_reconnect_timeout_s`` longer than a head restart).
+    Not for ``local``: a local head's host is the whole cluster. Empty: a lost head restarts the run."""
     env_passthrough: list[str] = [
         "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
         "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
@@ -187,6 +196,14 @@ class ClusterConfig(Section):
     def _http_address(cls, v: str) -> str:
         return _jobs_api_url(v)
 
+    @field_validator("gcs_ft")
+    @classmethod
+    def _redis_address(cls, v: str) -> str:
+        v = v.strip()
+        if v and not re.fullmatch(r"(rediss?://)?[^\s:/]+:\d{1,5}", v):
+            raise ValueError(f"must be a Redis address, like redis://10.0.0.5:6379 or 10.0.0.5:6379 (got {v!r})")
+        return v
+
 
 def cluster_problems(c: ClusterConfig, storage: str) -> list[str]:
     """What about the cluster section cannot work whatever the backend, each naming its field: settings of a backend
@@ -202,6 +219,11 @@ def cluster_problems(c: ClusterConfig, storage: str) -> list[str]:
         out.append(
             f"cluster.metrics_port: set, but cluster.backend is {name} (only a local head is started with "
             "it; give your cluster's `ray start` --metrics-export-port)"
+        )
+    if name == "local" and c.gcs_ft:
+        out.append(
+            "cluster.gcs_ft: not for a local head (its host is the whole cluster: nothing trains on without it); "
+            "give an address, ray-up or kuberay cluster"
         )
     for section, owner in (("ray_up", "ray-up"), ("kuberay", "kuberay")):
         if name != owner and getattr(c, section) != type(getattr(c, section))():  # not its defaults

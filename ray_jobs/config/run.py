@@ -147,13 +147,10 @@ class Config(Section):
                 f"data.seq_len ({self.data.seq_len}) exceeds model.tiny.max_position_embeddings "
                 f"({self.model.tiny.max_position_embeddings})"
             )
+        if p := run_host_problem(self):
+            raise ValueError(p)
         if self.tune is not None:
             problems = tune_problems(self) + self._search_names(self.tune)
-            if self.fault_tolerance.run_host:
-                problems.append(
-                    "fault_tolerance.run_host: not for a search yet (its trials run under Ray Tune's driver, which "
-                    "the search job owns); set it to false"
-                )
             if self.cluster.backend_name == "local" and (p := concurrency_problem(self, local_cpus())):
                 problems.append(p + " (a local head has one CPU per core of this machine)")
             if problems:
@@ -165,6 +162,21 @@ class Config(Section):
         if RUN_NAME.fullmatch(last):
             return []
         return [f"name: the trials of a search are named <name>-tNN ({last!r}); that {RUN_NAME_RULE}"]
+
+
+def run_host_problem(cfg: Config) -> str | None:
+    """What ``fault_tolerance.run_host`` cannot go with, naming the field: a search, or GCS fault tolerance without it."""
+    if cfg.tune is not None and cfg.fault_tolerance.run_host:
+        return (
+            "fault_tolerance.run_host: not for a search yet (its trials run under Ray Tune's driver, which the search "
+            "job owns); set it to false"
+        )
+    if cfg.cluster.gcs_ft and not cfg.fault_tolerance.run_host:
+        return (
+            "cluster.gcs_ft: needs fault_tolerance.run_host: true (the job's driver lives on the head; without a run "
+            "host off the head the head's death ends the run all the same)"
+        )
+    return None
 
 
 def local_cpus() -> float:

@@ -86,6 +86,39 @@ def test_the_shipped_cluster_yamls_pass_rays_own_schema(path: Path) -> None:
     assert load_config(DEMO, ["cluster.backend=ray-up", f"cluster.ray_up.config={path}"]).cluster.ray_up.config
 
 
+def test_gcs_fault_tolerance_is_refused_where_it_cannot_work_and_named_in_rays_own_terms(tmp_path: Path) -> None:
+    """``cluster.gcs_ft``: refused for a local head (its host is the cluster) and without a run host (the driver
+    lives on the head); a ``ray up`` gets a copy of the user's YAML whose head starts with ``RAY_REDIS_ADDRESS`` and
+    whose workers wait 600 s for a GCS that went away -- still a YAML Ray's own schema takes."""
+    from control.backends.ray_up import launch_yaml
+
+    assert _problems("cluster.gcs_ft=redis://10.0.0.5:6379", "fault_tolerance.run_host=true") == [
+        "cluster.gcs_ft: not for a local head (its host is the whole cluster: nothing trains on without it); give an "
+        "address, ray-up or kuberay cluster"
+    ]
+    assert _problems("cluster.address=http://h:8265", "cluster.gcs_ft=redis://10.0.0.5:6379")[0].startswith(
+        "cluster.gcs_ft: needs fault_tolerance.run_host: true"
+    )
+    assert _problems("cluster.address=http://h:8265", "cluster.gcs_ft=http://r:6379")[0].startswith(
+        "cluster.gcs_ft: must be a Redis address"
+    )
+    onprem = ROOT / "configs/clusters/onprem.yaml"
+    cfg = load_config(DEMO, ["cluster.backend=ray-up", f"cluster.ray_up.config={onprem}",
+                             "cluster.gcs_ft=10.0.0.5:6379", "fault_tolerance.run_host=true"])  # fmt: skip
+    user = yaml.safe_load(onprem.read_text())
+    launched = launch_yaml(str(onprem), user, cfg.cluster.gcs_ft)
+    assert launched != str(onprem) and yaml.safe_load(onprem.read_text()) == user, "the user's file untouched"
+    spec = yaml.safe_load(Path(launched).read_text())
+    assert all(c.startswith("export RAY_REDIS_ADDRESS=10.0.0.5:6379 RAY_external_storage_namespace=unbroken-onprem; ")
+               for c in spec["head_start_ray_commands"])  # fmt: skip
+    assert all(c.startswith("export RAY_gcs_rpc_server_reconnect_timeout_s=600; ")
+               for c in spec["worker_start_ray_commands"])  # fmt: skip
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(spec))
+    assert launch_yaml(str(onprem), user, "") == str(onprem), "without it, the user's own YAML"
+
+
 def test_the_run_records_which_backend_made_its_cluster(tmp_path: Path) -> None:
     onprem = ROOT / "configs/clusters/onprem.yaml"
     cfg = load_config(DEMO, [f"storage={tmp_path}", "name=r", "cluster.backend=ray-up",

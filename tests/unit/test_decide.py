@@ -27,6 +27,7 @@ from control.watchdog.decide import (
     recheck,
 )
 from control.watchdog.observe import Observations
+from control.watchdog.verdict import driver_dead
 from ray_jobs.config import load_config
 from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.contracts.heartbeat import Beat
@@ -88,6 +89,7 @@ def ok(view: JobView, b: dict | None = None, **obs: Any) -> Observations:
 
 
 FAILED = JobView("ok", "FAILED", "Job entrypoint command failed with exit code 1")
+RUNNING = JobView("ok", "RUNNING")
 CRASH = {"type": "RuntimeError", "message": "NCCL communicator aborted", "kinds": ["RuntimeError"]}
 ROWS = [
     Row("healthy run: nothing to write", record(), ok(JobView("ok", "RUNNING"), beat()), "ok", []),
@@ -626,7 +628,22 @@ HOST_ROWS = [  # (name, observations, config, outcome, actions)
     ("a stopped job (a cancel) is no lost driver", ok(JobView("ok", "STOPPED"), beat()), HOSTED, "waiting",
      [Save, Log]),
     ("without a run host the same look is a failed job", ok(FAILED, beat(step=83)), CFG, "waiting", [Save, Log]),
+    ("a head restarted under GCS FT: RUNNING to its Jobs API, the node its driver ran on dead, the host trains on: "
+     "a driver re-attaches", ok(RUNNING, beat(step=83), driver_dead=True), HOSTED, "reattached", [Reattach]),
+    ("the same with the heartbeat gone stale: no host is known to train, the stall rules judge it",
+     ok(RUNNING, beat(), driver_dead=True, beat_age_s=60.0), HOSTED, "waiting", [Save, Log]),
+    ("the same without a run host: nothing outlived the driver to attach to, the stall rules judge it",
+     ok(RUNNING, beat(), driver_dead=True), CFG, "ok", []),
 ]  # fmt: skip
+
+
+def test_a_running_jobs_driver_is_dead_only_when_the_cluster_lists_its_node_dead() -> None:
+    view = JobView("ok", "RUNNING", driver_node="d0")
+    assert driver_dead(view, nodes(alive=2, dead=1))
+    assert not driver_dead(JobView("ok", "RUNNING", driver_node="n1"), nodes(alive=2, dead=1)), "alive"
+    assert not driver_dead(view, nodes(alive=2)), "not listed: unknown is not dead"
+    assert not driver_dead(view, Health(None, "no answer")), "the summary unread"
+    assert not driver_dead(JobView("ok", "RUNNING"), nodes(alive=2, dead=1)), "the Jobs API named no node"
 
 
 @pytest.mark.parametrize(("name", "obs", "cfg", "outcome", "actions"), HOST_ROWS, ids=[r[0] for r in HOST_ROWS])

@@ -187,3 +187,13 @@ def test_the_janitor_deletes_clusters_whose_run_is_over_and_keeps_the_others(kub
     ]
     assert registry.marked_runs(marked) == ["busy"], "finished runs are not read again on later passes"
     assert watchdog.janitor(str(storage)) == []
+
+
+def test_gcs_fault_tolerance_is_the_rayclusters_own_option(tmp_path) -> None:
+    """``cluster.gcs_ft``: KubeRay's ``gcsFaultToleranceOptions`` (it gives the head RAY_REDIS_ADDRESS and the workers
+    a long GCS reconnect timeout); without it, no such field."""
+    cfg = gpu_recipe(tmp_path, **{"cluster.gcs_ft": "redis://redis.ray:6379", "fault_tolerance.run_host": "true"})
+    m = kubemanifests.raycluster_manifest(cfg, "r")
+    check_raycluster(m)
+    assert m["spec"]["gcsFaultToleranceOptions"] == {"redisAddress": "redis://redis.ray:6379"}
+    assert "gcsFaultToleranceOptions" not in kubemanifests.raycluster_manifest(gpu_recipe(tmp_path), "r")["spec"]
