@@ -139,11 +139,13 @@ class Faults(threading.Thread):
         the seconds until a step had all ``workers`` again (the replacement healed and took part)."""
         final = rows(self.storage, self.run_name)
         out = []
-        for f in self.log:
+        for i, f in enumerate(self.log):
             after = [r for r in final if r["time"] > f["at"]]
             lost, to_new = fault_cost(after, f["at"], f["step"])
             # Live recovery: how long the survivors stepped without the lost replica (until it healed and took part)
-            short = [r for r in after if r.get("participants", workers) < workers]
+            # -- short steps of this fault's, not the next one's (a driver kill leaves none)
+            until = self.log[i + 1]["at"] if i + 1 < len(self.log) else float("inf")
+            short = [r for r in after if r.get("participants", workers) < workers and r["time"] < until]
             whole = next((r for r in after if short and r["time"] > short[0]["time"]
                           and r.get("participants") == workers), None)  # fmt: skip
             out.append({"fault": f["fault"], "at_step": f["step"], "lost_steps": lost,

@@ -216,7 +216,9 @@ def watchdog_restart(storage: Path, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PYTHONUNBUFFERED": "1"}
     dog = Timed([str(VENV_BIN / "unbroken"), "watchdog", "--storage", str(storage), "--interval", "1"], env)
     wait_for("the watchdog's first pass", lambda: dog.first("watchdog pass") or dog.first("Finished in state"), 180)
-    sets = [a for kv in overrides(storage, run, args, **{"train.max_steps": args.restart_steps}) for a in ("--set", kv)]
+    # without a run host: a driver's death ends the job, which is what this restart times (with one: bench/goodput.py)
+    over = {"train.max_steps": args.restart_steps, "fault_tolerance.run_host": "false"}
+    sets = [a for kv in overrides(storage, run, args, **over) for a in ("--set", kv)]
     flow = Timed([str(VENV_BIN / "unbroken"), "run", str(DEMO), *sets], env)
     try:
         wait_for("a checkpoint", lambda: ckpt.find_latest_valid(str(storage / "ray" / run)), 600)

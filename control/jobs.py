@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -186,6 +186,7 @@ def cancelled(e: BaseException) -> bool:
 # How often a watch reads its job's status (one small GET): the end of a job is noticed within this. Progress
 # artifacts and the registry (``on_poll``) are updated every ``poll_s`` (every so many status reads).
 STATUS_POLL_S = 0.5
+DRIVER_CHECK_S = 10.0  # a hosted run's driver looked for among the cluster's nodes (watch's driver_gone)
 
 
 @dataclass(frozen=True)
@@ -262,18 +263,21 @@ async def watch(
     on_poll: OnPoll | None = None,
     confirm_s: float = 30.0,
     alive: Callable[[], str | None] | None = None,
+    driver_gone: Callable[[jobsapi.JobView], bool] | None = None,
 ) -> str:
     """Poll the job until it ends, forwarding its log. Errors of the watch's own plumbing (``on_poll``: progress
     artifacts, the registry) are logged and retried, never fatal to the job; an unanswered poll is a blip until it
     held for ``confirm_s`` -- and even then the cluster is not taken for lost while ``alive()`` (the job's heartbeat
     on storage, another channel) says the job trains on: the watch keeps waiting. Only a cancel of the flow run stops
-    the job: if the flow itself fails, the job trains on and the watchdog adopts it."""
+    the job: if the flow itself fails, the job trains on and the watchdog adopts it. ``driver_gone(view)``, asked of
+    a running job every DRIVER_CHECK_S: its driver is dead though the Jobs API says RUNNING (a head restarted under
+    GCS fault tolerance) -- the watch ends as for a failed job, for its caller to re-attach a driver."""
     log = run_logger()
     state = _Watch(handle.address, submission_id, confirm_s, log)
     logs = LogForwarder(handle.address, submission_id, log)
     tail = asyncio.create_task(logs.follow())
     try:
-        view = await _poll_to_end(handle.address, submission_id, state, poll_s, on_poll, alive)
+        view = await _poll_to_end(handle.address, submission_id, state, poll_s, on_poll, alive, driver_gone)
         await logs.finish(tail)
     except BaseException as e:
         if cancelled(e):
@@ -293,14 +297,19 @@ async def _poll_to_end(
     poll_s: float,
     on_poll: OnPoll | None,
     alive: Callable[[], str | None] | None,
+    driver_gone: Callable[[jobsapi.JobView], bool] | None = None,
 ) -> jobsapi.JobView:
     """The watch's status polls, every STATUS_POLL_S, until the job ended (its last view); ``on_poll`` every
-    ``poll_s`` and on the end, its errors warned of and retried."""
+    ``poll_s`` and on the end, its errors warned of and retried; ``driver_gone`` every DRIVER_CHECK_S."""
     polls, every = 0, max(1, round(poll_s / STATUS_POLL_S))
+    checks = max(1, round(DRIVER_CHECK_S / STATUS_POLL_S))
     while True:
         view = await asyncio.to_thread(jobsapi.read_job, address, submission_id)
         await state.judged(view, alive)
         polls += 1
+        gone = driver_gone if view.status == "RUNNING" and (polls - 1) % checks == 0 else None
+        if gone is not None and await asyncio.to_thread(gone, view):
+            return replace(view, status="FAILED", message="its driver's node is dead (a head restarted without it)")
         if view.api == "ok" and on_poll is not None and (view.terminal or (polls - 1) % every == 0):
             try:
                 await on_poll(view.status)

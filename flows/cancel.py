@@ -79,23 +79,31 @@ def _current_attempt(flow_run: FlowRun) -> tuple[Config, RunRecord, Attempt] | N
 
 
 def stop_ray_job(flow_run: FlowRun, why: str) -> str | None:
-    """Stop the Ray job of this flow run's current attempt if it still runs; returns its submission id."""
+    """Stop the Ray job of this flow run's current attempt if it still runs, and its run host if one is left (where
+    its driver could not stop it, being dead already: a host never trains on unwatched); returns the job's
+    submission id when something was stopped."""
+    from control.backends import handle_from_record
     from control.jobs import stop_and_wait
+    from control.runhost import stop_run_host
 
     found = _current_attempt(flow_run)
     if found is None:
         return None
-    _, reg, attempt = found
+    cfg, reg, attempt = found
     sid = attempt.submission_id
     assert reg.cluster is not None, "an attempt is recorded with its cluster, in one write (registry._begin)"
     try:
         stopped = stop_and_wait(reg.cluster.url(), sid, wait_s=30)
+        host = stop_run_host(cfg, handle_from_record(reg.recorded_cluster), attempt.attempt, wait_s=30)
     except ClusterError as e:
         run_logger().warning("flow run %s %s: %s", flow_run.name, why, e)
         return sid
-    if not stopped:
+    if host:
+        run_logger().warning("flow run %s %s: stopped the run host of attempt %d", flow_run.name, why, attempt.attempt)
+    if not stopped and not host:
         return None
-    run_logger().warning("flow run %s %s: stopped Ray job %s", flow_run.name, why, sid)
+    if stopped:
+        run_logger().warning("flow run %s %s: stopped Ray job %s", flow_run.name, why, sid)
     return sid
 
 

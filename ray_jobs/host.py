@@ -12,8 +12,10 @@ Never two hosts for one attempt: the name is the attempt's job spec's (one per a
 of that name if it exists (``get_if_exists``). A host ends itself: once its run ended and a driver took the outcome,
 or when no driver has waited on it for ``fault_tolerance.run_host_orphan_s`` (nobody left to relay its end: it
 stops, and its workers with it). A stopped job's driver (SIGTERM from the Jobs API: a cancel, ``unbroken stop``, the
-watchdog giving up) kills its host first. Placement: on a worker node when the cluster has one (soft: the head when
-none is alive), so a head that goes away under GCS fault tolerance does not take it along.
+watchdog giving up) kills its host first; where that driver is already gone, the control plane stops the host by
+name (``python -m ray_jobs.job --spec <url> --stop-host``, control/runhost.py). Placement: beside its driver, so
+a worker node's loss stays Ray Train's to recover; under GCS fault tolerance (``cluster.gcs_ft``) on a worker node,
+so a head that goes away does not take it along (:func:`placement`).
 
 Written by hand: Ray has no detached owner for a Ray Train run (Ray's own answer to a lost driver is a resubmission
 that restores from storage, which is the watchdog's restart)."""
@@ -36,6 +38,8 @@ log = logging.getLogger("unbroken.host")
 
 NAMESPACE = "unbroken"  # a job's default namespace is its own: a second driver finds the host in a fixed one
 WAIT_S = 2.0  # a driver's wait on its host, one call at a time: how often the host hears its driver is there
+STOP_WAIT_S = 30.0  # a stopped host's name freed (Ray deregisters a dead actor's name)
+STOP_LINE = "UNBROKEN_HOST_STOP"  # what ``--stop-host`` printed: ``stopped`` or ``none``
 
 
 def host_name(spec_url: str) -> str:
@@ -83,20 +87,26 @@ class RunHost:
                 os._exit(1)  # the controller and the workers are this actor's: they end with it
 
 
-def off_head() -> Any:
-    """Where the host goes: a live worker node (not the head) when the cluster has one, soft -- the head when none
-    is alive; a head under GCS fault tolerance may then go away without the run."""
+def placement(off_head: bool) -> Any:
+    """Where the host goes. Beside its driver (this node: the head, where Ray Jobs runs drivers), so a worker node's
+    loss never takes the host -- nor Ray Train's controller, which Ray places on the host's node -- with it; with
+    ``off_head`` (the head may go away under GCS fault tolerance) on a live worker node, soft (the head when none is
+    alive), where the loss of that one node is a lost attempt: the watchdog's restart."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    here = ray.get_runtime_context().get_node_id()
     workers = [n for n in ray.nodes() if n["Alive"] and "node:__internal_head__" not in n["Resources"]]
-    if not workers:
-        return "DEFAULT"
-    return NodeAffinitySchedulingStrategy(workers[0]["NodeID"], soft=True)
+    return NodeAffinitySchedulingStrategy(workers[0]["NodeID"] if off_head and workers else here, soft=True)
 
 
 def host_for(
-    spec_url: str, train: Callable[[list[str]], Outcome], argv: list[str], orphan_s: float, attach: bool
+    spec_url: str,
+    train: Callable[[list[str]], Outcome],
+    argv: list[str],
+    orphan_s: float,
+    attach: bool,
+    off_head: bool = False,
 ) -> Any:
     """This attempt's host: the one named for its job spec, started now unless ``attach`` (a driver re-attached to
     a run whose host must already be there: None when it is gone)."""
@@ -116,13 +126,18 @@ def host_for(
         max_concurrency=4,  # a wait while another driver's wait (a re-attach) or a check is in flight
         num_cpus=0,
         max_restarts=0,  # a host that died is a lost attempt: the watchdog's restart, never a second host
-        scheduling_strategy=off_head(),
+        scheduling_strategy=placement(off_head),
     )
     return actor.remote(train, argv, orphan_s)
 
 
 def drive(
-    spec_url: str, train: Callable[[list[str]], Outcome], argv: list[str], orphan_s: float, attach: bool
+    spec_url: str,
+    train: Callable[[list[str]], Outcome],
+    argv: list[str],
+    orphan_s: float,
+    attach: bool,
+    off_head: bool = False,
 ) -> Outcome:
     """The driver's part: start or find the attempt's host (``train(argv)`` is what it runs), wait on it, and return
     its outcome; a stopped job stops its host first."""
@@ -131,7 +146,7 @@ def drive(
 
     if not ray.is_initialized():  # the job's cluster (RAY_ADDRESS, set by Ray Jobs)
         ray.init()
-    host = host_for(spec_url, train, argv, orphan_s, attach)
+    host = host_for(spec_url, train, argv, orphan_s, attach, off_head)
     if host is None:
         return {"failure": failure("RunHostGone", "no run host for this attempt: its run ended, or its host died")}
 
@@ -148,6 +163,34 @@ def drive(
         return {"failure": failure("RunHostLost", f"the run host died: {str(e).splitlines()[0]}")}
     ray.kill(host)  # its outcome taken: the host's work is done
     return outcome
+
+
+def stop(spec_url: str, wait_s: float = STOP_WAIT_S) -> str:
+    """Kill the attempt's run host if it lives -- its controller and workers are its own and go with it -- and wait
+    until its name is free (a dead actor's is); what was done: ``stopped`` or ``none``."""
+    import ray
+
+    if not ray.is_initialized():  # the job's cluster (RAY_ADDRESS, set by Ray Jobs)
+        ray.init()
+    name = host_name(spec_url)
+
+    def found() -> Any:
+        try:
+            return ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+
+    host = found()
+    if host is None:
+        return "none"
+    ray.kill(host, no_restart=True)
+    deadline = time.monotonic() + wait_s
+    while found() is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run host {name} was killed but is still listed after {wait_s:.0f}s")
+        time.sleep(0.2)
+    log.warning("stopped run host %s", name)
+    return "stopped"
 
 
 def failure(kind: str, message: str) -> str:

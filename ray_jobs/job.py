@@ -180,23 +180,31 @@ def fit(spec: JobSpec, cfg: Config) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ray_jobs.job --spec <url> [--attach]``: train in this driver, or with ``fault_tolerance.run_host``
-    in the attempt's run host (``--attach``: a driver for an attempt whose host already trains)."""
+    """``python -m ray_jobs.job --spec <url> [--attach | --stop-host]``: train in this driver, or with
+    ``fault_tolerance.run_host`` in the attempt's run host (``--attach``: a driver for an attempt whose host already
+    trains; ``--stop-host``: stop the attempt's run host, and with it its controller and workers)."""
     import argparse
 
     mask_output()  # the job's log never shows a credential (ray_jobs/secrets.py); its workers mask their own
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     parser = argparse.ArgumentParser(prog="ray_jobs.job", add_help=False)
     parser.add_argument("--attach", action="store_true")
+    parser.add_argument("--stop-host", action="store_true")
     parser.add_argument("--spec", required=True)
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.stop_host:  # the control plane stopping the attempt's run host (control/runhost.py): storage unread
+        from ray_jobs.host import STOP_LINE, stop
+
+        print(f"{STOP_LINE} {stop(known.spec)}", flush=True)
+        return 0
     given = ["--spec", known.spec, *rest]
     spec, cfg = job_spec("ray_jobs.job", JobSpec, given)  # a bad spec is named here, in the driver's log
     ft = cfg.fault_tolerance
-    if ft.run_host or known.attach:
+    if cfg.hosted or known.attach:
         from ray_jobs.host import drive
 
-        outcome = drive(known.spec, fit_outcome, given, ft.run_host_orphan_s, known.attach)
+        off_head = bool(cfg.cluster.gcs_ft)  # the head may go: the host on a worker node
+        outcome = drive(known.spec, fit_outcome, given, ft.run_host_orphan_s, known.attach, off_head)
     else:
         outcome = fit(spec, cfg)
     if "result" in outcome:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 
 from prefect import task
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact
@@ -16,8 +17,8 @@ from control.backends.base import ClusterHandle
 from control.jobs import entrypoint, submit, watch
 from control.logs import run_logger
 from control.progress import TrainingProgress
+from control.watchdog import reattach
 from control.watchdog.observe import live_heartbeat
-from control.watchdog.reattach import reattach_watched
 from ray_jobs.config import Config
 from ray_jobs.contracts.heartbeat import Beat
 from ray_jobs.contracts.trials import DONE
@@ -59,10 +60,11 @@ async def watch_job(handle: ClusterHandle, submission_id: str, cfg: Config, atte
     def alive() -> str | None:  # the other channel: while the job's heartbeat is fresh, a silent API is no loss
         return live_heartbeat(cfg, attempt)
 
+    # a hosted run's driver dead with a head restarted under GCS fault tolerance: the watch ends, a driver re-attaches
+    gone = partial(reattach.driver_gone, cfg, handle) if cfg.hosted else None
     try:
-        status = await watch(
-            handle, submission_id, poll_s, on_poll=update_progress, confirm_s=cfg.fault_tolerance.confirm_s, alive=alive
-        )
+        confirm_s = cfg.fault_tolerance.confirm_s
+        status = await watch(handle, submission_id, poll_s, update_progress, confirm_s, alive, gone)
     except BaseException:
         if shown is not None:
             shown.close(done=False)
@@ -77,7 +79,7 @@ def reattach_driver(cfg: Config, attempt: int, watched: str) -> str | None:
     """The watched job (``watched``) ended FAILED: when its driver died while the attempt's run host trains on
     (``fault_tolerance.run_host``), a new driver re-attaches to it (or a watchdog's did already) and its submission
     id is watched on; None when the job failed indeed (the run is handed over to the watchdog)."""
-    return reattach_watched(cfg, attempt, watched)
+    return reattach.reattach_watched(cfg, attempt, watched)
 
 
 def _beat(cfg: Config, attempt: int) -> Beat | None:

@@ -11,10 +11,12 @@ from prefect.runtime import flow_run
 
 from control import registry, series
 from control.attempt import close_run, release_unless_kept, start_attempt
+from control.backends import handle_from_record
 from control.backends.base import ClusterHandle
 from control.jobs import cancelled, stop_and_wait
 from control.logs import run_logger
 from control.records.series import EvalPin
+from control.runhost import stop_run_host
 from control.summaries import VerdictSummary, verdict_summary
 from control.tracking import end_tracker_runs
 from control.watchdog import failed_job_incident
@@ -59,6 +61,8 @@ def _stop_superseded_job(cfg: Config) -> None:
         assert reg.cluster is not None, "every attempt is recorded with its cluster (registry.begin_attempt)"
         if stop_and_wait(reg.cluster.url(), last.submission_id):
             run_logger().warning("stopped Ray job %s of the recovering attempt", last.submission_id)
+        if stop_run_host(cfg, handle_from_record(reg.recorded_cluster), last.attempt):
+            run_logger().warning("stopped the run host of the recovering attempt %d", last.attempt)
 
 
 @task(name="hand-over-to-watchdog", cache_policy=NO_CACHE)

@@ -9,8 +9,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -180,12 +182,14 @@ def job_processes(submission_id: str, unseen: list[int] | None = None) -> list[p
     all carry its submission id in their environment (``JOB_ENV``, set in the job's runtime_env) -- another run's job
     on the same head never does. ``unseen`` (when given) gets the Ray processes whose environment this user may not
     read (another user's: a watchdog running as someone else): any of them may be the job's."""
+    ours = attempt_marks(submission_id)
     found = []
     for p in psutil.process_iter():
         if p.pid == os.getpid():
             continue
         try:
-            if p.environ().get(JOB_ENV) == submission_id:
+            mark = p.environ().get(JOB_ENV)
+            if mark is not None and ours(mark):
                 found.append(p)
         except psutil.AccessDenied:
             if unseen is not None and _rays(p):
@@ -193,6 +197,14 @@ def job_processes(submission_id: str, unseen: list[int] | None = None) -> list[p
         except psutil.Error:  # gone meanwhile
             continue
     return found
+
+
+def attempt_marks(submission_id: str) -> Callable[[str], bool]:
+    """Which marks are the job's: its own, and -- for an attempt whose driver was re-attached (``<first>-d<N>``,
+    control/watchdog/reattach.py) -- those of the attempt's other drivers, the first's above all: its run host, Ray
+    Train's controller and workers carry it (they are the host's, which the first driver started)."""
+    first = re.sub(r"-d\d+$", "", submission_id)
+    return lambda mark: mark == first or re.fullmatch(re.escape(first) + r"-d\d+", mark) is not None
 
 
 def _rays(p: psutil.Process) -> bool:

@@ -11,12 +11,15 @@ from dataclasses import replace
 
 from control import jobsapi, registry
 from control import lease as leases
+from control.backends import backend_for
+from control.backends.base import ClusterHandle
 from control.jobs import entrypoint, submit
+from control.jobsapi import JobView
 from control.logs import run_logger
 from control.records.run import RunRecord
 from control.watchdog import credentials
 from control.watchdog.observe import heartbeat_seen, job_failure, recorded_handle
-from control.watchdog.verdict import hosted
+from control.watchdog.verdict import driver_dead, hosted
 from ray_jobs.config import Config
 from ray_jobs.storage import Layout
 
@@ -47,13 +50,23 @@ def reattach(cfg: Config, reg: RunRecord, lease: leases.Lease) -> str:
 
 
 def driver_lost(cfg: Config, reg: RunRecord) -> bool:
-    """One look (the Jobs API, the job's log, the heartbeat): did the current attempt's driver die while its run host
-    trains on? What the watchdog's verdict ``driver-lost`` says, for the finetune flow's watch."""
+    """One look (the Jobs API, the job's log or where its driver ran, the heartbeat): did the current attempt's
+    driver die while its run host trains on? What the watchdog's verdict ``driver-lost`` says, for the finetune
+    flow's watch."""
     address, sid = reg.recorded_cluster.url(), reg.current.submission_id
     view = jobsapi.read_job(address, sid)
     error = job_failure(address, sid) if view.status == "FAILED" else None
+    dead = driver_gone(cfg, recorded_handle(reg), view)
     beat, age = heartbeat_seen(cfg.storage, cfg.name, reg.current.attempt)
-    return hosted(view, beat, cfg, age, error)
+    return hosted(view, beat, cfg, age, error, driver_dead=dead)
+
+
+def driver_gone(cfg: Config, handle: ClusterHandle, view: JobView) -> bool:
+    """A running job whose driver's node the cluster lists dead (a head restarted under GCS fault tolerance keeps
+    such a job RUNNING: :func:`~control.watchdog.verdict.driver_dead`); asked of its nodes only then."""
+    if not cfg.hosted or view.status != "RUNNING" or not view.driver_node:
+        return False
+    return driver_dead(view, backend_for(cfg).health(handle))
 
 
 def reattach_watched(cfg: Config, attempt: int, watched: str) -> str | None:
@@ -61,7 +74,7 @@ def reattach_watched(cfg: Config, attempt: int, watched: str) -> str | None:
     its run host trains on, a driver re-attaches -- under the run's lease, and only while ``attempt`` is still the
     run's current attempt in flight -- and its submission id is returned for the watch to go on with (the one a
     watchdog re-attached first, if it did); None otherwise (a failure, to hand over)."""
-    if not cfg.fault_tolerance.run_host:
+    if not cfg.hosted:
         return None
     with leases.acquire_wait(cfg.storage, cfg.name) as lease:
         reg = registry.load_existing(cfg.storage, cfg.name)

@@ -22,6 +22,7 @@ from control.jobs import entrypoint, stop_and_wait, submit
 from control.logs import run_logger
 from control.rayapi import first_line
 from control.records.run import Incident, RunRecord
+from control.runhost import stop_run_host
 from control.watchdog import credentials
 from control.watchdog.decide import Outcome, resumed_step
 from control.watchdog.observe import heartbeat_seen, recorded_handle
@@ -195,14 +196,18 @@ def resume_point(cfg: Config, reg: RunRecord, incident: Incident) -> tuple[str |
 
 def stop_leftovers(cfg: Config, reg: RunRecord, sid: str) -> None:
     """Make sure the failed attempt's job no longer runs before another is submitted: stop it and wait until Ray
-    says it ended. When the cluster cannot tell (unreachable), its backend ends the job for certain on evidence of
-    its own (``stop_unreachable``: a local head's processes on this host, a launcher's head that refuses its GCS
-    port too, a RayCluster the Kubernetes API calls unhealthy) or raises StopUnverified, and no new attempt is made
-    -- two jobs must never train into the same checkpoints."""
+    says it ended, and its run host (``fault_tolerance.run_host``) if one is left. When the cluster cannot tell
+    (unreachable), its backend ends the job for certain on evidence of its own (``stop_unreachable``: a local head's
+    processes on this host, a launcher's head that refuses its GCS port too, a RayCluster the Kubernetes API calls
+    unhealthy) or raises StopUnverified, and no new attempt is made -- two jobs must never train into the same
+    checkpoints."""
     address = reg.recorded_cluster.url()
     try:
         if stop_and_wait(address, sid, STOP_WAIT_S):
             run_logger().info("stopped what was left of Ray job %s", sid)
+        # a run host outlives its driver: stopped by name (a head restarted under it, a frozen host)
+        if stop_run_host(cfg, recorded_handle(reg), reg.current.attempt):
+            run_logger().warning("stopped the run host of attempt %d of run %s", reg.current.attempt, cfg.name)
     except StopUnverified:  # the backend's to end for certain, or StopUnverified again
         done = backend_for(cfg).stop_unreachable(recorded_handle(reg), cfg.name, sid)
         run_logger().warning("the Ray cluster at %s does not answer: %s", address, done)

@@ -165,7 +165,7 @@ def hosted(
     """The job's driver died while the attempt's run host trains on (``fault_tolerance.run_host``; its heartbeat
     fresh): the Jobs API says FAILED and the driver printed no root cause (a driver that relays its host's failure
     does), or the job is not ended to the Jobs API but the node its driver ran on is dead (:func:`driver_dead`)."""
-    if not cfg.fault_tolerance.run_host or error is not None:
+    if not cfg.hosted or error is not None:
         return False
     if view.status != "FAILED" and not (driver_dead and not view.terminal):
         return False

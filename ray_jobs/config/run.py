@@ -157,6 +157,13 @@ class Config(Section):
                 raise ValueError("\n  - ".join(problems))
         return self
 
+    @property
+    def hosted(self) -> bool:
+        """Whether the run's attempts train in a run host (``fault_tolerance.run_host``; unset: a run's do, a
+        search's do not)."""
+        chosen = self.fault_tolerance.run_host
+        return self.tune is None if chosen is None else chosen
+
     def _search_names(self, tune: TuneConfig) -> list[str]:
         last = trial_name(render_name(self.name, PLACEHOLDERS), tune.num_trials - 1)
         if RUN_NAME.fullmatch(last):
@@ -166,12 +173,12 @@ class Config(Section):
 
 def run_host_problem(cfg: Config) -> str | None:
     """What ``fault_tolerance.run_host`` cannot go with, naming the field: a search, or GCS fault tolerance without it."""
-    if cfg.tune is not None and cfg.fault_tolerance.run_host:
+    if cfg.tune is not None and cfg.fault_tolerance.run_host is True:
         return (
             "fault_tolerance.run_host: not for a search yet (its trials run under Ray Tune's driver, which the search "
             "job owns); set it to false"
         )
-    if cfg.cluster.gcs_ft and not cfg.fault_tolerance.run_host:
+    if cfg.cluster.gcs_ft and not cfg.hosted:
         return (
             "cluster.gcs_ft: needs fault_tolerance.run_host: true (the job's driver lives on the head; without a run "
             "host off the head the head's death ends the run all the same)"

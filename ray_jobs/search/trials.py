@@ -29,6 +29,7 @@ def trials(cfg: Config) -> list[Trial]:
     base = json.loads(cfg.model_dump_json())
     base["tune"] = None
     base["series"]["name"] = cfg.series_name  # trials are runs of the search's series
+    base["fault_tolerance"]["run_host"] = False  # trained under Ray Tune's driver, never in a run host
     out = []
     for i, values in enumerate(trial_values(cfg.tune)):
         tree = copy.deepcopy(base)

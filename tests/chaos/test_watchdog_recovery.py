@@ -60,6 +60,8 @@ WATCHED = {
     "fault_tolerance.confirm_s": 5,
     "fault_tolerance.restart_backoff_s": 1,
     "fault_tolerance.preemption_grace_s": 5,
+    # A driver's death ends its job here: what the watchdog restarts (the run host's re-attach has its own tests)
+    "fault_tolerance.run_host": False,
 }
 
 
@@ -111,7 +113,7 @@ def watchdogs(ray_cluster, watched, tmp_path_factory):
 
 
 def watched_config(storage: Path, name: str, **extra: object) -> Config:
-    return chaos_config(storage, name, **WATCHED, **extra)
+    return chaos_config(storage, name, **(WATCHED | extra))
 
 
 def check_recovered(cfg: Config, reg: dict, baseline: str, kind: str, fault_at: float, scenario: str) -> dict:
@@ -331,6 +333,29 @@ def test_a_stopped_job_takes_its_run_host_and_its_workers_down(ray_cluster, tmp_
         stop_and_wait(ray_cluster.address, sid, 60)
     wait_for("the run host gone", lambda: not run_hosts(ray_cluster.address), timeout_s=30)
     wait_for("its workers gone", lambda: not alive_actors(ray_cluster.address, "RayTrainWorker"), timeout_s=60)
+
+
+@pytest.mark.full(shard=1)  # a host whose driver is dead, stopped by the control plane (a cancel, a give-up, a restart)
+def test_a_run_host_whose_driver_died_is_stopped_by_name_before_anything_else_runs(ray_cluster, tmp_path) -> None:
+    """The driver killed -9 leaves its run host training (by design); when the run is then given up on, restarted or
+    cancelled, nothing can signal that driver: the control plane's stop (``stop_leftovers``, which the watchdog's
+    give-up and restart run; a cancel runs the same ``stop_run_host``) stops the host by name with a short job, and
+    its controller and workers go with it. (Storage no watchdog of this module looks at.)"""
+    from control.watchdog.restart import stop_leftovers
+
+    cfg = watched_config(tmp_path / "storage", "hosted-orphan", **{"fault_tolerance.run_host": True})
+    with slow_steps(0.1):
+        sid = start_run(ray_cluster, cfg)
+        wait_for("training", lambda: heartbeat_step(cfg) > 5, timeout_s=300)
+        os.kill(wait_for("the job driver", lambda: driver_pid(cfg)), signal.SIGKILL)
+        wait_for("the job failed", lambda: jobs_client(ray_cluster.address).get_job_status(sid) == "FAILED", 60)
+        at = heartbeat_step(cfg)
+        wait_for("the host training on", lambda: heartbeat_step(cfg) > at + 3, timeout_s=60)
+        assert run_hosts(ray_cluster.address), "the host outlived its driver"
+        stop_leftovers(cfg, registry.load_existing(cfg.storage, cfg.name), sid)
+        assert not run_hosts(ray_cluster.address), "stopped, and gone, before stop_leftovers returned"
+    wait_for("its workers gone: nothing trains on", lambda: not alive_actors(ray_cluster.address, "RayTrainWorker"),
+             timeout_s=60)  # fmt: skip
 
 
 def alive_actors(address: str, class_name: str) -> list[str]:

@@ -54,6 +54,25 @@ def test_a_cluster_silent_for_the_whole_window_is_lost(api) -> None:
         watch(confirm_s=0.2)
 
 
+def test_a_running_job_whose_drivers_node_is_dead_ends_the_watch_for_a_re_attach(api, monkeypatch) -> None:
+    """A head restarted under GCS fault tolerance keeps a job whose driver died with it RUNNING: the watch asks
+    ``driver_gone`` of a running job (every DRIVER_CHECK_S) and, told so, ends as for a failed job -- the flow then
+    re-attaches a driver. Asked nothing of a job that is not running; without the callback, the watch goes on."""
+    monkeypatch.setattr(jobs, "DRIVER_CHECK_S", 0.01)
+    api += [JobView("ok", "PENDING"), *[JobView("ok", "RUNNING", driver_node="n0")] * 3, JobView("ok", "SUCCEEDED")]
+    asked: list[str] = []
+
+    def gone(view: JobView) -> bool:
+        asked.append(view.status)
+        return len(asked) == 2
+
+    with pytest.raises(jobs.JobFailed, match="its driver's node is dead"):
+        watch(driver_gone=gone)
+    assert asked == ["RUNNING", "RUNNING"]
+    api[:] = [*[JobView("ok", "RUNNING", driver_node="n0")] * 3, JobView("ok", "SUCCEEDED")]
+    assert watch() == "SUCCEEDED"
+
+
 def test_errors_of_the_watchs_own_plumbing_never_end_it(api) -> None:
     api += [JobView("ok", "RUNNING")] * 5 + [JobView("ok", "SUCCEEDED")]
     calls = []

@@ -561,9 +561,41 @@ def test_the_flows_watch_re_attaches_a_driver_lost_while_its_run_host_trains_on(
     monkeypatch.setattr(reattach, "job_failure", lambda address, sid: failure)
     assert reattach.reattach_watched(c, 1, first) is None and not submitted  # the training failed: handed over
     monkeypatch.setattr(reattach, "job_failure", lambda address, sid: None)
-    assert reattach.reattach_watched(cfg(tmp_path), 1, first) is None  # no run host: a failed job
+    assert reattach.reattach_watched(cfg(tmp_path, "fault_tolerance.run_host=false"), 1, first) is None  # no host
     sid = reattach.reattach_watched(c, 1, first)
     reg = registry.load(c.storage, c.name)
     assert sid == f"{first}-d2" == reg.current.submission_id and reg.current.drivers == [first]
     assert submitted == [("--attach",)] and reg.current.in_flight and len(reg.attempts) == 1 and reg.restarts == 0
     assert reattach.reattach_watched(c, 1, first) == sid and len(submitted) == 1  # a watchdog's re-attach: watched on
+
+
+def test_a_running_job_whose_drivers_node_the_cluster_lists_dead_is_a_lost_driver_of_a_hosted_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The flow's look after a head restarted under GCS fault tolerance: RUNNING to the Jobs API, but the node its
+    driver ran on is dead -- a lost driver while the run host trains on (a fresh heartbeat); its node alive, or no
+    run host, or the heartbeat stale: not."""
+    import json
+
+    from control.backends.health import Health, Node
+    from control.watchdog import reattach
+    from ray_jobs.storage import Layout
+
+    c = cfg(tmp_path, "fault_tolerance.run_host=true")
+    registry.begin_attempt(c, {"address": "http://h:8265"}, "ds-1", AttemptInputs(manifest_url="m", model_path="p"))
+    url = Path(Layout(c.storage).heartbeat(c.name))
+    url.parent.mkdir(parents=True, exist_ok=True)
+    url.write_text(json.dumps(beat("training", 1, 1).set(attempt=1, time=time.time()).dump()))
+    nodes = [Node("old-head", "10.0.0.1", False, True), Node("worker", "10.0.0.2", True, False)]
+
+    class Backend:
+        def health(self, handle):
+            return Health(nodes)
+
+    monkeypatch.setattr(reattach, "backend_for", lambda cfg: Backend())
+    on = {"old-head": True, "worker": False}
+    for node, lost in on.items():
+        monkeypatch.setattr(reattach.jobsapi, "read_job", lambda a, s, n=node: JobView("ok", "RUNNING", driver_node=n))
+        assert reattach.driver_lost(c, registry.load(c.storage, c.name)) is lost, node
+    no_host = cfg(tmp_path, "fault_tolerance.run_host=false")
+    assert not reattach.driver_lost(no_host, registry.load(c.storage, c.name)), "no run host"
