@@ -14,13 +14,17 @@ SYMBOLS = (
     ("ray._private.authentication.http_token_authentication", "get_auth_headers_if_auth_enabled"),
     ("ray.train.torch.config", "_TorchBackend"),
     ("ray.train.v2.torch.torchft_config", "_TorchftBackend"),
+    ("ray.train.v2.torch.torchft_config", "LighthouseServerActor"),
     ("ray._raylet", "Config"),
     ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
 )
 # Private attributes read (not imported): (class, attribute path) for the same test.
 ATTRIBUTES = (("ray.tune.schedulers.async_hyperband.AsyncHyperBandScheduler", "_brackets[0]._rungs"),)
 # Private methods overridden: (class, method) for the same test.
-OVERRIDDEN = (("ray.train.v2.api.data_parallel_trainer.DataParallelTrainer", "_create_default_callbacks"),)
+OVERRIDDEN = (
+    ("ray.train.v2.api.data_parallel_trainer.DataParallelTrainer", "_create_default_callbacks"),
+    ("ray.train.v2.torch.torchft_config._TorchftBackend", "_maybe_create_lighthouse_actor"),
+)
 
 
 def auth_headers() -> dict[str, str]:
@@ -50,10 +54,40 @@ def torch_backend() -> type[Any]:
 
 def torchft_backend() -> type[Any]:
     """Ray Train's torchft backend (``TorchftConfig``'s: a lighthouse, a process group per replica group),
-    subclassed like :func:`torch_backend` to install the SIGTERM handler on every worker, replacements too."""
-    from ray.train.v2.torch.torchft_config import _TorchftBackend
+    subclassed like :func:`torch_backend` to install the SIGTERM handler on every worker, replacements too. Its
+    lighthouse actor is created here as Ray creates it -- pinned to the controller's node -- but asking for no CPU:
+    Ray's asks for one to be placed (an actor with no resources given does), and the controller's node may have none
+    free (a head started with ``num-cpus: 0``, as KubeRay's and the multinode harness's are; a worker node whose one
+    CPU trains): the lighthouse would never start, and the run would wait on it forever. Its address is given by
+    the node's IP (:func:`by_ip`)."""
+    import ray
+    from ray.train.v2.torch.torchft_config import LighthouseServerActor, _TorchftBackend
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return _TorchftBackend
+    class Backend(_TorchftBackend):
+        def _maybe_create_lighthouse_actor(self, backend_config: Any) -> str:
+            if self.lighthouse_actor is None:
+                here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+                kwargs = {"bind": "[::]:0"} | backend_config.lighthouse_kwargs  # the OS picks a free port
+                self.lighthouse_actor = LighthouseServerActor.options(num_cpus=0, scheduling_strategy=here).remote(
+                    lighthouse_kwargs=kwargs
+                )
+            actor: Any = self.lighthouse_actor  # an actor handle (ty reads the class's own method)
+            return by_ip(ray.get(actor.address.remote()))  # read again: it may have been restarted
+
+    return Backend
+
+
+def by_ip(url: str) -> str:
+    """torchft's lighthouse says where it is by this machine's host name, which other nodes may not resolve (a
+    Kubernetes pod's; every host of the multinode harness, which share one): the same address by this node's IP,
+    as Ray knows it (the lighthouse is pinned to this node)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    import ray
+
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{ray.util.get_node_ip_address()}:{parts.port}"))
 
 
 def asha_rungs(scheduler: Any) -> list[tuple[float, dict[str, float]]]:

@@ -35,6 +35,13 @@ log = logging.getLogger("unbroken.train")
 QUIET = ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits", "torchft.checkpointing.pg_transport")
 
 
+def node_ip() -> str:
+    """This node's IP as Ray knows it (the machine's own address outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def virtual_slots(replicas: int, per: int, shares: list[int]) -> list[list[int]]:
     """Micro-batch indices (into a one-worker :class:`~ray_jobs.data.reading.StepPlan`'s step) of each share this
     worker computes: share ``j`` of ``replicas`` is the ``j``-th run of ``per`` micro-batches, the slots worker
@@ -150,6 +157,7 @@ class Replica:
             world_size=1,
             replica_id=f"unbroken_{rank}",
             checkpoint_transport=Transport(pg, timeout=timeout, device=torch.device(device)),
+            hostname=node_ip(),  # what peers dial to heal from it: not a host name they may not resolve
         )
 
     def quorum(self) -> tuple[int, int]:

@@ -1,10 +1,11 @@
 """The head lost under GCS fault tolerance: every process of the head host killed mid-run, then the head started
-again at its address. The package's head keeps its GCS state in Redis (conftest), the run trains under a run host
-(``fault_tolerance.run_host``: on a worker host, with Ray Train's controller and workers), so training goes on while
-the head is away; the watchdog, looking all along, sees a fresh heartbeat and acts on nothing; once the head is back
-the Jobs API calls the job failed (its driver died with the head) and the watchdog re-attaches a driver, which relays
-the run's end. One attempt, nothing restarted, no step lost, bit-identical. (Without GCS fault tolerance the head's
-loss restarts the run: tests/chaos/test_watchdog_recovery.py, its lost-head fault.)"""
+again at its address. The package's head keeps its GCS state in Redis (conftest); the run trains under a run host
+(``cluster.gcs_ft`` places it on a worker host, and with it Ray Train's controller and torchft's lighthouse -- live
+recovery is on), so training goes on while the head is away. The watchdog, looking all along, sees a fresh
+heartbeat and acts on nothing; once the head is back its Jobs API still says RUNNING of the job whose driver died
+with the old head, but the node that driver ran on is dead: the watchdog re-attaches a driver, which relays the
+run's end. One attempt, nothing restarted, no step lost, bit-identical. (Without GCS fault tolerance the head's loss
+restarts the run: tests/chaos/test_watchdog_recovery.py, its lost-head fault.)"""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ WATCHED = {
     "fault_tolerance.confirm_s": 5,
     "fault_tolerance.restart_backoff_s": 1,
     "fault_tolerance.run_host": True,
+    # torchft's lighthouse lives on the controller's node (the run host's): it must outlive the head too
+    "fault_tolerance.live_recovery": True,
 }
 
 

@@ -96,7 +96,11 @@ def test_gcs_fault_tolerance_is_refused_where_it_cannot_work_and_named_in_rays_o
         "cluster.gcs_ft: not for a local head (its host is the whole cluster: nothing trains on without it); give an "
         "address, ray-up or kuberay cluster"
     ]
-    no_host = ("cluster.address=http://h:8265", "cluster.gcs_ft=redis://10.0.0.5:6379", "fault_tolerance.run_host=false")
+    no_host = (
+        "cluster.address=http://h:8265",
+        "cluster.gcs_ft=redis://10.0.0.5:6379",
+        "fault_tolerance.run_host=false",
+    )
     assert _problems(*no_host)[0].startswith("cluster.gcs_ft: needs fault_tolerance.run_host: true")
     assert load_config(DEMO, list(no_host[:2])).hosted, "unset: a run has a run host"
     assert _problems("cluster.address=http://h:8265", "cluster.gcs_ft=http://r:6379")[0].startswith(

@@ -34,9 +34,10 @@ from ray_jobs.contracts.heartbeat import Beat
 from tests.conftest import ROOT
 
 NOW = 10_000.0
+# Without a run host (HOSTED below: with one)
 CFG = load_config(ROOT / "configs" / "demo.yaml", ["storage=/nonexistent/storage", "name=r",
     "fault_tolerance.stall_timeout_s=60", "fault_tolerance.confirm_s=30", "fault_tolerance.restart_backoff_s=10",
-    "fault_tolerance.max_restarts=2", "fault_tolerance.run_host=false"])  # fmt: skip  (HOSTED: with a run host)
+    "fault_tolerance.max_restarts=2", "fault_tolerance.run_host=false"])  # fmt: skip
 
 
 def record(status: str = "RUNNING", state: str = "running", backend: str = "local", **fields: Any) -> RunRecord:
