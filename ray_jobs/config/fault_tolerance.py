@@ -58,14 +58,14 @@ class FaultToleranceConfig(Section):
     micro-batches (the rows of each step, and at two workers its bits, are the uninterrupted run's); the newcomer
     receives the whole training state from a live peer, not from storage. Storage checkpoints stay for what it
     cannot cover (the driver, the head, every worker at once)."""
-    run_host: bool | None = None
+    run_host: bool = False
     """Train in a detached actor per attempt that outlives the job's driver (ray_jobs/host.py): a driver killed
     mid-run leaves the training stepping -- no restart, no step lost -- and a new driver for the attempt re-attaches
     to it (the watchdog and the finetune flow's watch start one when the Jobs API says the job ended while its
-    heartbeat moves). The host runs beside the driver (on a worker node with ``cluster.gcs_ft``). Unset: on for a
-    training run, off for a search (refused one: its trials run under Ray Tune's driver). A Ray job's: local mode
-    (``unbroken train``) has no driver to lose. False: a driver's death ends the job, and the watchdog restarts the
-    run from its newest checkpoint."""
+    heartbeat moves, or when the node its driver ran on is dead). The host runs beside the driver (on a worker node
+    with ``cluster.gcs_ft``, which needs it). A Ray job's: local mode (``unbroken train``) has no driver to lose, and a
+    search is refused it (its trials run under Ray Tune's driver). False: a driver's death ends the job, and the
+    watchdog restarts the run from its newest checkpoint."""
     run_host_orphan_s: float = Field(300.0, gt=0)
     """With ``run_host``: a host no driver has waited on for this long ends, and its training with it (nobody is
     left to relay its end). The watchdog re-attaches a driver well within it while it looks after the run."""

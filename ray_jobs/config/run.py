@@ -159,10 +159,8 @@ class Config(Section):
 
     @property
     def hosted(self) -> bool:
-        """Whether the run's attempts train in a run host (``fault_tolerance.run_host``; unset: a run's do, a
-        search's do not)."""
-        chosen = self.fault_tolerance.run_host
-        return self.tune is None if chosen is None else chosen
+        """Whether the run's attempts train in a run host (``fault_tolerance.run_host``; never a search's)."""
+        return self.fault_tolerance.run_host and self.tune is None
 
     def _search_names(self, tune: TuneConfig) -> list[str]:
         last = trial_name(render_name(self.name, PLACEHOLDERS), tune.num_trials - 1)
@@ -173,7 +171,7 @@ class Config(Section):
 
 def run_host_problem(cfg: Config) -> str | None:
     """What ``fault_tolerance.run_host`` cannot go with, naming the field: a search, or GCS fault tolerance without it."""
-    if cfg.tune is not None and cfg.fault_tolerance.run_host is True:
+    if cfg.tune is not None and cfg.fault_tolerance.run_host:
         return (
             "fault_tolerance.run_host: not for a search yet (its trials run under Ray Tune's driver, which the search "
             "job owns); set it to false"

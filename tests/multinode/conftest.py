@@ -1,7 +1,6 @@
 """A real multi-host Ray cluster on this machine for the whole multinode suite (tests/hosts.py): a head host with no
-CPUs of its own, and three worker hosts of one CPU each -- two for the training workers, one spare (N+1). Its head's
-GCS is fault tolerant (its state in a Redis outside every host, Debian's redis-server): a head killed and started
-again at its address finds the cluster as it left it (test_head_loss.py)."""
+CPUs of its own, and three worker hosts of one CPU each -- two for the training workers, one spare (N+1). (The head
+loss under GCS fault tolerance has a cluster of its own: test_head_loss.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 from control.backends.base import ClusterHandle
 from tests.hosts import Hosts, can_make_hosts
 
-GCS_PORT, DASHBOARD_PORT, REDIS_PORT = 6411, 8411, 6412
+GCS_PORT, DASHBOARD_PORT = 6411, 8411
 
 
 @pytest.fixture(scope="package")
@@ -22,7 +21,6 @@ def hosts(tmp_path_factory) -> Hosts:
     assert why is None, f"the multinode tests cannot build hosts here: {why}"
     hs = Hosts("ubmn", 4, 77, tmp_path_factory.mktemp("hosts"), hidden=tmp_path_factory.mktemp("flow-host-only")).up()
     try:
-        hs.start_redis(REDIS_PORT)
         hs.start_head(hs.hosts[0], GCS_PORT, DASHBOARD_PORT)
         for h in hs.hosts[1:]:
             hs.start_worker(h)
