@@ -96,8 +96,10 @@ def placement(off_head: bool) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
+    if not off_head:  # (the node table asked of the GCS only where it decides something)
+        return NodeAffinitySchedulingStrategy(here, soft=True)
     workers = [n for n in ray.nodes() if n["Alive"] and "node:__internal_head__" not in n["Resources"]]
-    return NodeAffinitySchedulingStrategy(workers[0]["NodeID"] if off_head and workers else here, soft=True)
+    return NodeAffinitySchedulingStrategy(workers[0]["NodeID"] if workers else here, soft=True)
 
 
 def host_for(

@@ -183,6 +183,16 @@ class Hosts:
         wait_for(f"the head on {h.name}", lambda: reachable(address) is None, timeout_s=90, every_s=0.5)
         return address
 
+    def start_cluster(self, gcs_port: int, dashboard_port: int, redis_port: int | None = None) -> Hosts:
+        """A head on the first host (no CPUs) and a one-CPU worker node on each of the others; with ``redis_port``,
+        the head's GCS keeps its state in a Redis of its own (:meth:`start_redis`)."""
+        if redis_port is not None:
+            self.start_redis(redis_port)
+        self.start_head(self.hosts[0], gcs_port, dashboard_port)
+        for h in self.hosts[1:]:
+            self.start_worker(h)
+        return self
+
     def start_worker(self, h: Host, num_cpus: int = 1, tries: int = 2) -> None:
         """A Ray worker node on ``h``, waited for until the head counts it alive. On an overloaded machine the head's
         shortened health checks (HEALTH_CHECK) can count a node that is still joining dead, and its raylet then exits

@@ -21,10 +21,7 @@ def hosts(tmp_path_factory) -> Hosts:
     assert why is None, f"the multinode tests cannot build hosts here: {why}"
     hs = Hosts("ubmn", 4, 77, tmp_path_factory.mktemp("hosts"), hidden=tmp_path_factory.mktemp("flow-host-only")).up()
     try:
-        hs.start_head(hs.hosts[0], GCS_PORT, DASHBOARD_PORT)
-        for h in hs.hosts[1:]:
-            hs.start_worker(h)
-        yield hs
+        yield hs.start_cluster(GCS_PORT, DASHBOARD_PORT)
     finally:
         hs.down()
 

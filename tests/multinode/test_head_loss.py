@@ -49,11 +49,7 @@ def ft_hosts(tmp_path_factory) -> Iterator[Hosts]:
     assert why is None, f"the multinode tests cannot build hosts here: {why}"
     hs = Hosts("ubhl", 3, 76, tmp_path_factory.mktemp("ft-hosts")).up()
     try:
-        hs.start_redis(REDIS_PORT)
-        hs.start_head(hs.hosts[0], GCS_PORT, DASHBOARD_PORT)
-        for h in hs.hosts[1:]:
-            hs.start_worker(h)
-        yield hs
+        yield hs.start_cluster(GCS_PORT, DASHBOARD_PORT, REDIS_PORT)
     finally:
         hs.down()
 
