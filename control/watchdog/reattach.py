@@ -13,7 +13,7 @@ from control import jobsapi, registry
 from control import lease as leases
 from control.backends import backend_for
 from control.backends.base import ClusterHandle
-from control.jobs import entrypoint, submit
+from control.jobs import entrypoint, submit, user_code
 from control.jobsapi import JobView
 from control.logs import run_logger
 from control.records.run import RunRecord
@@ -34,7 +34,7 @@ def reattach(cfg: Config, reg: RunRecord, lease: leases.Lease) -> str:
     lease.check()  # fenced: a watchdog that lost its lease submits nothing
     with lease.kept():
         handle = replace(recorded_handle(reg), python=cfg.cluster.python)  # the interpreter is the config's
-        submit(handle, sid, entrypoint(cfg), spec, env, flags=("--attach",))
+        submit(handle, sid, entrypoint(cfg), spec, env, flags=("--attach",), code=user_code(cfg))
     attempt.set(drivers=[*attempt.drivers, attempt.submission_id], submission_id=sid, status="SUBMITTED")
     attempt.unset("ended_at")
     lease.check()

@@ -18,7 +18,7 @@ from control.attempt import start_attempt
 from control.backends import backend_for
 from control.backends.base import ClusterError, ClusterHandle, StopUnverified
 from control.cluster import provision
-from control.jobs import entrypoint, stop_and_wait, submit
+from control.jobs import entrypoint, stop_and_wait, submit, user_code
 from control.logs import run_logger
 from control.rayapi import first_line
 from control.records.run import Incident, RunRecord
@@ -60,7 +60,8 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
     lease.check()
     with lease.kept():  # a submission may wait minutes for an answer: no second watchdog meanwhile
         try:
-            sid = submit(handle, registry.submission_id(cfg.storage, cfg.name, attempt), entrypoint(cfg), spec, env)
+            sid = registry.submission_id(cfg.storage, cfg.name, attempt)
+            sid = submit(handle, sid, entrypoint(cfg), spec, env, code=user_code(cfg))
         except Exception as e:  # refused, unanswered, a runtime env that failed: whatever it was, no job to watch
             return _submission_failed(cfg, attempt, e, lease)
     reg = registry.load_existing(cfg.storage, cfg.name)

@@ -14,7 +14,9 @@ from ray_jobs.config.base import Section
 
 # record_formats.FORMATS' names (tests/unit/test_record_formats.py holds them equal): the literal validates a config,
 # types it, and lists the choices in the reference
-Format = Literal["pairs", "text", "chat", "alpaca", "sharegpt", "prompt_completion", "preference", "auto"]
+Format = Literal[
+    "pairs", "text", "chat", "alpaca", "sharegpt", "prompt_completion", "preference", "unpaired_preference", "auto"
+]
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # owner/name, or a bare name
 _SPLIT = re.compile(r"\w[\w.-]*")  # a split's name: no slicing (``train[:10%]``), which would stage the whole split
 
@@ -88,7 +90,9 @@ class DataConfig(Section):
     else the Alpaca prompt as ``pairs``), ``sharegpt`` (``conversations: [{from: human|gpt|system, value}]``, as
     ``chat``), ``prompt_completion`` (TRL's ``prompt``/``completion``: strings as ``pairs``, message lists as
     ``chat``), ``preference`` (TRL's ``prompt``/``chosen``/``rejected``: three strings, or three message lists; one
-    staged row per record, no packing; trained by DPO, ``train.engine: hf``). ``auto``: the shape is detected from the first records of ``train`` (logged, and part of the dataset
+    staged row per record, no packing; trained by DPO, ``train.engine: hf``), ``unpaired_preference`` (TRL's
+    ``prompt``/``completion`` and a boolean ``label``, true for a desirable completion, KTO's; one row per record).
+    ``auto``: the shape is detected from the first records of ``train`` (logged, and part of the dataset
     id)."""
     train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     """``chat``: learn every assistant turn of a conversation (the default), or only the final one."""
@@ -104,6 +108,10 @@ class DataConfig(Section):
     """Share of records held out for eval (chosen by record hash, so adding records never reshuffles)."""
     seq_len: int = Field(256, ge=8)
     """Length in tokens of each packed training sequence."""
+    packing: bool = True
+    """Pack several records into each ``seq_len`` row (each still sees only itself); false: one record a row,
+    padded. ``train.method: grpo`` stages one prompt a row whatever this says (it samples completions per prompt);
+    preference formats are always one record a row."""
     max_record_chars: int | None = Field(None, ge=1)
     """A record longer than this many characters is rejected; unset: 100,000 for prompt/completion and chat records,
     no limit for ``text`` documents (they are cut into pieces, whatever their length)."""

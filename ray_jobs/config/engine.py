@@ -9,6 +9,7 @@ import functools
 from typing import Any
 
 from ray_jobs.config.engines import ENGINES, Engine, engine_of, needs
+from ray_jobs.config.methods import METHODS, load_class, method_of, method_problems
 from ray_jobs.config.record_formats import record_format
 
 # TrainingArguments fields unbroken sets itself (ray_jobs/train/hf.py): the config field a user sets instead.
@@ -26,6 +27,7 @@ OWNED = {
     "logging_steps": "train.log_every_steps", "report_to": "tracking",
     "resume_from_checkpoint": "nothing (a run resumes from its newest valid checkpoint by itself)",
     "ignore_data_skip": "nothing (unbroken's cursor resumes the data)", "fsdp": "train.parallelism",
+    "fsdp_config": "train.parallelism (unbroken's FSDP2 shards the model)",
     "deepspeed": "nothing (not yet: DeepSpeed owns the optimizer and writes checkpoints of its own, which "
                  "unbroken's sealed checkpoints and exact resume do not cover)",
     "adam_beta1": "nothing (unbroken's AdamW)", "adam_beta2": "nothing (unbroken's AdamW)",
@@ -39,32 +41,36 @@ OWNED = {
     "padding_free": "nothing (rows come staged)", "truncation_mode": "data.too_long",
     "dataloader_num_workers": "nothing (rows come from the node cache)",
     "remove_unused_columns": "nothing (unbroken's rows are already model inputs)",
+    "steps_per_generation": "train.grad_accum_steps (completions are sampled once per optimizer step)",
+    "generation_batch_size": "train.micro_batch_size (prompts per micro-batch, each sampled num_generations times)",
+    "num_iterations": "nothing (one optimizer step per sampling: a checkpoint between steps holds no buffered "
+                      "completions)",
+    "shuffle_dataset": "nothing (unbroken's cursor orders the prompts)",
+    "reward_weights": "train.rewards (each function's weight)",
+    "use_vllm": "nothing (not yet: completions are sampled in the training worker)",
+    "dataset_text_field": "nothing (rows come staged)", "packing": "data.packing",
 }  # fmt: skip
 
 
 @functools.cache
-def _fields(dpo: bool) -> dict[str, Any]:  # field name -> its type hint (what TypeAdapter takes: typing says Any)
+def _fields(args: str) -> dict[str, Any]:  # field name -> its type hint (what TypeAdapter takes: typing says Any)
     import dataclasses
     import typing
 
-    if dpo:
-        from trl import DPOConfig as TrainingArguments
-    else:
-        from transformers import TrainingArguments
-
+    TrainingArguments = load_class(args)  # noqa: N806 -- a class
     hints = typing.get_type_hints(TrainingArguments)
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
 
 
-def hf_args_problems(hf_args: dict[str, Any], dpo: bool = False) -> list[str]:
-    """One line per ``train.hf_args`` entry that is not a field of TrainingArguments (``dpo``: TRL's DPOConfig), is
-    unbroken's to set, or whose value does not fit the field's type."""
+def hf_args_problems(hf_args: dict[str, Any], args: str = "transformers:TrainingArguments") -> list[str]:
+    """One line per ``train.hf_args`` entry that is not a field of ``args`` (the method's arguments class:
+    ``trl:DPOConfig``...), is unbroken's to set, or whose value does not fit the field's type."""
     from pydantic import TypeAdapter, ValidationError
 
     if not hf_args:
         return []
-    fields, problems = _fields(dpo), []
-    what = "trl.DPOConfig" if dpo else "transformers.TrainingArguments"
+    fields, problems = _fields(args), []
+    what = args.replace(":", ".")
     for name, value in hf_args.items():
         where = f"train.hf_args.{name}"
         if name in OWNED and OWNED[name].startswith("nothing"):
@@ -137,7 +143,7 @@ def engine_problems(cfg: Any) -> list[str]:
     """Why the config's engine cannot run it: what it asks for that its engine lacks (:func:`capability_problems`),
     what a preference pair or an adapter export cannot take, a 4-bit base's needs, and ``train.hf_args`` checked
     against HF's arguments when the engine reads them."""
-    t, problems = cfg.train, capability_problems(cfg)
+    t, problems = cfg.train, capability_problems(cfg) + method_problems(cfg)
     fmt, engine = record_format(cfg.data.format), ENGINES[t.engine]
     if fmt.pairs and cfg.data.too_long == "truncate":
         problems.append("data.too_long: truncate cannot cut a preference pair; use reject or drop")
@@ -149,9 +155,15 @@ def engine_problems(cfg: Any) -> list[str]:
         return problems
     if t.hf_args.get("use_liger_kernel") and (p := liger_problem(cfg.cluster.use_gpu, cfg.cluster.backend_name)):
         problems.append(f"train.hf_args.use_liger_kernel: {p}")
-    # auto may detect preference records: their DPOConfig (TrainingArguments' fields and DPO's) is checked then
-    dpo = engine.preference and (fmt.pairs or fmt.detected)
-    return problems + hf_args_problems(t.hf_args, dpo=dpo)
+    return problems + hf_args_problems(t.hf_args, hf_args_class(t.method, fmt))
+
+
+def hf_args_class(method: str, fmt: Any) -> str:
+    """The arguments class ``train.hf_args`` is checked against: the method's; ``auto`` on records ``auto`` may
+    detect as preference pairs, DPOConfig (TrainingArguments' fields and DPO's)."""
+    if method == "auto" and fmt.detected:
+        return METHODS["dpo"].args
+    return method_of(method, fmt.pairs).args
 
 
 def missing_here(backend: str, module: str) -> bool:

@@ -64,7 +64,9 @@ ENGINES: dict[str, Engine] = {
             "hf",
             "ray_jobs.train.hf:HfTrainer",
             "Hugging Face's Trainer (TRL's DPOTrainer on preference pairs) computes each step through accelerate's "
-            "DDP; unbroken feeds the rows and owns the optimizer, the checkpoints, the heartbeat and the metrics",
+            "DDP, or on unbroken's FSDP2 shards; unbroken feeds the rows and owns the optimizer, the checkpoints, the "
+            "heartbeat and the metrics",
+            fsdp=True,
             preference=True,
             hf_args=True,
         ),

@@ -20,6 +20,8 @@ class RecordFormat:
     name: str
     pairs: bool = False  # preference pairs (chosen and rejected): trained by an engine that can (DPO), packed one pair
     # a row, never mixed with other formats; a sample is each row's chosen answer
+    labelled: bool = False  # unpaired preference: completions labelled desirable or not (KTO's), staged one record a
+    # row (its label in the row: ``ray_jobs/data/unpaired.py``), never mixed with other formats
     documents: bool = False  # free text: cut into pieces of ``seq_len`` (counted as pieces), no default
     # ``max_record_chars``, no expected answer to sample, ``text_overlap_tokens`` read and ``too_long`` not
     detected: bool = False  # ``auto``: not a format itself, but which one the first records show
@@ -41,6 +43,8 @@ class RecordFormat:
 ROWS: tuple[RecordFormat, ...] = (
     # a preference record's answers are its final replies: earlier assistant turns are the prompt
     RecordFormat("preference", pairs=True, chat="if_template", train_on="last_assistant", fields=("prompt", "chosen", "rejected")),
+    # before prompt_completion, whose fields it has: its completion is its final reply, as a preference record's
+    RecordFormat("unpaired_preference", labelled=True, chat="if_template", train_on="last_assistant", fields=("prompt", "completion", "label")),
     RecordFormat("chat", chat="always", field_settings=("messages_field",), no_template="use data.format=pairs, or a model whose tokenizer_config.json has a chat_template"),
     RecordFormat("sharegpt", chat="always", fields=("conversations",), no_template="convert the conversations to data.format=pairs, or use a model whose tokenizer has a chat_template"),
     RecordFormat("alpaca", chat="if_template", fields=("instruction", "output")),

@@ -11,6 +11,7 @@ from ray_jobs.config.data import DataConfig
 from ray_jobs.config.engine import engine_problems
 from ray_jobs.config.engines import engine_of
 from ray_jobs.config.fault_tolerance import FaultToleranceConfig
+from ray_jobs.config.methods import prompts_only
 from ray_jobs.config.model import BUILTIN_PREFIX, ModelConfig
 from ray_jobs.config.series import (
     PLACEHOLDER,
@@ -127,6 +128,8 @@ class Config(Section):
             raise ValueError(f"series.name: name {self.name!r} is only placeholders; name the series")
         if self.model.lora is not None and self.train.parallelism == "fsdp":
             raise ValueError("model.lora with train.parallelism=fsdp is not supported yet; use ddp for LoRA")
+        if prompts_only(self.train.method):  # GRPO samples for one prompt at a time: the final reply's
+            self.data.packing, self.data.train_on = False, "last_assistant"
         if problems := engine_problems(self):
             raise ValueError("\n  - ".join(problems))
         if self.fault_tolerance.live_recovery and (p := live_recovery_problem(self)):

@@ -4,10 +4,53 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ray_jobs.config.base import Section
 from ray_jobs.config.engines import EngineName
+from ray_jobs.config.methods import MethodName
+
+
+class RewardFunction(Section):
+    function: str
+    """``module:function``: the user's Python, importable where ``unbroken`` runs (the working directory is on the
+    path) and shipped with the job to the workers. Called as TRL's reward functions are: ``f(prompts, completions,
+    answer=..., **kwargs)`` with lists of strings (``answer``: each prompt's record completion, "" when it has none),
+    returning one float (or None) per completion."""
+    weight: float = 1.0
+    """Its weight in the reward a completion is ranked by (the weighted sum of every function's)."""
+
+    @field_validator("function")
+    @classmethod
+    def _dotted(cls, v: str) -> str:
+        module, sep, name = v.partition(":")
+        parts = module.split(".")
+        if not sep or not name.isidentifier() or not all(p.isidentifier() for p in parts):
+            raise ValueError(f"{v!r} is not module:function (e.g. configs.rewards.addition:correct)")
+        code_path(module)  # importable here, so it can be shipped to the workers
+        return v
+
+
+def code_path(module: str) -> str:
+    """Where ``module`` (dotted) is found, the working directory on the path: its top-level package's folder, or
+    its file -- what a job ships so its workers import it by the same name. ValueError when it is nowhere."""
+    import importlib.util
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's path starts at its bin folder
+        sys.path.append(os.getcwd())
+    top = module.partition(".")[0]
+    try:
+        spec = importlib.util.find_spec(module) and importlib.util.find_spec(top)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module}: {e}") from None
+    if spec is None:
+        raise ValueError(f"no module {module} (from {os.getcwd()} or the Python path)")
+    if spec.submodule_search_locations:
+        return str(list(spec.submodule_search_locations)[0])
+    assert spec.origin is not None, top
+    return spec.origin
 
 
 class TrainConfig(Section):
@@ -45,8 +88,9 @@ class TrainConfig(Section):
     sample_generations: int = Field(64, ge=0)
     """Held-out prompts the run's summary shows answered greedily by the base model and the fine-tuned one: rank 0 of
     the training job generates them after its export, from the staged eval split, one model at a time (bf16 on a GPU
-    that has it, fp32 on a CPU), each answer at most its target's length + 8 tokens (256); 0 = none. A failure there
-    is a warning: the run has trained and exported."""
+    that has it, fp32 on a CPU), each answer at most its target's length + 8 tokens (256); 0 = none, as for a reward
+    model (``train.method: reward`` scores answers, it does not generate). A failure there is a warning: the run has
+    trained and exported."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision: ``auto`` = bf16 autocast on GPU, fp32 on CPU. Weights and optimizer moments are always fp32
     (the base model is loaded in fp32 whatever dtype it was saved in)."""
@@ -76,6 +120,18 @@ class TrainConfig(Section):
     forward, loss and backward, its options through ``train.hf_args``) inside the same job -- unbroken still feeds the
     data from its cursor, owns the optimizer, the schedule, the checkpoints, the heartbeat and the metrics, so a
     killed ``hf`` run resumes exactly as a native one does."""
+    method: MethodName = "auto"
+    """What the run optimizes (``ray_jobs/config/methods.py``): ``sft``, next-token cross-entropy on the completions;
+    ``trl_sft``, the same through TRL's ``SFTTrainer`` (its token accuracy logged); ``dpo`` on preference pairs;
+    ``kto`` on completions labelled desirable or not (``data.format: unpaired_preference``); ``reward``, a reward
+    model (a scalar head) on preference pairs; ``grpo``, completions sampled for each prompt and scored by
+    ``train.rewards``. ``auto``: ``dpo`` for preference pairs, else ``sft``. All but ``sft`` need ``engine: hf``
+    (TRL's trainer computes each step; unbroken feeds, checkpoints and resumes it)."""
+    rewards: list[RewardFunction] = Field(default_factory=list)
+    """``method: grpo``: the functions scoring each sampled completion, e.g. ``[{function:
+    configs.rewards.addition:correct}, {function: configs.rewards.addition:digits_only, weight: 0.1}]``. One that
+    raises or returns the wrong number of rewards fails the run as a user error naming it, the step and the
+    example."""
     hf_args: dict[str, Any] = Field(default_factory=dict)
     """With ``engine: hf``: any other ``transformers.TrainingArguments`` field by its name (e.g.
     ``label_smoothing_factor``, ``neftune_noise_alpha``), checked against the installed transformers when the config

@@ -96,7 +96,8 @@ def prepare(data: DataConfig) -> tuple[DataConfig, Mixture | None]:
         return resolve_format(data.model_copy(update={"train": s.url, "format": s.format}), s.url, s.field), None
     mix = Mixture([replace(s, format=resolve_format(_as(data, s.format), s.url, s.field).format) for s in sources])
     formats = {s.format for s in mix.sources}
-    if any(record_format(f).pairs for f in formats) and len(formats) > 1:  # a row of pairs is trained another way
+    one_a_row = any(record_format(f).pairs or record_format(f).labelled for f in formats)  # trained another way
+    if one_a_row and len(formats) > 1:
         named = ", ".join(f"{s.field} is {s.format}" for s in mix.sources)
         raise StagingError(f"data.train: preference records cannot be mixed with other shapes ({named})")
     if record_format(data.format).detected:

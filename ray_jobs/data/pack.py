@@ -122,6 +122,25 @@ class Packer:
         return row
 
 
+class RowPerExample(Packer):
+    """One example a row, padded (``data.packing: false``; GRPO's prompts): the rows :class:`Packer` makes when no
+    two examples fit together, so a row reads back as one prompt and its completion."""
+
+    def add(self, ex: Examples) -> np.ndarray:
+        starts = np.concatenate([[0], np.cumsum(ex.lengths)])
+        rows = []
+        for i, n in enumerate(ex.lengths.tolist()):
+            row = self._new_row(None)
+            row[0, :n], row[1, :n] = ex.ids[starts[i] : starts[i] + n], ex.labels[starts[i] : starts[i] + n]
+            row[1, 0] = IGNORE_INDEX  # nothing precedes its first token
+            row[2, :n] = np.arange(n, dtype=np.int32)
+            rows.append(self._close(row, n))
+        return np.stack(rows) if rows else np.empty((0, 3, self.seq_len), dtype=np.int32)
+
+    def finish(self) -> np.ndarray:
+        return np.empty((0, 3, self.seq_len), dtype=np.int32)
+
+
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> Rows:
     """All of ``examples`` packed (see :class:`Packer`), as lists."""
     packer = Packer(seq_len, pad_id)

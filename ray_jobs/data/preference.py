@@ -8,7 +8,9 @@ the row trace and the checkpoints serve DPO unchanged:
   ``-1`` for padding (the pad id may be EOS, which ends an answer: a code cannot be mistaken for it).
 
 :func:`pair_batch` turns rows into what TRL's ``DPOTrainer`` computes its loss on (its ``DataCollatorForPreference``'s
-``input_ids`` / ``attention_mask`` / ``completion_mask``: the chosen half first, then the rejected half).
+``input_ids`` / ``attention_mask`` / ``completion_mask``: the chosen half first, then the rejected half);
+:func:`reward_batch` the same rows into what its ``RewardTrainer`` scores (``input_ids`` / ``attention_mask``, chosen
+then rejected, each sequence ending with its answer).
 """
 
 from __future__ import annotations
@@ -77,3 +79,34 @@ def pair_batch(
         "completion_mask": np.concatenate([chosen_completion, coded >= 0]),
     }
     return {k: torch.from_numpy(np.ascontiguousarray(v[:, :width]).astype(np.int64)) for k, v in out.items()}
+
+
+def reward_batch(
+    ids: np.ndarray, labels: np.ndarray, coded: np.ndarray, pad_id: int, *, keep: np.ndarray | None = None
+) -> dict[str, torch.Tensor]:
+    """TRL 1.16 RewardTrainer's batch of rows ``[B, seq_len]`` each (the three row parts), as its
+    ``DataCollatorForPreference`` builds it: ``input_ids`` / ``attention_mask`` ``[2B, L]``, each pair's prompt +
+    chosen answer, then each pair's prompt + rejected answer, cut to the longest. Each sequence ends with its
+    answer's last learned token (its EOS or end-of-turn marker): whitespace a chat template writes after that marker
+    is left out of both, so both scores are read alike (the model reads a sequence's score at its last token that is
+    not the pad id). A pair ``keep`` says False of (past ``train.epochs``' last pass) has its chosen sequence on both
+    sides: two equal rewards, a loss term of log 2 with no gradient (but for ``center_rewards_coefficient``'s pull
+    towards 0)."""
+    import torch
+
+    chosen_len = learned_end(labels != IGNORE_INDEX)
+    rejected_ids = np.where(coded >= 0, coded, np.where(coded != PAD_CODE, -coded - 2, pad_id))
+    rejected_len = learned_end(coded >= 0)
+    if keep is not None:
+        rejected_ids = np.where(keep[:, None], rejected_ids, ids)
+        rejected_len = np.where(keep, rejected_len, chosen_len)
+    lengths = np.concatenate([chosen_len, rejected_len])
+    attention = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+    out = {"input_ids": np.where(attention, np.concatenate([ids, rejected_ids]), pad_id), "attention_mask": attention}
+    width = int(lengths.max(initial=1))
+    return {k: torch.from_numpy(np.ascontiguousarray(v[:, :width]).astype(np.int64)) for k, v in out.items()}
+
+
+def learned_end(learned: np.ndarray) -> np.ndarray:
+    """Per row of a ``[B, L]`` mask: one past its last learned position (0 when it has none)."""
+    return np.where(learned.any(1), learned.shape[1] - np.argmax(learned[:, ::-1], 1), 0)

@@ -54,6 +54,7 @@ class Record:
     messages: list[dict] | None = None  # a conversation's messages (``data.too_long=truncate`` renders fewer)
     templated: bool = False  # ``text`` was written by the chat template, special tokens included
     pair: Record | None = None  # a preference record's rejected answer (this one holds the chosen)
+    desirable: bool | None = None  # an unpaired preference record's label (None: a record of another format)
 
 
 class RejectJson(TypedDict, total=False):
@@ -184,6 +185,7 @@ def _record(obj: Any, data: DataConfig, render: Renderer | None, file: str, pos:
     rec = _shaped(s.messages, s.prompt, s.target, s.shown, render, file, pos, split)
     if s.rejected or s.rejected_messages:
         rec.pair = _shaped(s.rejected_messages, s.prompt, s.rejected, s.shown, render, file, pos, split)
+    rec.desirable = s.desirable
     limit, chars = record_char_limit(data), len(rec.text) + (len(rec.pair.text) if rec.pair else 0)
     if limit is not None and chars > limit:
         raise RecordProblem(f"record is {chars} characters, over data.max_record_chars ({limit})")

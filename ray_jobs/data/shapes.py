@@ -40,6 +40,7 @@ class Shaped:
     shown: str = ""
     rejected: str = ""  # a preference record's rejected answer (``target`` is the chosen one) ...
     rejected_messages: list[dict] | None = None  # ... or its conversation ending in the rejected reply
+    desirable: bool | None = None  # an unpaired preference record's label: its completion desirable or not
 
 
 # Stanford Alpaca's prompt (github.com/tatsu-lab/stanford_alpaca, train.py), for a tokenizer with no chat template.
@@ -172,11 +173,11 @@ def _sharegpt(obj: dict, data: DataConfig, templated: bool) -> Shaped:
     return Shaped(messages=conversation(msgs))
 
 
-def _prompt_completion(obj: dict, data: DataConfig, templated: bool) -> Shaped:
+def _prompt_completion(obj: dict, data: DataConfig, templated: bool, fmt: str = "prompt_completion") -> Shaped:
     """TRL's shape: two strings (a prompt and its completion), or two lists of messages (a conversation)."""
     for key in ("prompt", "completion"):
         if key not in obj:
-            raise _missing(key, "prompt_completion")
+            raise _missing(key, fmt)
     prompt, completion = obj["prompt"], obj["completion"]
     if isinstance(prompt, list) and isinstance(completion, list):
         if not templated:
@@ -216,6 +217,18 @@ def _preference(obj: dict, data: DataConfig, templated: bool) -> Shaped:
     )
 
 
+def _unpaired_preference(obj: dict, data: DataConfig, templated: bool) -> Shaped:
+    """TRL's unpaired preference shape (KTO's): a prompt and a completion as ``prompt_completion``'s, and a boolean
+    ``label``, true when the completion is desirable."""
+    shaped = _prompt_completion(obj, data, templated, "unpaired_preference")
+    if "label" not in obj:
+        raise _missing("label", "unpaired_preference")
+    if not isinstance(obj["label"], bool):
+        raise RecordProblem(f"field 'label' must be true or false, got {type(obj['label']).__name__}")
+    shaped.desirable = obj["label"]
+    return shaped
+
+
 # Each record format's shape (every one of FORMATS but the detected ``auto``): a new format is its row there and here.
 SHAPES: dict[str, Callable[[dict, DataConfig, bool], Shaped]] = {
     "pairs": _pairs,
@@ -225,6 +238,7 @@ SHAPES: dict[str, Callable[[dict, DataConfig, bool], Shaped]] = {
     "sharegpt": _sharegpt,
     "prompt_completion": _prompt_completion,
     "preference": _preference,
+    "unpaired_preference": _unpaired_preference,
 }
 
 

@@ -186,6 +186,8 @@ def staging_config(data: DataConfig, mix: Mixture | None = None) -> dict[str, Js
         out["too_long"] = data.too_long
     if any(f.chat != "never" for f in formats):
         out["train_on"] = data.train_on
+    if not data.packing:  # (only then: the ids of datasets staged before the option are kept)
+        out["packing"] = False
     if mix is not None:
         out["format"] = mix.format
         out["mixture"] = mix.config()
@@ -362,11 +364,14 @@ def _write_shards(
 
 
 def packer_for(data: DataConfig) -> type:
-    """How examples become rows: packed several to a row, or one preference record per row."""
-    from ray_jobs.data.pack import Packer
-    from ray_jobs.data.preference import PairPacker
+    """How examples become rows: packed several to a row, one record per row (``data.packing: false``), or one
+    preference record (a pair, or an unpaired labelled completion) per row."""
+    from ray_jobs.data import preference, unpaired
+    from ray_jobs.data.pack import Packer, RowPerExample
 
-    return PairPacker if record_format(data.format).pairs else Packer
+    if (fmt := record_format(data.format)).pairs or fmt.labelled:
+        return preference.PairPacker if fmt.pairs else unpaired.UnpairedPacker
+    return Packer if data.packing else RowPerExample
 
 
 def split_shards(rows: int, split: str, data: DataConfig) -> int:

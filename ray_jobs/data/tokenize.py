@@ -92,7 +92,7 @@ class Tokenized:
                 example = self._fitted(rec, *self._example(rec, ids, offsets))
                 if example is not None:
                     kept_ids.append(example[0])
-                    kept_labels.append(example[1])
+                    kept_labels.append(example[1] if rec.desirable is not False else coded_undesirable(example[1]))
         self.flat = Examples._join(kept_ids, kept_labels)
 
     def _fitted(self, rec: Record, ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -104,6 +104,8 @@ class Tokenized:
         problem = f"record is {len(ids)} tokens, longer than data.seq_len ({self.seq_len})"
         if self.too_long == "reject":
             return self._reject(rec, problem)
+        if self.too_long == "truncate" and rec.desirable is not None:  # cut short, it may not be what its label says
+            return self._reject(rec, f"{problem} (data.too_long=truncate cannot cut a labelled completion: rejected)")
         if self.too_long == "truncate":
             from ray_jobs.data.fit import truncate
 
@@ -174,6 +176,12 @@ class Tokenized:
     def _needs_eos(self, text: str, ids: list[int]) -> bool:
         """Whether the text still lacks an EOS: one the tokenizer added, or one the text (a template) wrote itself."""
         return not (ids[-1:] == [self.eos] or text.rstrip().endswith(self.eos_text))
+
+
+def coded_undesirable(labels: np.ndarray) -> np.ndarray:
+    """An undesirable completion's labels on their way to its packer (``ray_jobs.data.unpaired``, which stores the
+    label in the row): each learned token ``t`` as ``IGNORE_INDEX - 1 - t``, neither a token id nor IGNORE_INDEX."""
+    return np.where(labels != IGNORE_INDEX, IGNORE_INDEX - 1 - labels, labels).astype(np.int32)
 
 
 def learned_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:

@@ -71,6 +71,31 @@ def load_model_fp32(name_or_path: str, cache_root: str | Path | None = None, **k
     return load_model(name_or_path, cache_root, dtype=torch.float32, **kwargs)
 
 
+def load_reward_model_fp32(name_or_path: str, cache_root: str | Path | None = None, seed: int = 0, **kwargs):
+    """The base model's weights, fp32, under a new scalar head: ``AutoModelForSequenceClassification`` with one
+    label (a reward model: ``train.method: reward``; a causal LM's folder loads as its ``...ForSequenceClassification``,
+    the LM head left out). The head -- the weights the folder lacks -- is drawn from ``seed`` alone, by a generator
+    of its own (normal, the config's ``initializer_range``; biases zero), so two runs of one seed start alike whatever
+    the global RNG has drawn. The config names the new class (``architectures``), so an export of it, however it is
+    written, loads as a reward model."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    folder = local_folder(name_or_path, cache_root or tempfile.gettempdir())
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        folder, num_labels=1, dtype=torch.float32, output_loading_info=True, **kwargs
+    )
+    generator = torch.Generator().manual_seed(seed)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in info["missing_keys"]:
+                drawn = torch.randn(p.shape, generator=generator) * std if p.dim() > 1 else torch.zeros(p.shape)
+                p.copy_(drawn.to(p.dtype))
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
 class QuantizedLoading(TypedDict, total=False):
     """What ``from_pretrained`` is given to load a quantized base."""
 

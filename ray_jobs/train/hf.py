@@ -1,6 +1,7 @@
 """The ``hf`` engine (``train.engine: hf``): Hugging Face ``transformers.Trainer`` runs each step -- its forward, its
 loss (``compute_loss``, with whatever ``train.hf_args`` switch on: label smoothing, NEFTune, ...), its backward
-through accelerate's DDP, gradient clipping and the optimizer step -- inside the same job as the native loop.
+through accelerate's DDP (or on unbroken's FSDP2 shards: :mod:`.hf_fsdp`), gradient clipping and the optimizer
+step -- inside the same job as the native loop.
 
 What unbroken keeps, and why by hand: HF resumes data by iterating past consumed batches and restores RNG per rank
 from its own checkpoint folders, which neither knows unbroken's staged rows nor seals a checkpoint with a manifest.
@@ -15,24 +16,29 @@ So :class:`HfTrainer` is the native :class:`~ray_jobs.train.trainer.Trainer` wit
 - resume is the native resume (newest valid checkpoint, a torn one skipped) before HF starts, which then trains the
   steps left; its ``set_seed`` at construction is undone (the RNG a checkpoint restored is put back).
 
-Preference records (``data.format: preference``, :mod:`ray_jobs.data.preference`) are trained by TRL's
-``DPOTrainer`` the same way: its loss (``beta``, ``loss_type``... through ``train.hf_args``, checked against
-``DPOConfig``) on unbroken's rows; the reference is the base model -- the adapters disabled under LoRA, else a frozen
-copy loaded from the same folder; its reward accuracy and margin go to the metrics log (``reward_accuracy``,
-``reward_margin``; ``eval_reward_accuracy`` on eval steps), and eval is DPO's loss on the held-out pairs.
+Every other ``train.method`` is a TRL trainer run the same way (its row in ``ray_jobs/config/methods.py``; its part
+in :mod:`.trl_methods`): DPO on preference pairs (:mod:`ray_jobs.data.preference`), KTO on labelled completions
+(:mod:`ray_jobs.data.unpaired`), a reward model's scalar head on preference pairs, GRPO sampling from the staged
+prompts (:mod:`.grpo`), TRL's SFTTrainer. Its loss's options come through ``train.hf_args`` (checked against the
+method's arguments class), and its metrics go to the metrics log under the row's column names (DPO's
+``reward_accuracy`` and ``reward_margin``, GRPO's ``reward`` and one ``reward_<function>`` each...), once per step.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
 from ray_jobs import faults
 from ray_jobs.checkpoint.rng import rng_state, set_rng_state
+from ray_jobs.config.methods import load_class, method_of, reads, records_of
 from ray_jobs.config.record_formats import staged_format
 from ray_jobs.contracts.metrics import MetricsRow
 from ray_jobs.train import model as models
-from ray_jobs.train.model import Placement
+from ray_jobs.train import trl_methods
+from ray_jobs.train.hf_fsdp import keep_sharded, step_sync
+from ray_jobs.train.model import Placement, global_norm
 from ray_jobs.train.trainer import Agreed, Trainer
 
 
@@ -58,7 +64,11 @@ class HfTrainer(Trainer):
     """The native trainer whose steps HF's ``Trainer`` computes (module docstring)."""
 
     def build_model(self):
-        self.preference = staged_format(self.manifest.format).pairs
+        fmt = staged_format(self.manifest.format)
+        self.preference, self.method = fmt.pairs, method_of(self.cfg.train.method, fmt.pairs)
+        if not reads(self.method, records_of(fmt) or "rows", fmt.documents):
+            found = f"{self.manifest.format}, as data.format=auto found them"
+            raise ValueError(f"train.method: {self.method.name} cannot train the staged records ({found})")
         self._engine, self._window, self._eval_extra = None, {}, {}
         return models.build_model(self.cfg, self.model_path, _Unwrapped(self.rt))
 
@@ -78,10 +88,14 @@ class HfTrainer(Trainer):
         self.stop_at = end
         self.engine().train()
 
+    def count_tokens(self, n: int) -> None:
+        """Tokens trained on in the step (GRPO's sampled completions, known once sampled)."""
+        self._step_tokens += n
+
     def hf_step_end(self) -> bool:
         """After HF's optimizer step: the native step's end (agree, advance, log, eval, checkpoint, preemption);
         True when training should stop here."""
-        if self.preference:  # TRL's per-micro-batch numbers, kept until the next logged row (not in TRL's own lists)
+        if self.method.metrics:  # TRL's per-micro-batch numbers, kept until the next logged row (not in TRL's lists)
             assert self._engine is not None, "HF calls back from inside engine().train()"
             for key, values in self._engine._metrics["train"].items():
                 self._window.setdefault(key, []).extend(values)
@@ -96,7 +110,7 @@ class HfTrainer(Trainer):
 
     def extra_columns(self) -> MetricsRow:
         window, self._window = self._window, {}
-        return _rewards(window)
+        return trl_methods.columns(self.method, window)
 
     def eval_at_start(self) -> None:
         if self.loop.step == 0:
@@ -110,57 +124,22 @@ class HfTrainer(Trainer):
         return row, last
 
     def evaluate(self, rows=None) -> float:
-        """DPO's loss on the held-out pairs (reward accuracy beside it) for preference records, else the native
-        eval (mean loss per target token)."""
-        if not self.preference:
+        """The method's own loss on the held-out records, its eval metric beside it (DPO's, KTO's, a reward
+        model's: :func:`.trl_methods.method_eval`), else the native eval (mean loss per target token)."""
+        if not self.method.eval_metric:
             return super().evaluate(rows)
         self.enter_phase("evaluating")
-        loss, metrics = dpo_eval(self, rows or self.eval_rows)
-        self._eval_extra = {"eval_" + k: v for k, v in _rewards(metrics).items() if k == "reward_accuracy"}
+        loss, self._eval_extra = trl_methods.method_eval(self, rows or self.eval_rows)
         return loss
 
 
-def _rewards(metrics: dict[str, list[float]]) -> dict[str, float]:
-    """TRL's reward accuracy and margin (per micro-batch, already averaged over the ranks), averaged."""
-    names = {"rewards/accuracies": "reward_accuracy", "rewards/margins": "reward_margin"}
-    return {names[k]: sum(v) / len(v) for k, v in metrics.items() if k in names and v}
-
-
-def dpo_eval(owner: HfTrainer, rows) -> tuple[float, dict[str, list[float]]]:
-    """DPO's mean loss over ``rows`` (each rank its slice, every rank as many batches: TRL gathers inside), and
-    TRL's eval metrics of it."""
-    import numpy as np
-    import torch
-
-    from ray_jobs.data.preference import pair_batch
-    from ray_jobs.train.eval import eval_batches
-
-    engine, rt, t = owner.engine(), owner.rt, owner.cfg.train
-    # TRL gathers per-pair tensors across ranks (no padding): every rank's batches must be the same size, so each
-    # takes an equal slice and the last len(rows) % world_size pairs are left out (none at one worker)
-    usable = len(rows) - len(rows) % rt.world_size
-    mine, mb = np.arange(rt.rank, usable, rt.world_size), t.micro_batch_size
-    engine.model_wrapped.eval()
-    engine._metrics["eval"].clear()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in range(eval_batches(usable, rt.world_size, mb, t.eval_max_batches)):
-            idx = mine[b * mb : b * mb + mb]
-            batch = engine._prepare_inputs(pair_batch(*rows.take(idx), owner.pad_id))
-            loss = float(engine.compute_loss(engine.model_wrapped, batch))
-            total, count = total + loss * len(idx), count + len(idx)
-    total, count = rt.all_reduce_sum([total, float(count)])
-    metrics = {k: list(v) for k, v in engine._metrics["eval"].items()}
-    engine._metrics["eval"].clear()
-    return total / max(count, 1.0), metrics
-
-
 def hf_trainer(owner: HfTrainer, steps: int):
-    """HF's ``Trainer`` (TRL's ``DPOTrainer`` for preference records) over ``owner``'s model, optimizer, schedule and
-    rows, training ``steps`` optimizer steps."""
+    """HF's ``Trainer`` (the method's TRL trainer: :mod:`.trl_methods`) over ``owner``'s model, optimizer, schedule
+    and rows, training ``steps`` optimizer steps."""
     import transformers
 
-    base = _dpo_trainer() if owner.preference else transformers.Trainer
+    base = trl_methods.trainer_class(owner)
+    sync = step_sync(owner.fsdp, owner.plan.micro_batches)
 
     class Engine(base):
         def get_train_dataloader(self):
@@ -172,12 +151,13 @@ def hf_trainer(owner: HfTrainer, steps: int):
             return DataLoader(Batches(owner), batch_size=None, generator=torch.Generator())
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            with sync(model):
+                loss = super().training_step(model, inputs, num_items_in_batch)
             owner._step_loss += float(loss)  # HF's own per-micro-batch loss: their sum is the step's, as HF logs it
             return loss
 
         def _get_grad_norm(self, model, grad_norm=None):
-            norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+            norm = global_norm(super()._get_grad_norm(model, grad_norm=grad_norm))  # a DTensor's under FSDP
             owner._grad_norm = float(norm) if norm is not None else 0.0
             return norm
 
@@ -187,60 +167,23 @@ def hf_trainer(owner: HfTrainer, steps: int):
         callbacks=[Hooks(owner)],
         optimizers=(owner.optimizer, owner.scheduler),
     )
-    if owner.preference:
-        kwargs |= _dpo_kwargs(owner)
-    engine = Engine(**kwargs)
+    engine = Engine(**kwargs, **trl_methods.construction(owner))
     engine.remove_callback(transformers.PrinterCallback)  # its summary line: unbroken's log says what was trained
-    if owner.preference and owner.lora:
-        _reference_is_the_base(engine)
+    trl_methods.after_construction(engine, owner)
+    if owner.fsdp:  # sharded by build_model: accelerate must not wrap it in DDP
+        keep_sharded(engine, owner.rt)
     return engine
 
 
-def _dpo_trainer():
-    from trl import DPOTrainer
-
-    return DPOTrainer
-
-
-def _dpo_kwargs(owner: HfTrainer) -> dict[str, Any]:
-    """What TRL's DPOTrainer needs beyond HF's: the tokenizer, the reference (a frozen copy of the base for a full
-    fine-tune; under LoRA, none: the adapters disabled), and a dataset -- it insists on one and tokenizes it at
-    construction, while the rows it trains come staged through ``get_train_dataloader``: one placeholder pair."""
-    from datasets import Dataset
-
-    from ray_jobs.model.loading import load_model_fp32, load_tokenizer
-
-    out = {
-        "processing_class": load_tokenizer(owner.model_path, owner.cfg.data.cache_dir),  # the node's copy
-        "train_dataset": Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}]),
-    }
-    if not owner.lora:
-        ref = load_model_fp32(owner.model_path, owner.cfg.data.cache_dir).to(owner.device).eval()
-        out["ref_model"] = ref.requires_grad_(False)
-    return out
-
-
-def _reference_is_the_base(engine) -> None:
-    """TRL keeps a frozen copy of the adapters as the reference ("ref"); made after a resume, that copy would be the
-    trained adapters. Without it TRL disables the adapters for the reference: the base model, whatever the step."""
-    model = engine.accelerator.unwrap_model(engine.model)
-    if "ref" in model.peft_config:
-        model.delete_adapter("ref")
-        model.set_adapter("default")
-
-
 def training_arguments(owner: HfTrainer, steps: int):
-    """HF's arguments: what unbroken owns set from its config (``ray_jobs.config.engine.OWNED``), then
-    ``train.hf_args``."""
+    """HF's arguments (the method's class: TrainingArguments, DPOConfig, GRPOConfig...): what unbroken owns set from
+    its config (``ray_jobs.config.engine.OWNED``), the method's fields that follow from it, then ``train.hf_args``."""
     import tempfile
-
-    from transformers import TrainingArguments
 
     cfg, device = owner.cfg, owner.device
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-    if owner.preference:
-        from trl import DPOConfig as TrainingArguments
-    return TrainingArguments(
+    TrainingArguments = load_class(owner.method.args)  # noqa: N806 -- a class
+    owned = dict(
         output_dir=tempfile.mkdtemp(prefix="unbroken-hf-"),  # HF writes nothing there: saving is unbroken's
         max_steps=steps,
         per_device_train_batch_size=cfg.train.micro_batch_size,
@@ -259,13 +202,14 @@ def training_arguments(owner: HfTrainer, steps: int):
         dataloader_num_workers=0,
         ignore_data_skip=True,
         gradient_checkpointing=False,  # build_model applies train.gradient_checkpointing (DPOConfig defaults to on)
-        **_known(TrainingArguments, cfg.train.hf_args),
     )
+    return TrainingArguments(**owned | trl_methods.method_args(owner) | _known(TrainingArguments, cfg.train.hf_args))
 
 
 def _known(args_class, hf_args: dict[str, Any]) -> dict[str, Any]:
     """``hf_args`` when every one is a field of ``args_class``; with ``data.format: auto`` they were checked against
-    DPOConfig (the records could have been preference pairs), so a DPO-only one on other records is named here."""
+    DPOConfig (the records could have been preference pairs), so a DPO-only one on other records is named here
+    (a user error: the config, not the code)."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(args_class)}
@@ -301,24 +245,31 @@ def Batches(owner: HfTrainer):  # noqa: N802 -- a dataset class, built lazily (t
         """This worker's micro-batches from the cursor on: per step, the rows the native loop would take."""
 
         def __iter__(self):
-            import numpy as np
-            import torch
-
-            from ray_jobs.data.preference import pair_batch
-
             plan, cursors = owner.plan, list(owner.cursors)
             while True:
+                if owner.method.records == "prompts":  # the step's prompts, at each micro-batch (grpo.py)
+                    yield from itertools.repeat(prompts_of_step(owner, cursors), plan.micro_batches)
+                    cursors = plan.after(cursors)
+                    continue
                 for micro in range(plan.micro_batches):
                     mb = plan.micro_batch(cursors, micro, owner.trace)
                     owner.rows_materialized += len(mb.idx)
-                    if owner.preference:  # a pair past the last pass: no completion token counts (labels masked)
-                        batch = pair_batch(*mb.rows, owner.pad_id, keep=mb.keep)
-                        owner._step_tokens += int(batch["attention_mask"][np.concatenate([mb.keep, mb.keep])].sum())
-                        yield batch
-                        continue
-                    ids, labels, pos = (torch.from_numpy(a) for a in mb.arrays)
-                    owner._step_tokens += mb.tokens
-                    yield {"input_ids": ids, "labels": labels, "position_ids": pos, "use_cache": False}
+                    yield trl_methods.micro_batch_inputs(owner, mb)  # its tokens counted
                 cursors = plan.after(cursors)
 
     return _Batches()
+
+
+def prompts_of_step(owner: HfTrainer, cursors) -> list[dict[str, Any]]:
+    """This worker's prompts of the step at ``cursors``, as GRPO's generation batch (:func:`.grpo.generation_batch`)."""
+    import numpy as np
+
+    from ray_jobs.train.grpo import generation_batch
+
+    plan, parts = owner.plan, []
+    for micro in range(plan.micro_batches):
+        mb = plan.micro_batch(cursors, micro, owner.trace)
+        owner.rows_materialized += len(mb.idx)
+        parts.append(mb.rows)  # (train.epochs, which masks a row past the last pass, is refused for grpo)
+    rows = tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
+    return generation_batch(rows, owner.engine().processing_class, trl_methods.generations(owner))

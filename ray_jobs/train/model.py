@@ -8,8 +8,15 @@ from typing import Protocol
 
 from ray_jobs import checkpoint as ckpt
 from ray_jobs.config import Config
+from ray_jobs.config.methods import METHODS
 from ray_jobs.contracts.checkpoint import StateDict
-from ray_jobs.model.loading import config_dict, load_model_fp32, quantized_loading, saved_dtype
+from ray_jobs.model.loading import (
+    config_dict,
+    load_model_fp32,
+    load_reward_model_fp32,
+    quantized_loading,
+    saved_dtype,
+)
 from ray_jobs.model.lora import check_lora, ties_embeddings
 
 
@@ -26,9 +33,11 @@ class Placement(Protocol):
 
 def build_model(cfg: Config, model_path: str, rt: Placement):
     device = rt.device()
-    model = load_model_fp32(
-        model_path, cfg.data.cache_dir, **quantized_loading(cfg.model.quantization, device, bf16_training(cfg, device))
-    )
+    loading = quantized_loading(cfg.model.quantization, device, bf16_training(cfg, device))
+    if trains_reward_head(cfg):  # the base's weights under a new scalar head, drawn from train.seed
+        model = load_reward_model_fp32(model_path, cfg.data.cache_dir, cfg.train.seed, **loading)
+    else:
+        model = load_model_fp32(model_path, cfg.data.cache_dir, **loading)
     if cfg.train.gradient_checkpointing:
         kwargs = {"use_reentrant": False}  # torch.utils.checkpoint, non-reentrant
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name (the old one warns)
@@ -43,6 +52,12 @@ def build_model(cfg: Config, model_path: str, rt: Placement):
     if cfg.train.compile:
         model.compile()  # nn.Module.compile: in place, so state_dict keys (and checkpoints) are unchanged
     return model
+
+
+def trains_reward_head(cfg: Config) -> bool:
+    """Whether the run trains a reward model (``train.method: reward``: a scalar head on the base, no LM head; its
+    export a sequence-classification folder, which does not generate). ``auto`` never does."""
+    return cfg.train.method != "auto" and METHODS[cfg.train.method].reward_head
 
 
 def apply_lora(model, cfg: Config):
@@ -263,6 +278,11 @@ def clip_grads(model, max_grad_norm: float):
 
     max_norm = max_grad_norm or float("inf")
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    full_tensor = getattr(norm, "full_tensor", None)  # a DTensor's (FSDP2): the global norm, whole on every rank
+    return global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def global_norm(norm):
+    """A gradient norm ``clip_grad_norm_`` returned, as a plain tensor: over FSDP2's DTensor gradients it is a
+    DTensor (the global norm, replicated on every rank)."""
+    full_tensor = getattr(norm, "full_tensor", None)
     return full_tensor() if full_tensor is not None else norm

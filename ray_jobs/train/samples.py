@@ -21,6 +21,7 @@ from ray_jobs.config.record_formats import staged_format
 from ray_jobs.contracts.samples import Sample, Samples
 from ray_jobs.data.tokenize import IGNORE_INDEX
 from ray_jobs.storage import Layout, write_json_atomic
+from ray_jobs.train.model import trains_reward_head
 
 if TYPE_CHECKING:
     from ray_jobs.contracts.dataset import DatasetManifest
@@ -92,12 +93,12 @@ def greedy(model_path: str, cfg: Config, prompts: list[list[int]], budgets: list
 
 def generate_samples(base_path: str, final_url: str, cfg: Config, rows: ShardRows, fmt: str, device) -> list[Sample]:
     """Held-out prompts of the staged eval ``rows`` (``fmt``: the staged format) answered by the base model
-    (``before``) and the fine-tuned one (``output``). None when ``train.sample_generations`` is 0, or for documents
-    (``text``: no expected answer)."""
+    (``before``) and the fine-tuned one (``output``). None when ``train.sample_generations`` is 0, for documents
+    (``text``: no expected answer), or for a reward model (``train.method: reward``: it scores, it cannot generate)."""
     from ray_jobs.model.loading import load_tokenizer
 
     staged = staged_format(fmt)
-    if cfg.train.sample_generations == 0 or staged.documents:
+    if cfg.train.sample_generations == 0 or staged.documents or trains_reward_head(cfg):
         return []
     examples = staged_examples(rows, staged.pairs, cfg.train.sample_generations)
     tok = load_tokenizer(base_path, cfg.data.cache_dir)

@@ -162,22 +162,39 @@ def _ended(cfg: Config) -> bool:
     return reg is not None and reg.state in ("failed", "succeeded", "stopped-early")
 
 
-# The hf engine's two trainers: HF's Trainer on the demo rows (SFT), TRL's DPOTrainer on the demo preference pairs.
+# The hf engine's trainers: HF's Trainer on the demo rows (SFT), TRL's DPOTrainer on the demo preference pairs, TRL's
+# GRPOTrainer sampling for the demo prompts (its reward shipped with the job: configs/rewards/addition.py).
 HF_RECIPES = {
     "sft": {},
     "dpo": {"data.train": str(ROOT / "configs" / "data" / "preferences.jsonl"), "data.format": "preference",
             "data.seq_len": 32, "train.hf_args": "{beta: 0.1}"},
+    "grpo": {"data.seq_len": 32, "train.method": "grpo", "train.micro_batch_size": 4,
+             "train.rewards": "[{function: configs.rewards.addition:starts_with_digit}]",
+             "train.hf_args": "{num_generations: 4, max_completion_length: 4}"},
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("recipe", list(HF_RECIPES))
+@pytest.mark.parametrize("recipe", ["dpo", "grpo"])
 def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_identical(
     ray_cluster, watched, watchdogs, tmp_path, recipe
 ) -> None:
-    """``train.engine: hf`` (HF's Trainer -- or TRL's DPOTrainer on preference pairs -- computes each step): kill -9
-    of a train worker after a checkpoint (Ray Train restarts the group in the job), then kill -9 of the job's driver
-    (the watchdog restarts the run) -- it ends bit-identical to its uninterrupted hf run, each step once in
-    TensorBoard and MLflow."""
+    """``train.engine: hf`` (TRL's DPOTrainer on preference pairs, TRL's GRPOTrainer sampling for prompts and
+    scoring by a reward function shipped with the job): kill -9 of a train worker after a checkpoint (Ray Train
+    restarts the group in the job), then kill -9 of the job's driver (the watchdog restarts the run) -- it ends
+    bit-identical to its uninterrupted hf run, each step once in TensorBoard and MLflow."""
+    hf_faults(ray_cluster, watched, watchdogs, tmp_path, recipe)
+
+
+@pytest.mark.full(shard=0)  # SFT on the hf engine: resumed exactly in-process in make test (test_hf_engine.py)
+def test_an_hf_engine_sft_run_survives_a_killed_worker_then_a_killed_driver_bit_identical(
+    ray_cluster, watched, watchdogs, tmp_path
+) -> None:
+    """The same two faults for HF's own Trainer on the demo rows."""
+    hf_faults(ray_cluster, watched, watchdogs, tmp_path, "sft")
+
+
+def hf_faults(ray_cluster, watched, watchdogs, tmp_path, recipe: str) -> None:
+    """A kill -9 of a train worker, then of the driver, of an hf run of ``recipe`` (``HF_RECIPES``)."""
     hf = {"train.engine": "hf", "train.max_steps": 120, **HF_RECIPES[recipe]}  # (room for two faults after step 50)
     hf_baseline = start_uninterrupted(tmp_path / "hf-baseline", **hf)  # trains while this run waits on restarts
     cfg = chaos_config(watched, f"hf-{recipe}-faults",

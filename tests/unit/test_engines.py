@@ -75,7 +75,7 @@ def test_the_engine_that_runs_a_config_is_its_switchs_or_train_engines() -> None
 def test_every_capability_a_config_asks_for_has_a_field_and_a_refusal() -> None:
     capabilities = {f.name for f in dataclasses.fields(Engine) if f.type == "bool"}
     assert set(asked(load_config(DEMO))) | {"live_recovery", "local_mode"} <= capabilities & set(REFUSALS)
-    assert needs("preference") == "train.engine=hf" and needs("fsdp") == "train.engine=native"
+    assert needs("preference") == "train.engine=hf" and needs("fsdp") == "train.engine=native or train.engine=hf"
     assert needs("standbys") == "fault_tolerance.live_recovery=true"
 
 
@@ -93,7 +93,7 @@ def test_a_new_row_is_refused_by_its_capabilities_alone(monkeypatch) -> None:
     ]
     fsdp = _as_engine(load_config(DEMO, ["train.parallelism=fsdp"]), "toy")
     assert capability_problems(fsdp) == [
-        "train.engine: toy runs DDP only (train.parallelism=fsdp needs train.engine=native)"
+        "train.engine: toy runs DDP only (train.parallelism=fsdp needs train.engine=native or train.engine=hf)"
     ]
     live = _as_engine(load_config(DEMO, ["fault_tolerance.live_recovery=true", "cluster.num_workers=2"]), "toy")
     assert capability_problems(live) == [

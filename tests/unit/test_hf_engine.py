@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ray_jobs.config import Config, ConfigError, load_config
+from ray_jobs.config.engines import engine_of
 from ray_jobs.storage import Layout
 from ray_jobs.train.hf import HfTrainer
 from ray_jobs.train.rowtrace import ENV, trained_rows
@@ -40,7 +41,6 @@ DEMO = ROOT / "configs" / "demo.yaml"
             ["train.hf_args={neftune_noise_alpha: loud}"],
             "train.hf_args.neftune_noise_alpha: Input should be a valid number",
         ),  # fmt: skip
-        (["train.parallelism=fsdp"], "train.engine: hf runs DDP only"),
         (
             ["fault_tolerance.live_recovery=true", "cluster.num_workers=2"],
             "train.engine: hf cannot run fault_tolerance.live_recovery",
@@ -63,6 +63,11 @@ def test_what_the_hf_engine_cannot_take_is_refused_by_name_when_the_config_loads
     with pytest.raises(ConfigError) as e:
         load_config(DEMO, ["train.engine=hf", *overrides])
     assert says in str(e.value)
+
+
+def test_the_hf_engine_takes_fsdp() -> None:  # trained and resumed in tests/unit/test_hf_fsdp.py
+    cfg = load_config(DEMO, ["train.engine=hf", "train.parallelism=fsdp"])
+    assert engine_of(cfg).fsdp and cfg.train.parallelism == "fsdp"
 
 
 def test_hf_args_without_the_hf_engine_are_refused_and_valid_ones_pass() -> None:

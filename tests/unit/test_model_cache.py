@@ -288,8 +288,9 @@ def test_dpo_reads_its_tokenizer_from_the_nodes_model_cache_not_a_copy_in_the_te
     from types import SimpleNamespace
 
     from ray_jobs.config import load_config
+    from ray_jobs.config.methods import METHODS
     from ray_jobs.model.builtin import build_builtin
-    from ray_jobs.train.hf import _dpo_kwargs
+    from ray_jobs.train.trl_methods import construction
     from tests.conftest import ROOT
 
     cfg = load_config(ROOT / "configs" / "demo.yaml", [f"storage={tmp_path}", f"data.cache_dir={tmp_path / 'node'}"])
@@ -298,7 +299,7 @@ def test_dpo_reads_its_tokenizer_from_the_nodes_model_cache_not_a_copy_in_the_te
     monkeypatch.delenv(MODE, raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "system-temp"))
     (tmp_path / "system-temp").mkdir()
-    owner = SimpleNamespace(model_path=f"slowtest://{src}", cfg=cfg, lora=True)
-    assert _dpo_kwargs(owner)["processing_class"] is not None
+    owner = SimpleNamespace(model_path=f"slowtest://{src}", cfg=cfg, lora=True, method=METHODS["dpo"])
+    assert construction(owner)["processing_class"] is not None
     assert list((tmp_path / "node" / MODELS_DIR).glob("*/tokenizer_config.json")), "the node's one copy"
     assert not (tmp_path / "system-temp" / MODELS_DIR).exists(), "no second copy in the temp folder"

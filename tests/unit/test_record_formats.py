@@ -36,19 +36,25 @@ def test_every_format_but_the_detected_one_has_a_shape() -> None:
 
 def test_each_descriptor_says_what_its_branches_said() -> None:
     assert [n for n, f in FORMATS.items() if f.pairs] == ["preference"]
+    assert [n for n, f in FORMATS.items() if f.labelled] == ["unpaired_preference"]
     assert [n for n, f in FORMATS.items() if f.documents] == ["text"]
-    always, if_template = {"chat", "sharegpt"}, {"alpaca", "prompt_completion", "preference"}
+    always, if_template = {"chat", "sharegpt"}, {"alpaca", "prompt_completion", "preference", "unpaired_preference"}
     assert {n for n, f in FORMATS.items() if f.chat == "always"} == always
     assert {n for n, f in FORMATS.items() if f.chat == "if_template"} == if_template
     for f in FORMATS.values():  # a format that refuses a tokenizer without a template says what to do instead
         assert bool(f.no_template) == (f.chat == "always"), f.name
         assert all(s in DataConfig.model_fields for s in f.field_settings), f.name
-    assert {n: f.train_on for n, f in FORMATS.items() if f.train_on} == {"preference": "last_assistant"}
+    assert {n: f.train_on for n, f in FORMATS.items() if f.train_on} == {
+        "preference": "last_assistant",
+        "unpaired_preference": "last_assistant",
+    }
     assert record_format("text").unit == "pieces" and record_format("chat").unit == "records"
 
 
 def test_an_unknown_format_is_named_and_a_staged_mixture_is_no_one_format() -> None:
-    with pytest.raises(ValueError, match=r"data.format='jsonl' is not a record format \(one of preference, chat"):
+    with pytest.raises(
+        ValueError, match=r"data.format='jsonl' is not a record format \(one of preference, unpaired_preference, chat"
+    ):
         record_format("jsonl")
     for name in ("mixed", ""):  # a mixture's staged format, and a manifest naming none
         f = staged_format(name)
@@ -62,6 +68,7 @@ def test_auto_tries_the_formats_in_the_tables_order_with_the_configs_field_names
     assert fields_of("preference", data) == ("prompt", "chosen", "rejected")
     assert shapes.shape_of(["prompt", "chosen", "rejected", "completion"], data) == "preference"
     assert shapes.shape_of(["prompt", "completion"], data) == "prompt_completion"
+    assert shapes.shape_of(["prompt", "completion", "label"], data) == "unpaired_preference"
     assert shapes.shape_of(["text", "q", "a"], data) == "pairs"
 
 
