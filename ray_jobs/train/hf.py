@@ -167,7 +167,8 @@ def hf_trainer(owner: HfTrainer, steps: int):
         callbacks=[Hooks(owner)],
         optimizers=(owner.optimizer, owner.scheduler),
     )
-    engine = Engine(**kwargs, **trl_methods.construction(owner))
+    with trl_methods.quiet_datasets():  # a TRL trainer prepares its placeholder dataset: no progress bars for it
+        engine = Engine(**kwargs, **trl_methods.construction(owner))
     engine.remove_callback(transformers.PrinterCallback)  # its summary line: unbroken's log says what was trained
     trl_methods.after_construction(engine, owner)
     if owner.fsdp:  # sharded by build_model: accelerate must not wrap it in DDP

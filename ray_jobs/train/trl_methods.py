@@ -17,6 +17,8 @@ Every method but GRPO is fed a micro-batch at a time from the cursor's rows (:fu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Generator
 from typing import Any
 
 from ray_jobs.config.methods import Method, column_of, load_class
@@ -183,3 +185,18 @@ def trl_eval(owner, rows) -> tuple[float, dict[str, list[float]]]:
     metrics = {k: list(v) for k, v in engine._metrics["eval"].items()}
     engine._metrics["eval"].clear()
     return total / max(count, 1.0), metrics
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Generator[None]:
+    """``datasets``' progress bars off (a TRL trainer maps its one placeholder example at construction: five bars in
+    the job's log for nothing), as they were after."""
+    from datasets.utils import logging as datasets_logging
+
+    was = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            datasets_logging.enable_progress_bar()

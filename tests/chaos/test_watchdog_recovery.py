@@ -171,6 +171,10 @@ HF_RECIPES = {
     "grpo": {"data.seq_len": 32, "train.method": "grpo", "train.micro_batch_size": 4,
              "train.rewards": "[{function: configs.rewards.addition:starts_with_digit}]",
              "train.hf_args": "{num_generations: 4, max_completion_length: 4}"},
+    "kto": {"data.train": str(ROOT / "configs" / "data" / "unpaired.jsonl"), "data.format": "unpaired_preference",
+            "data.seq_len": 32, "train.method": "kto", "train.hf_args": "{beta: 0.1}"},
+    "reward": {"data.train": str(ROOT / "configs" / "data" / "preferences.jsonl"), "data.format": "preference",
+               "data.seq_len": 32, "train.method": "reward"},
 }  # fmt: skip
 
 
@@ -185,12 +189,14 @@ def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_iden
     hf_faults(ray_cluster, watched, watchdogs, tmp_path, recipe)
 
 
-@pytest.mark.full(shard=0)  # SFT on the hf engine: resumed exactly in-process in make test (test_hf_engine.py)
-def test_an_hf_engine_sft_run_survives_a_killed_worker_then_a_killed_driver_bit_identical(
-    ray_cluster, watched, watchdogs, tmp_path
+@pytest.mark.full(shard=0)  # each resumed exactly in-process in make test (test_hf_engine.py, test_kto.py, ...)
+@pytest.mark.parametrize("recipe", ["sft", "kto", "reward"])
+def test_an_hf_sft_kto_or_reward_model_run_survives_a_killed_worker_then_a_killed_driver_bit_identical(
+    ray_cluster, watched, watchdogs, tmp_path, recipe
 ) -> None:
-    """The same two faults for HF's own Trainer on the demo rows."""
-    hf_faults(ray_cluster, watched, watchdogs, tmp_path, "sft")
+    """The same two faults for HF's own Trainer on the demo rows, TRL's KTOTrainer on labelled completions and its
+    RewardTrainer (a scalar head) on the preference pairs."""
+    hf_faults(ray_cluster, watched, watchdogs, tmp_path, recipe)
 
 
 def hf_faults(ray_cluster, watched, watchdogs, tmp_path, recipe: str) -> None:

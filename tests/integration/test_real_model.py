@@ -175,3 +175,22 @@ def test_kill_9_of_a_worker_on_the_real_model_ends_bit_identical(cluster, smollm
                    "detection_s": None, "recovery_s": beat["first_step_at"] - killed_at,
                    "lost_steps": max(0, at_kill - beat["started_step"])})  # fmt: skip
     assert final_weights_hash(cfg) == uninterrupted
+
+
+@pytest.mark.full(shard=1)
+def test_dpo_of_the_real_model_end_to_end(cluster, smollm2, tmp_path) -> None:
+    """DPO (TRL's DPOTrainer on the hf engine) with LoRA on the real chat model through ``unbroken run``: the JSON
+    answer chosen over the prose one (configs/smollm2-chat-dpo.yaml); DPO's held-out loss starts at ln 2 (the policy
+    is the reference: the base, adapters disabled) and falls, the reward accuracy is logged, the export answers."""
+    import math
+
+    storage, recipe = tmp_path / "storage", ROOT / "configs" / "smollm2-chat-dpo.yaml"
+    dpo = {"data.train": ROOT / "configs" / "data" / "chat_preferences.jsonl", "data.format": "preference",
+           "train.engine": "hf", "train.method": "dpo", "train.hf_args": "{beta: 0.1}", "train.lr": 5e-4,
+           "data.seq_len": 256}  # fmt: skip
+    r = run_cli("run", str(recipe), *sets(overrides(storage, "dpo", smollm2, cluster, **dpo)))
+    assert r.returncode == 0, r.explain()
+    evals = [m for m in read_metrics(storage, "dpo") if "eval_loss" in m]
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-4), evals
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] and "eval_reward_accuracy" in evals[-1], evals
+    assert_loads_and_answers(storage / "runs" / "dpo" / "final")
