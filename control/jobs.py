@@ -13,16 +13,18 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, TypeVar
 
 from control import jobsapi
-from control.backends.base import JOB_ENV, ClusterError, ClusterHandle, StopUnverified, jobs_client
+from control.backends.base import ClusterError, ClusterHandle, StopUnverified, jobs_client
 from control.confirm import Suspicion
+from control.jobcode import runtime_env
 from control.joblog import LogForwarder, RunLogger
 from control.logs import run_logger
 from ray_jobs.config import Config
+from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.contracts.job_spec import AttemptInputs, JobSpec
+from ray_jobs.errors import UserError
 from ray_jobs.poll import poll_until
 from ray_jobs.secrets import MaskedError
 from ray_jobs.storage import Layout, write_json_atomic
@@ -30,24 +32,25 @@ from ray_jobs.storage import Layout, write_json_atomic
 T = TypeVar("T")
 OnPoll = Callable[[str], Coroutine[Any, Any, None]]  # the watch's hook, given the job's status each time
 
-__all__ = ["ClusterLost", "JobFailed", "StopUnverified", "run_to_end", "stop_and_wait", "submit", "watch"]
-
-
-def job_code() -> Path:
-    """What a job runs, shipped to the cluster with every job (runtime_env ``py_modules``): the ``ray_jobs`` package,
-    which imports nothing else of unbroken (tests/unit/test_architecture.py) -- wherever it is installed. Not the
-    folder around it: from a plain ``pip install .`` that is site-packages, every library of the environment."""
-    import ray_jobs
-
-    return Path(ray_jobs.__file__).resolve().parent
-
-
-# What never travels with it: bytecode (each Python compiles its own).
-JOB_CODE_EXCLUDES = ["**/__pycache__/", "*.pyc"]
+__all__ = [
+    "ClusterLost",
+    "JobFailed",
+    "JobUserError",
+    "StopUnverified",
+    "run_to_end",
+    "stop_and_wait",
+    "submit",
+    "watch",
+]
 
 
 class JobFailed(MaskedError, RuntimeError):
     """A Ray job ended in a state other than SUCCEEDED. Its message (a flow run's state) is masked, as ClusterError's."""
+
+
+class JobUserError(UserError, JobFailed):
+    """A job failed on the user's mistake (its root cause a ``UserError``): the message is that mistake, as the
+    job's failure line named it."""
 
 
 class ClusterLost(JobFailed):
@@ -94,19 +97,6 @@ def write_job_spec(cfg: Config, attempt: int, inputs: AttemptInputs, resume_from
     return url
 
 
-def entrypoint(cfg: Config) -> str:
-    """The module a run's job runs: a hyperparameter search's driver, or the training job."""
-    return "ray_jobs.search_job" if cfg.tune is not None else "ray_jobs.job"
-
-
-def user_code(cfg: Config) -> list[str]:
-    """The user's Python a run's job imports (``train.rewards``' modules), as local paths to ship with it: each
-    module's top-level package folder, or its file."""
-    from ray_jobs.config.train import code_path
-
-    return sorted({code_path(r.function.partition(":")[0]) for r in cfg.train.rewards})
-
-
 def submit(
     handle: ClusterHandle,
     submission_id: str,
@@ -124,7 +114,7 @@ def submit(
         log.info("Ray job %s was already submitted; watching it", submission_id)
         return submission_id
     entrypoint = " ".join([shlex.quote(handle.python), "-m", module, "--spec", shlex.quote(spec_url), *flags])
-    _submit_once_agent_is_up(handle.address, submission_id, entrypoint, _runtime_env(submission_id, env, code or []))
+    _submit_once_agent_is_up(handle.address, submission_id, entrypoint, runtime_env(submission_id, env, code or []))
     log.info("submitted Ray job %s (%s)", submission_id, module)
     return submission_id
 
@@ -152,19 +142,6 @@ def _submit_once_agent_is_up(address: str, submission_id: str, entrypoint: str, 
 
     if not poll_until(submitted, AGENT_WAIT_S, every_s=1.0):
         raise last[0]
-
-
-def _runtime_env(submission_id: str, env: dict[str, str] | None, code: list[str]) -> dict[str, Any]:
-    """A job's runtime_env: the job's code (``job_code``, and the user's), and ``env`` over the variables every job
-    gets."""
-    # Every process of the job (the driver, its wrapper, each worker) carries its submission id in its
-    # environment: on a local head, what the job left behind is found by it and by nothing else (JOB_ENV).
-    # RUST_LOG: torchft (live recovery) logs every quorum at INFO from Rust, in the workers and its lighthouse.
-    return {
-        "py_modules": [str(job_code()), *code],
-        "excludes": JOB_CODE_EXCLUDES,
-        "env_vars": {"RAY_LOGGER_LEVEL": "info", "RUST_LOG": "warn", **(env or {}), JOB_ENV: submission_id},
-    }
 
 
 def _already_submitted(address: str, submission_id: str) -> bool:
@@ -300,6 +277,10 @@ async def watch(
     finally:
         tail.cancel()
     if view.status != "SUCCEEDED":
+        # the root cause's line (ray_jobs.job), from the whole log: the message's tail may end in the workers' lines
+        failure = JobFailure.last_in(jobsapi.job_logs(handle.address, submission_id) or view.message)
+        if failure is not None and failure.user:  # the input's mistake: said as itself, not as the job's logs
+            raise JobUserError(f"{failure.message} (Ray job {submission_id} failed on it; its checkpoints are kept)")
         raise JobFailed(f"Ray job {submission_id} ended {view.status}: {view.message}")
     return view.status
 

@@ -15,7 +15,8 @@ from dataclasses import replace
 
 from control import jobsapi, registry
 from control.backends.base import ClusterError, ClusterHandle
-from control.jobs import entrypoint, submit
+from control.jobcode import entrypoint
+from control.jobs import submit
 from ray_jobs.config import Config
 from ray_jobs.host import STOP_LINE
 from ray_jobs.poll import poll_until

@@ -19,7 +19,7 @@ from prefect.states import State
 from control import registry, series
 from control.backends.base import StartedAhead
 from control.config import Config, ConfigError, check_flow, load_config
-from control.jobs import JobFailed
+from control.jobs import JobFailed, JobUserError
 from control.records.series import SeriesRun
 from control.sources import SourceRefused, rejected_event
 from control.summaries import NothingNew, RunSummary, SearchSummary
@@ -35,6 +35,7 @@ from tasks.lineage import Lineage, check_series, find_trained_run, plan_lineage
 from tasks.model import check_model_options, prepare_base_model
 from tasks.record import (
     check_run_compatible,
+    fail_on_user_error,
     hand_over,
     record_attempt,
     record_flow_end,
@@ -207,6 +208,9 @@ async def _run_job(
         try:
             await watch_job(handle, submission, cfg, attempt)
             break
+        except JobUserError as e:
+            fail_on_user_error(cfg, attempt, e)
+            raise
         except JobFailed as e:  # its driver lost while its run host trains on: watched on under a new driver
             if (submission := reattach_driver(cfg, attempt, submission)) is None:
                 hand_over(cfg, attempt, handle.address, e)

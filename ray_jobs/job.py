@@ -19,6 +19,7 @@ from ray_jobs.config.engines import engine_of
 from ray_jobs.contracts.dataset import DatasetManifest, read_manifest
 from ray_jobs.contracts.failure import JobFailure
 from ray_jobs.contracts.job_spec import AttemptInputs, JobSpec, WorkerSpec
+from ray_jobs.errors import user_error
 from ray_jobs.secrets import mask, mask_output
 from ray_jobs.storage import Layout, fs_and_path, join, pyarrow_filesystem, read_bytes, strip_protocol
 
@@ -154,7 +155,8 @@ def root_cause(e: BaseException) -> JobFailure:
     # A preemption Ray Train could not absorb (the just-in-time checkpoint is saved): the platform's doing, which
     # the watchdog keeps out of the run's failure budget.
     preempted = "Preempted" in (name, *kinds)
-    return JobFailure(type=name, message=(lines[0] if lines else "")[:500], kinds=kinds, preempted=preempted)
+    message = (lines[0] if lines else "")[:500]
+    return JobFailure(type=name, message=message, kinds=kinds, preempted=preempted, user=user_error(e) is not None)
 
 
 def fit_outcome(argv: list[str]) -> dict[str, Any]:

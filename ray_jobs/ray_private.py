@@ -17,12 +17,15 @@ SYMBOLS = (
     ("ray.train.v2.torch.torchft_config", "LighthouseServerActor"),
     ("ray._raylet", "Config"),
     ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback"),
+    ("ray.train.v2._internal.execution.failure_handling", "FailureDecision"),
+    ("ray.train.v2._internal.execution.failure_handling.default", "DefaultFailurePolicy"),
 )
 # Private attributes read (not imported): (class, attribute path) for the same test.
 ATTRIBUTES = (("ray.tune.schedulers.async_hyperband.AsyncHyperBandScheduler", "_brackets[0]._rungs"),)
 # Private methods overridden: (class, method) for the same test.
 OVERRIDDEN = (
     ("ray.train.v2.api.data_parallel_trainer.DataParallelTrainer", "_create_default_callbacks"),
+    ("ray.train.v2.api.data_parallel_trainer.DataParallelTrainer", "_initialize_and_run_controller"),
     ("ray.train.v2.torch.torchft_config._TorchftBackend", "_maybe_create_lighthouse_actor"),
 )
 
@@ -101,7 +104,8 @@ def torch_trainer() -> type[Any]:
     ``DatasetsCallback`` starts a dataset manager (a process importing Ray Data, ~3 CPU-s on a 2-core machine) for
     every worker group -- each in-job restart too -- and unbroken's workers read their shards themselves
     (ray_jobs/data/reading.py). Given datasets, it is Ray's own. Ray has no option for it: the trainer's private
-    ``_create_default_callbacks`` builds the list."""
+    ``_create_default_callbacks`` builds the list. And its failure policy never retries a user's mistake
+    (:func:`no_retry_of_user_errors`): the trainer's private ``_initialize_and_run_controller`` is handed it."""
     # V2's TorchTrainer: what ray.train.torch gives while V2 is on (Ray's default)
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2.torch.torch_trainer import TorchTrainer
@@ -113,4 +117,27 @@ def torch_trainer() -> type[Any]:
                 return callbacks
             return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            kwargs["failure_policy"] = no_retry_of_user_errors()(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**kwargs)
+
     return Trainer
+
+
+def no_retry_of_user_errors() -> type[Any]:
+    """Ray Train's default failure policy, but a worker group that failed on a user's mistake
+    (``ray_jobs.errors.UserError``: a reward function that raises, a record a worker cannot read) is not restarted:
+    every restart would fail the same way. Ray's policy retries any worker's error up to ``max_failures``."""
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
+
+    from ray_jobs.errors import user_error
+
+    class NoRetryOfUserErrors(DefaultFailurePolicy):
+        def make_decision(self, training_failed_error: Any) -> Any:
+            failures = getattr(training_failed_error, "worker_failures", None) or {}
+            if any(user_error(e) is not None for e in failures.values()):
+                return FailureDecision.RAISE
+            return super().make_decision(training_failed_error)
+
+    return NoRetryOfUserErrors

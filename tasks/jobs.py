@@ -14,7 +14,8 @@ from prefect.cache_policies import NO_CACHE
 
 from control import registry, series
 from control.backends.base import ClusterHandle
-from control.jobs import entrypoint, submit, user_code, watch
+from control.jobcode import entrypoint, user_code
+from control.jobs import submit, watch
 from control.logs import run_logger
 from control.progress import TrainingProgress
 from control.watchdog import reattach

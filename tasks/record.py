@@ -72,6 +72,15 @@ def hand_over(cfg: Config, attempt: int, address: str, failure: Exception) -> No
     run_logger().error("training job failed; the run is left to the watchdog to recover: %s", failure)
 
 
+def fail_on_user_error(cfg: Config, attempt: int, failure: Exception) -> None:
+    """The training job failed on the user's mistake (a reward function that raised, a record a worker could not
+    read): every restart would fail the same way, so the run ends ``failed`` with it as the reason -- its
+    checkpoints kept, its trackers' runs ended, its cluster released -- and no watchdog is left anything to do."""
+    if registry.end_attempt(cfg, attempt, "FAILED", str(failure)) is not None:
+        end_tracker_runs(cfg, "FAILED", f"it failed on the input: {failure}")
+    run_logger().error("training job failed on the run's input; not restarted: %s", failure)
+
+
 @task(name="record-success", cache_policy=NO_CACHE)
 def record_success(cfg: Config, attempt: int, final_model: str | None, handle: ClusterHandle) -> VerdictSummary | None:
     """The attempt succeeded: record it, close the run -- scored against its series' champion, its cluster released

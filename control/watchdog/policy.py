@@ -70,7 +70,7 @@ def give_up_reason(reg: RunRecord, cfg: Config, incident: Incident) -> str | Non
 
 def _user_error(incident: Incident) -> str | None:
     error = incident.error
-    if error is not None and USER_ERRORS.intersection(error.names()):
+    if error is not None and (error.user or USER_ERRORS.intersection(error.names())):
         return (
             f"the job raised {error.type}: {error.message} -- an error in the code, data or config, "
             "which a restart would repeat"

@@ -13,7 +13,8 @@ from control import jobsapi, registry
 from control import lease as leases
 from control.backends import backend_for
 from control.backends.base import ClusterHandle
-from control.jobs import entrypoint, submit, user_code
+from control.jobcode import entrypoint, user_code
+from control.jobs import submit
 from control.jobsapi import JobView
 from control.logs import run_logger
 from control.records.run import RunRecord

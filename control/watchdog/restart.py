@@ -18,7 +18,8 @@ from control.attempt import start_attempt
 from control.backends import backend_for
 from control.backends.base import ClusterError, ClusterHandle, StopUnverified
 from control.cluster import provision
-from control.jobs import entrypoint, stop_and_wait, submit, user_code
+from control.jobcode import entrypoint, user_code
+from control.jobs import stop_and_wait, submit
 from control.logs import run_logger
 from control.rayapi import first_line
 from control.records.run import Incident, RunRecord

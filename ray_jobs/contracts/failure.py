@@ -21,6 +21,7 @@ class JobFailure(Part):
     message: str = ""
     kinds: list[str] = []
     preempted: bool = False
+    user: bool = False  # a user's mistake (ray_jobs.errors.UserError): the input's, which a restart would repeat
 
     def line(self) -> str:
         """The line the job prints."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from ray_jobs.config import Config
 from ray_jobs.contracts.heartbeat import Beat, Phase
+from ray_jobs.errors import user_error
 from ray_jobs.storage import Layout, write_json_atomic
 from ray_jobs.train.sidewrite import SideWriter
 
@@ -101,13 +102,16 @@ def group_restarts(cfg: Config):
         writes the heartbeat -- and a group of slow starters (a DPO trainer with its reference model, on a loaded
         host) can take longer than ``stall_timeout_s`` to be back: a watcher would take the restart in progress for
         a dead job and restart it a second time. So the controller writes phase ``restarting`` into the heartbeat,
-        which a watcher judges by ``phase_stall_s.starting`` instead. Best effort: a storage that fails this write
-        only leaves the heartbeat as it was."""
+        which a watcher judges by ``phase_stall_s.starting`` instead -- unless a worker failed on the user's mistake,
+        which no restart follows. Best effort: a storage that fails this write only leaves the heartbeat as it
+        was."""
 
         def __init__(self, url: str):
             self.url = url
 
         def after_exception(self, run_context, worker_exceptions) -> None:
+            if any(user_error(e) is not None for e in worker_exceptions.values()):
+                return  # a user's mistake: no restart comes (ray_private.no_retry_of_user_errors)
             try:
                 beat = Beat.read(self.url)
                 if beat is None or beat.phase == "done":

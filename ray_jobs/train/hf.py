@@ -161,14 +161,11 @@ def hf_trainer(owner: HfTrainer, steps: int):
             owner._grad_norm = float(norm) if norm is not None else 0.0
             return norm
 
-    kwargs = dict(
-        model=owner.model,
-        args=training_arguments(owner, steps),
-        callbacks=[Hooks(owner)],
-        optimizers=(owner.optimizer, owner.scheduler),
-    )
+    args, hooks, optimizers = training_arguments(owner, steps), [Hooks(owner)], (owner.optimizer, owner.scheduler)
     with trl_methods.quiet_datasets():  # a TRL trainer prepares its placeholder dataset: no progress bars for it
-        engine = Engine(**kwargs, **trl_methods.construction(owner))
+        engine = Engine(
+            model=owner.model, args=args, callbacks=hooks, optimizers=optimizers, **trl_methods.construction(owner)
+        )
     engine.remove_callback(transformers.PrinterCallback)  # its summary line: unbroken's log says what was trained
     trl_methods.after_construction(engine, owner)
     if owner.fsdp:  # sharded by build_model: accelerate must not wrap it in DDP

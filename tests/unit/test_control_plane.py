@@ -318,7 +318,7 @@ def test_a_job_ships_the_ray_jobs_package_only_wherever_unbroken_is_installed(tm
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
     pip += ["--target", str(target), str(source)]
     subprocess.run(pip, check=True, capture_output=True, cwd=tmp_path)
-    probe = "import control.jobs as j; print(j.job_code())"
+    probe = "import control.jobcode as j; print(j.job_code())"
     bare = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
     found = subprocess.run([sys.executable, "-c", probe], env=bare, capture_output=True, text=True, cwd=tmp_path)
     shipped = Path(found.stdout.strip())

@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from ray_jobs import ray_private
+from ray_jobs.errors import UserError
 
 
 @pytest.mark.parametrize(("module", "name"), ray_private.SYMBOLS, ids=lambda v: v)
@@ -86,4 +87,32 @@ def test_the_trainer_starts_no_dataset_manager_without_datasets_and_ray_s_own_wi
     with_data = {"train": ray.data.range(4)}
     assert kinds(ray_private.torch_trainer()(lambda: None, datasets=with_data)) == kinds(
         TorchTrainer(lambda: None, datasets=with_data)
+    )
+
+
+class ColdSource(UserError):
+    users_fault = False  # a mistake that may be the environment's (a source not served): retried
+
+
+@pytest.mark.parametrize(
+    ("raised", "decision"),
+    [
+        (RuntimeError("a worker's own failure"), "RETRY"),
+        (ValueError("a bug, not marked the user's"), "RETRY"),
+        (UserError("train.rewards: m:f raised ZeroDivisionError at step 6"), "RAISE"),
+        (ColdSource("a source not served (maybe the environment's)"), "RETRY"),
+    ],
+    ids=["runtime", "value", "user", "not-users-fault"],
+)
+def test_a_worker_group_failing_on_a_users_mistake_is_not_restarted(raised, decision) -> None:
+    """Ray Train's policy retries any worker's error up to ``max_failures``; unbroken's raises at once on a user's
+    mistake (a restart would fail the same way), and is Ray's own otherwise."""
+    from ray.train import FailureConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    policy = ray_private.no_retry_of_user_errors()(FailureConfig(max_failures=2))
+    error = WorkerGroupError("rank 1 failed", {0: RuntimeError("peer gone"), 1: raised})
+    assert policy.make_decision(error).name == decision
+    assert (
+        policy.make_decision(WorkerGroupError("again", {0: RuntimeError("x")})).name == "RETRY" or decision == "RAISE"
     )

@@ -85,7 +85,9 @@ def test_the_flow_submits_the_job_with_the_credentials_in_its_environment(tmp_pa
     import tasks.jobs
 
     seen = {}
-    monkeypatch.setattr(tasks.jobs, "submit", lambda handle, sid, module, spec, env=None: seen.update(env=env) or sid)
+    monkeypatch.setattr(
+        tasks.jobs, "submit", lambda handle, sid, module, spec, env=None, code=None: seen.update(env=env) or sid
+    )
     tasks.jobs.submit_job.fn(HANDLE, "sid", "spec.json", cfg(tmp_path))
     assert seen["env"] == {CREDENTIALS_ENV: URI}
 
@@ -122,7 +124,9 @@ def test_a_watchdog_restart_submits_the_credentials_it_can_find(tmp_path, monkey
     previous = {CREDENTIALS_ENV: URI, "UNBROKEN_SUBMISSION": "x"} if source == "previous job" else None
     asked, submitted = [], {}
     monkeypatch.setattr(credentials.jobsapi, "job_env", lambda address, sid, *a: asked.append(sid) or previous)
-    monkeypatch.setattr(restart, "submit", lambda handle, sid, module, spec, env=None: submitted.update(env=env) or sid)
+    monkeypatch.setattr(
+        restart, "submit", lambda handle, sid, module, spec, env=None, code=None: submitted.update(env=env) or sid
+    )
     reg = registry.load(str(tmp_path / "storage"), "r")  # what a watchdog has: the record alone
     reg.incidents.append(Incident(kind="job-failed", detected_by="watchdog", detected_at=0.0, attempt=1))
     lease = SimpleNamespace(check=lambda: None, kept=contextlib.nullcontext)
