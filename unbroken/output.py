@@ -56,10 +56,18 @@ def verbose(flag: bool = False) -> bool:
     return flag or os.environ.get(VERBOSE_ENV, "").lower() not in ("", "0", "false", "no")
 
 
+# Loggers whose warnings at import say nothing a run can act on: bitsandbytes' CPU backend warns, on every import of
+# peft (so of TRL, whose arguments classes a config's hf_args are checked against), that an optional fused 4-bit
+# kernel from the `kernels` package is missing -- a speed-up for 4-bit on CPU, not a fault.
+IMPORT_CHATTER = ("bitsandbytes.backends.cpu.ops",)
+
+
 def quiet_env() -> None:
     """The libraries' own switches, unless the user set them (before they are imported)."""
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    for name in IMPORT_CHATTER:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def quiet_console() -> None:

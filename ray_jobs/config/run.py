@@ -37,6 +37,9 @@ ADDED_LATER = {
     "train.epochs": None,
     "train.evals_per_epoch": None,
     "checkpoint.saves_per_epoch": None,
+    "train.method": "auto",
+    "train.rewards": [],
+    "data.packing": True,
 }
 
 

@@ -178,24 +178,32 @@ HF_RECIPES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("recipe", ["dpo", "grpo"])
 def test_an_hf_engine_run_survives_a_killed_worker_then_a_killed_driver_bit_identical(
-    ray_cluster, watched, watchdogs, tmp_path, recipe
+    ray_cluster, watched, watchdogs, tmp_path
 ) -> None:
-    """``train.engine: hf`` (TRL's DPOTrainer on preference pairs, TRL's GRPOTrainer sampling for prompts and
-    scoring by a reward function shipped with the job): kill -9 of a train worker after a checkpoint (Ray Train
-    restarts the group in the job), then kill -9 of the job's driver (the watchdog restarts the run) -- it ends
-    bit-identical to its uninterrupted hf run, each step once in TensorBoard and MLflow."""
-    hf_faults(ray_cluster, watched, watchdogs, tmp_path, recipe)
+    """``train.engine: hf`` with TRL's GRPOTrainer sampling for the demo prompts, scored by a reward function shipped
+    with the job: kill -9 of a train worker after a checkpoint (Ray Train restarts the group in the job), then kill
+    -9 of the job's driver (the watchdog restarts the run) -- it ends bit-identical to its uninterrupted hf run, each
+    step once in TensorBoard and MLflow."""
+    hf_faults(ray_cluster, watched, watchdogs, tmp_path, "grpo")
 
 
-@pytest.mark.full(shard=0)  # each resumed exactly in-process in make test (test_hf_engine.py, test_kto.py, ...)
-@pytest.mark.parametrize("recipe", ["sft", "kto", "reward"])
-def test_an_hf_sft_kto_or_reward_model_run_survives_a_killed_worker_then_a_killed_driver_bit_identical(
+# Every other method's run under the same two faults: each resumed exactly in-process in make test (test_hf_engine.py,
+# test_preference.py, test_kto.py, test_reward_model.py); spread over the full tier's shards by their cost
+OTHER_RECIPES = [
+    pytest.param("sft", marks=pytest.mark.full(shard=0)),
+    pytest.param("kto", marks=pytest.mark.full(shard=1)),
+    pytest.param("reward", marks=pytest.mark.full(shard=1)),
+    pytest.param("dpo", marks=pytest.mark.full(shard=2)),
+]
+
+
+@pytest.mark.parametrize("recipe", OTHER_RECIPES)
+def test_an_hf_run_of_each_other_method_survives_a_killed_worker_then_a_killed_driver_bit_identical(
     ray_cluster, watched, watchdogs, tmp_path, recipe
 ) -> None:
-    """The same two faults for HF's own Trainer on the demo rows, TRL's KTOTrainer on labelled completions and its
-    RewardTrainer (a scalar head) on the preference pairs."""
+    """The same two faults for HF's own Trainer on the demo rows, TRL's DPOTrainer on preference pairs, its
+    KTOTrainer on labelled completions and its RewardTrainer (a scalar head) on the preference pairs."""
     hf_faults(ray_cluster, watched, watchdogs, tmp_path, recipe)
 
 

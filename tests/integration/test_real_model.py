@@ -177,7 +177,7 @@ def test_kill_9_of_a_worker_on_the_real_model_ends_bit_identical(cluster, smollm
     assert final_weights_hash(cfg) == uninterrupted
 
 
-@pytest.mark.full(shard=1)
+@pytest.mark.full(shard=0)  # beside the LoRA runs: the real-model tests spread over two shards
 def test_dpo_of_the_real_model_end_to_end(cluster, smollm2, tmp_path) -> None:
     """DPO (TRL's DPOTrainer on the hf engine) with LoRA on the real chat model through ``unbroken run``: the JSON
     answer chosen over the prose one (configs/smollm2-chat-dpo.yaml); DPO's held-out loss starts at ln 2 (the policy
@@ -187,7 +187,7 @@ def test_dpo_of_the_real_model_end_to_end(cluster, smollm2, tmp_path) -> None:
     storage, recipe = tmp_path / "storage", ROOT / "configs" / "smollm2-chat-dpo.yaml"
     dpo = {"data.train": ROOT / "configs" / "data" / "chat_preferences.jsonl", "data.format": "preference",
            "train.engine": "hf", "train.method": "dpo", "train.hf_args": "{beta: 0.1}", "train.lr": 5e-4,
-           "data.seq_len": 256}  # fmt: skip
+           "data.seq_len": 256, "train.max_steps": 2, "train.warmup_steps": 0}  # fmt: skip
     r = run_cli("run", str(recipe), *sets(overrides(storage, "dpo", smollm2, cluster, **dpo)))
     assert r.returncode == 0, r.explain()
     evals = [m for m in read_metrics(storage, "dpo") if "eval_loss" in m]

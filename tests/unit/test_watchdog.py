@@ -556,7 +556,7 @@ def test_the_flows_watch_re_attaches_a_driver_lost_while_its_run_host_trains_on(
     first = registry.load(c.storage, c.name).current.submission_id
     submitted = []
     monkeypatch.setattr(reattach.jobsapi, "read_job", lambda address, sid: JobView("ok", "FAILED"))
-    monkeypatch.setattr(reattach, "submit", lambda handle, sid, module, spec, env, flags: submitted.append(flags))
+    monkeypatch.setattr(reattach, "submit", lambda handle, sid, module, spec, env, flags, code: submitted.append(flags))
     failure = JobFailure(type="RuntimeError", message="NCCL aborted", kinds=["RuntimeError"])
     monkeypatch.setattr(reattach, "job_failure", lambda address, sid: failure)
     assert reattach.reattach_watched(c, 1, first) is None and not submitted  # the training failed: handed over
