@@ -4,10 +4,12 @@ carrying them and the job's variables."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from control.backends.base import JOB_ENV
+from control.logs import run_logger
 from ray_jobs.config import Config
 
 
@@ -29,12 +31,29 @@ def entrypoint(cfg: Config) -> str:
     return "ray_jobs.search_job" if cfg.tune is not None else "ray_jobs.job"
 
 
-def user_code(cfg: Config) -> list[str]:
-    """The user's Python a run's job imports (``train.rewards``' modules), as local paths to ship with it: each
-    module's top-level package folder, or its file."""
+def user_code(cfg: Config, shipped_before: Callable[[], list[str] | None] | None = None) -> list[str]:
+    """The user's Python a run's job imports (``train.rewards``' modules), to ship with it: each module's top-level
+    package folder, or its file, found where this process runs. A watchdog elsewhere may not have them: then what
+    the run's previous job was shipped (``shipped_before()``: its packages' URIs on the cluster) goes again, and when
+    that cannot be had either, the job goes without them -- said here; its workers then fail to import them, as the
+    user's mistake (named, not retried)."""
     from ray_jobs.config.train import code_path
 
-    return sorted({code_path(r.function.partition(":")[0]) for r in cfg.train.rewards})
+    found, missing = set(), []
+    for module in sorted({r.function.partition(":")[0] for r in cfg.train.rewards}):
+        try:
+            found.add(code_path(module))
+        except ValueError:
+            missing.append(module)
+    if missing and shipped_before is not None and (before := shipped_before()):
+        return sorted(found | set(before))
+    if missing:
+        run_logger().warning(
+            "run %s: %s not found here, nor shipped with a job the cluster still has: the job goes without it",
+            cfg.name,
+            ", ".join(missing),
+        )
+    return sorted(found)
 
 
 def runtime_env(submission_id: str, env: dict[str, str] | None, code: list[str]) -> dict[str, Any]:

@@ -91,6 +91,19 @@ def job_env(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> d
     return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else None
 
 
+def job_user_code(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> list[str] | None:
+    """The user's code a job was shipped (its runtime_env's ``py_modules`` past the first, unbroken's own: the
+    packages' URIs on the cluster), or None when it cannot be read now."""
+    r, _ = _get(address, f"/api/jobs/{submission_id}", timeout_s)
+    if r is None or r.status_code != 200:
+        return None
+    try:
+        modules = (r.json().get("runtime_env") or {}).get("py_modules")
+    except (ValueError, AttributeError):
+        return None
+    return [str(m) for m in modules[1:]] if isinstance(modules, list) else None
+
+
 def stop_job(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> None:
     """Ask Ray to stop the job; the caller verifies with :func:`read_job` that it ended."""
     import requests

@@ -34,6 +34,7 @@ def check(cfg: Config, worker_memory: float | None = None) -> Report:
     report = Report()
     found, shape = probes.model(cfg)
     report.add(found)
+    report.add(probes.rewards(cfg))
     found, scanned = scan.data(cfg)  # every record, as staging reads it
     report.add(found)
     found, have = cluster(cfg)
@@ -58,6 +59,7 @@ def refuse_early(cfg: Config, with_cluster: bool = True) -> list[Finding]:
     to check ``model.lora``. Raises RunRefused naming every problem; returns the warnings."""
     report = Report()
     report.add(probes.model(cfg, build=False)[0])
+    report.add(probes.rewards(cfg))
     report.add(_data_early(cfg))
     if with_cluster:
         report.add(cluster(cfg)[0])

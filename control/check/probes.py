@@ -243,3 +243,31 @@ def gpu_memory() -> float | None:
 
 def machine_memory() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def rewards(cfg: Config) -> list[Finding]:
+    """Each of ``train.rewards`` found where unbroken runs (the working directory on the path) -- its module imported
+    and the function in it -- so the job can ship its package and its workers import it by the same name."""
+    import importlib
+
+    from ray_jobs.config.train import code_path
+
+    out = []
+    for i, r in enumerate(cfg.train.rewards):
+        module, _, name = r.function.partition(":")
+        where = f"train.rewards[{i}].function"
+        try:
+            path = code_path(module)
+        except ValueError as e:  # found nowhere
+            out.append(problem("config", f"{where}: {e}"))
+            continue
+        try:
+            fn = getattr(importlib.import_module(module), name, None)
+        except Exception as e:  # noqa: BLE001 -- the user's module, run on import: whatever it raises is theirs
+            out.append(problem("config", f"{where}: importing {module} raised {type(e).__name__}: {e}"))
+            continue
+        if not callable(fn):
+            out.append(problem("config", f"{where}: {module} has no function {name}"))
+        else:
+            out.append(ok("config", f"{where}: {r.function} (shipped with the job from {path})"))
+    return out

@@ -31,11 +31,12 @@ def reattach(cfg: Config, reg: RunRecord, lease: leases.Lease) -> str:
     base = registry.submission_id(cfg.storage, cfg.name, attempt.attempt)
     sid = f"{base}-d{len(attempt.drivers) + 2}"  # the attempt's second driver is -d2
     env = credentials.for_resubmission(reg)
+    code = user_code(cfg, lambda: jobsapi.job_user_code(reg.recorded_cluster.url(), attempt.submission_id))
     spec = Layout(cfg.storage).job_spec(cfg.name, attempt.attempt)
     lease.check()  # fenced: a watchdog that lost its lease submits nothing
     with lease.kept():
         handle = replace(recorded_handle(reg), python=cfg.cluster.python)  # the interpreter is the config's
-        submit(handle, sid, entrypoint(cfg), spec, env, flags=("--attach",), code=user_code(cfg))
+        submit(handle, sid, entrypoint(cfg), spec, env, flags=("--attach",), code=code)
     attempt.set(drivers=[*attempt.drivers, attempt.submission_id], submission_id=sid, status="SUBMITTED")
     attempt.unset("ended_at")
     lease.check()

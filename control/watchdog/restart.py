@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from control import jobsapi, lifecycle, registry, series
 from control import lease as leases
-from control import lifecycle, registry, series
 from control.attempt import start_attempt
 from control.backends import backend_for
 from control.backends.base import ClusterError, ClusterHandle, StopUnverified
@@ -55,6 +55,7 @@ def resubmit(cfg: Config, reg: RunRecord, lease: leases.Lease) -> Outcome:
 def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHandle, lease: leases.Lease) -> Outcome:
     resume_from, incident.lost_steps, where = resume_point(cfg, reg, incident)
     env = credentials.for_resubmission(reg)  # before the attempt it replaces is superseded in the record
+    code = user_code(cfg, lambda: jobsapi.job_user_code(reg.recorded_cluster.url(), reg.current.submission_id))
     lease.check()  # fencing: never record or submit on a lease another watchdog has taken over
     registry.save(cfg.storage, cfg.name, reg)  # begin_attempt re-reads the record: ours (the incident) first
     attempt, spec = _begin(cfg, reg, handle, resume_from, lease)
@@ -62,7 +63,7 @@ def _resubmit(cfg: Config, reg: RunRecord, incident: Incident, handle: ClusterHa
     with lease.kept():  # a submission may wait minutes for an answer: no second watchdog meanwhile
         try:
             sid = registry.submission_id(cfg.storage, cfg.name, attempt)
-            sid = submit(handle, sid, entrypoint(cfg), spec, env, code=user_code(cfg))
+            sid = submit(handle, sid, entrypoint(cfg), spec, env, code=code)
         except Exception as e:  # refused, unanswered, a runtime env that failed: whatever it was, no job to watch
             return _submission_failed(cfg, attempt, e, lease)
     reg = registry.load_existing(cfg.storage, cfg.name)

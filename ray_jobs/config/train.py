@@ -27,8 +27,7 @@ class RewardFunction(Section):
         parts = module.split(".")
         if not sep or not name.isidentifier() or not all(p.isidentifier() for p in parts):
             raise ValueError(f"{v!r} is not module:function (e.g. configs.rewards.addition:correct)")
-        code_path(module)  # importable here, so it can be shipped to the workers
-        return v
+        return v  # (found where unbroken runs: control/check/probes.py rewards, before any cluster work)
 
 
 def code_path(module: str) -> str:

@@ -7,6 +7,7 @@ step and the example, the checkpoints kept."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,6 @@ def grpo_config(storage: Path, *extra: str):
         (["train.hf_args={num_generation: 4}"], "not a field of trl.GRPOConfig (did you mean 'num_generations'?)"),
         (["train.hf_args={steps_per_generation: 2}"], "set train.grad_accum_steps (completions are sampled once"),
         (["train.rewards=[{function: 'configs.rewards.addition'}]"], "is not module:function"),
-        (["train.rewards=[{function: 'no_such_module:f'}]"], "no module no_such_module (from "),
     ],
 )
 def test_a_grpo_config_that_cannot_run_is_refused_naming_the_field(tmp_path, overrides, says) -> None:
@@ -156,3 +156,30 @@ def test_a_run_whose_reward_raises_fails_as_a_user_error_keeping_its_checkpoint(
     assert "tests.unit.grpo_rewards:raises raised ZeroDivisionError: division by zero at step 6" in str(e.value)
     kept = ckpt.find_latest_valid(Layout(str(tmp_path / "s")).checkpoints_dir("grpo-raises"))
     assert kept is not None and kept[0].endswith("checkpoint-step-00000004"), "nothing trained before it lost"
+
+
+def test_the_rewards_code_is_found_here_or_taken_from_the_last_job_else_said(tmp_path, monkeypatch, caplog) -> None:
+    """What a job ships of the user's code: the rewards' package found where unbroken runs; a watchdog elsewhere
+    ships what the previous job was shipped; with neither, the job goes without it and that is said. And the
+    checks before a run (``run``'s and ``check``'s) name a reward that is nowhere, before any cluster work."""
+    from control.check.probes import rewards
+    from control.jobcode import user_code
+
+    cfg = grpo_config(tmp_path)
+    assert user_code(cfg) == [str(ROOT / "configs")]
+    assert [f.text for f in rewards(cfg) if f.problem] == []
+    monkeypatch.chdir(tmp_path)  # a watchdog elsewhere: the module is nowhere on its path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(ROOT))])
+    for name in [m for m in sys.modules if m == "configs" or m.startswith("configs.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert user_code(cfg, lambda: ["gcs://_ray_pkg_abc.zip"]) == ["gcs://_ray_pkg_abc.zip"]
+    assert user_code(cfg, lambda: None) == []
+    assert "configs.rewards.addition not found here" in caplog.text
+    problems = [f.text for f in rewards(cfg) if f.problem]
+    assert [p.split(": cannot import ")[0] for p in problems] == [
+        "train.rewards[0].function",
+        "train.rewards[1].function",
+    ]
+    assert all(p.endswith("cannot import configs.rewards.addition: No module named 'configs'") for p in problems), (
+        problems
+    )
