@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 from control.rayapi import first_line as _first_line
 from control.rayapi import get as _get
@@ -81,27 +82,27 @@ def job_logs(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> 
 def job_env(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> dict[str, str] | None:
     """The environment variables the job was submitted with (its runtime_env's ``env_vars``, as the Jobs API reports
     them), or None when they cannot be read now (no answer, no such job, a body without them)."""
-    r, _ = _get(address, f"/api/jobs/{submission_id}", timeout_s)
-    if r is None or r.status_code != 200:
-        return None
-    try:
-        env = (r.json().get("runtime_env") or {}).get("env_vars")
-    except (ValueError, AttributeError):
-        return None
+    env = _runtime_env_field(address, submission_id, "env_vars", timeout_s)
     return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else None
 
 
 def job_user_code(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> list[str] | None:
     """The user's code a job was shipped (its runtime_env's ``py_modules`` past the first, unbroken's own: the
     packages' URIs on the cluster), or None when it cannot be read now."""
+    modules = _runtime_env_field(address, submission_id, "py_modules", timeout_s)
+    return [str(m) for m in modules[1:]] if isinstance(modules, list) else None
+
+
+def _runtime_env_field(address: str, submission_id: str, field: str, timeout_s: float) -> Any:
+    """One field of the runtime_env a job was submitted with, as the Jobs API reports it; None when it cannot be read
+    now (no answer, no such job, a body without it)."""
     r, _ = _get(address, f"/api/jobs/{submission_id}", timeout_s)
     if r is None or r.status_code != 200:
         return None
     try:
-        modules = (r.json().get("runtime_env") or {}).get("py_modules")
+        return (r.json().get("runtime_env") or {}).get(field)
     except (ValueError, AttributeError):
         return None
-    return [str(m) for m in modules[1:]] if isinstance(modules, list) else None
 
 
 def stop_job(address: str, submission_id: str, timeout_s: float = TIMEOUT_S) -> None:

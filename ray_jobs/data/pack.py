@@ -122,6 +122,22 @@ class Packer:
         return row
 
 
+class RecordRows:
+    """A packer of one row per record (preference pairs, labelled completions): nothing carried from one batch to
+    the next, nothing left open at the end. A subclass builds a batch's rows (``add``)."""
+
+    per_example = 1  # sequences a record's example is made of (the staging counts count records)
+
+    def __init__(self, seq_len: int, pad_id: int, state: PackerState | None = None):
+        self.seq_len, self.pad_id = seq_len, pad_id
+
+    def state(self) -> PackerState:
+        return {}
+
+    def finish(self) -> np.ndarray:
+        return np.empty((0, 3, self.seq_len), dtype=np.int32)
+
+
 class RowPerExample(Packer):
     """One example a row, padded (``data.packing: false``; GRPO's prompts): the rows :class:`Packer` makes when no
     two examples fit together, so a row reads back as one prompt and its completion."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ray_jobs.data.pack import PackerState
+from ray_jobs.data.pack import RecordRows
 from ray_jobs.data.tokenize import IGNORE_INDEX, Examples
 
 if TYPE_CHECKING:  # torch is imported where a batch is made
@@ -28,17 +28,11 @@ if TYPE_CHECKING:  # torch is imported where a batch is made
 PAD_CODE = -1
 
 
-class PairPacker:
+class PairPacker(RecordRows):
     """One row per preference record (no packing: DPO compares each pair's two sequences as wholes); fed the
     examples of :func:`fit_pairs`, chosen then rejected."""
 
     per_example = 2  # sequences a record's example is made of (the staging counts count records)
-
-    def __init__(self, seq_len: int, pad_id: int, state: PackerState | None = None):
-        self.seq_len, self.pad_id = seq_len, pad_id
-
-    def state(self) -> PackerState:
-        return {}  # nothing carried from one batch to the next
 
     def add(self, ex: Examples) -> np.ndarray:
         starts = np.concatenate([[0], np.cumsum(ex.lengths)])
@@ -51,9 +45,6 @@ class PairPacker:
             ids, learned = ex.ids[r0:r1], ex.labels[r0:r1] != IGNORE_INDEX
             row[2, : r1 - r0] = np.where(learned, ids, -(ids + 2))
         return rows
-
-    def finish(self) -> np.ndarray:
-        return np.empty((0, 3, self.seq_len), dtype=np.int32)
 
 
 def pair_batch(

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ray_jobs.data.pack import PackerState
+from ray_jobs.data.pack import RecordRows
 from ray_jobs.data.preference import learned_end
 from ray_jobs.data.tokenize import IGNORE_INDEX, Examples
 
@@ -35,17 +35,9 @@ if TYPE_CHECKING:  # torch is imported where a batch is made
 DESIRABLE, UNDESIRABLE = 1, -1
 
 
-class UnpairedPacker:
+class UnpairedPacker(RecordRows):
     """One row per labelled record (no packing: KTO scores each completion whole, and pairs the prompts of a batch
     with each other's completions); fed the examples of ``tokenize.Tokenized``, an undesirable one's labels coded."""
-
-    per_example = 1  # sequences a record's example is made of (the staging counts count records)
-
-    def __init__(self, seq_len: int, pad_id: int, state: PackerState | None = None):
-        self.seq_len, self.pad_id = seq_len, pad_id
-
-    def state(self) -> PackerState:
-        return {}  # nothing carried from one batch to the next
 
     def add(self, ex: Examples) -> np.ndarray:
         starts = np.concatenate([[0], np.cumsum(ex.lengths)])
@@ -58,9 +50,6 @@ class UnpairedPacker:
             row[1, : b - a] = np.where(undesirable, IGNORE_INDEX - 1 - labels, labels)
             row[2] = UNDESIRABLE if undesirable.any() else DESIRABLE
         return rows
-
-    def finish(self) -> np.ndarray:
-        return np.empty((0, 3, self.seq_len), dtype=np.int32)
 
 
 def kto_batch(
