@@ -122,19 +122,10 @@ class Reward:
         )
 
 
-def grpo_kwargs(owner) -> dict[str, Any]:
-    """What TRL's GRPOTrainer needs beyond HF's: the reward functions, the tokenizer, and a dataset of one
-    placeholder prompt (it insists on one; the prompts it samples for come through ``get_train_dataloader``)."""
-    from datasets import Dataset
-
-    from ray_jobs.model.loading import load_tokenizer
-
+def reward_functions(owner) -> list[Reward]:
+    """``train.rewards`` as TRL's GRPOTrainer calls them (each checked: :class:`Reward`)."""
     step = lambda: owner.loop.step + 1  # noqa: E731 -- the step being trained when a reward is called
-    return {
-        "reward_funcs": [Reward(r, step) for r in owner.cfg.train.rewards],
-        "processing_class": load_tokenizer(owner.model_path, owner.cfg.data.cache_dir),
-        "train_dataset": Dataset.from_list([{"prompt": "a"}]),
-    }
+    return [Reward(r, step) for r in owner.cfg.train.rewards]
 
 
 def grpo_args(owner, generations: int) -> dict[str, Any]:

@@ -32,6 +32,7 @@ PLACEHOLDERS: dict[str, dict[str, Any]] = {
     "dpo": {"prompt": "a", "chosen": " b", "rejected": " c"},
     "kto": {"prompt": "a", "completion": " b", "label": True},
     "reward": {"prompt": "a", "chosen": " b", "rejected": " c"},
+    "grpo": {"prompt": "a"},
 }
 
 
@@ -53,13 +54,13 @@ def generations(owner) -> int:
 def construction(owner) -> dict[str, Any]:
     """What the method's trainer takes at construction beyond HF's Trainer's arguments."""
     name = owner.method.name
-    if name == "grpo":
-        from ray_jobs.train.grpo import grpo_kwargs
-
-        return grpo_kwargs(owner)
     if name not in PLACEHOLDERS:
         return {}
     out = _tokenizer_and_placeholder(owner, PLACEHOLDERS[name])
+    if owner.method.rewards:
+        from ray_jobs.train.grpo import reward_functions
+
+        out["reward_funcs"] = reward_functions(owner)
     if owner.method.reference and not owner.lora:  # under LoRA, none: the adapters disabled (after_construction)
         out["ref_model"] = frozen_base(owner)
     return out
